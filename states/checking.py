@@ -1,0 +1,110 @@
+"""Walk raw decoded TOML against a msgspec type and collect *every* type problem with its path.
+
+msgspec's own `convert` stops at the first error; researchers fixing a config want the whole list.
+Leaves are checked with `msgspec.convert` itself, so the accepted values are exactly msgspec's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import inspect as mi
+
+
+def collect_type_problems(raw: Any, type_: Any, path: str = "") -> list[str]:
+    return _walk(raw, mi.type_info(type_), path)
+
+
+def _walk(value: Any, info: mi.Type, path: str) -> list[str]:
+    if isinstance(info, mi.StructType):
+        return _walk_struct(value, info, path)
+    if isinstance(info, mi.ListType):
+        if not isinstance(value, list):
+            return [f"{_label(path)}: expected a list, got {_kind(value)}"]
+        problems: list[str] = []
+        for i, item in enumerate(value):
+            problems += _walk(item, info.item_type, f"{path}[{i}]")
+        return problems
+    if isinstance(info, mi.DictType) and isinstance(info.value_type, mi.StructType):
+        if not isinstance(value, dict):
+            return [f"{_label(path)}: expected a table, got {_kind(value)}"]
+        problems = []
+        for key, item in value.items():
+            problems += _walk(item, info.value_type, _join(path, str(key)))
+        return problems
+    return _check_leaf(value, info, path)
+
+
+def _walk_struct(value: Any, info: mi.StructType, path: str) -> list[str]:
+    if not isinstance(value, dict):
+        return [f"{_label(path)}: expected a table, got {_kind(value)}"]
+    problems: list[str] = []
+    fields = {f.encode_name: f for f in info.fields}
+    for key in value:
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            problems.append(f"{_join(path, key)}: unknown key (expected one of: {known})")
+    for name, field in fields.items():
+        if name in value:
+            problems += _walk(value[name], field.type, _join(path, name))
+        elif field.required:
+            problems.append(f"{_join(path, name)}: missing required key")
+    return problems
+
+
+def _check_leaf(value: Any, info: mi.Type, path: str) -> list[str]:
+    if isinstance(info, mi.LiteralType) and value not in info.values:
+        choices = ", ".join(str(v) for v in info.values)
+        return [f"{_label(path)}: expected one of {choices}, got {value!r}"]
+    try:
+        msgspec.convert(value, _python_type(info))
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        # msgspec says "Expected `int`, got `str` - at `$[0]`"; keep the part before the location.
+        message = message.split(" - at ")[0]
+        return [f"{_label(path)}: {message[0].lower() + message[1:]}"]
+    return []
+
+
+def _python_type(info: mi.Type) -> Any:
+    # Rebuild a plain annotation for msgspec.convert from the inspected leaf type.
+    match info:
+        case mi.IntType():
+            return int
+        case mi.FloatType():
+            return float
+        case mi.StrType():
+            return str
+        case mi.BoolType():
+            return bool
+        case mi.LiteralType(values=values):
+            from typing import Literal
+
+            return Literal[values]  # type: ignore[valid-type]
+        case mi.ListType(item_type=item):
+            return list[_python_type(item)]  # type: ignore[misc]
+        case mi.DictType(key_type=k, value_type=v):
+            return dict[_python_type(k), _python_type(v)]  # type: ignore[misc]
+        case mi.UnionType(types=types):
+            from typing import Union
+
+            return Union[tuple(_python_type(t) for t in types)]  # noqa: UP007
+        case mi.NoneType():
+            return type(None)
+        case _:
+            return Any
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _label(path: str) -> str:
+    return path or "(top level)"
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a table", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a float"}.get(
+        type(value), type(value).__name__
+    )

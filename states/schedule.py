@@ -1,0 +1,209 @@
+"""The training schedule as a pure function of (config, tokens consumed).
+
+Stages i = 0..n-1 have budgets T_i; one optimizer step consumes tps = batch_size * block_size tokens and
+the run has exactly N = floor(sum T / tps) steps, step k starting at token position x = k * tps.
+
+Fades: boundary j sits at B_j = T_0 + ... + T_j with half-width h_j = o_j * min(T_j, T_j+1) / 2 and ramp
+[B_j - h_j, B_j + h_j). Because h_j <= T_j/2 and h_j <= T_j+1/2, the ramps of one stage never overlap, so
+at most two stages have weight at any position and the primary stage (argmax, ties to the lower index)
+never moves backwards. That is what lets `transition_steps` find every change by bisection instead of
+walking a million steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from rewind.states.config import Config
+from rewind.states.lr import lr_at
+
+
+@dataclass(frozen=True, slots=True)
+class Ramp:
+    boundary: int
+    start: float  # token position where the fade begins (inclusive)
+    end: float  # token position where it is complete (exclusive)
+
+    @property
+    def width(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Everything the schedule says about one optimizer step (index k, starting at `tokens`)."""
+
+    step: int
+    tokens: int
+    stage: int
+    weights: tuple[float, ...]
+    rows: tuple[int, ...]
+    lr: float
+    beta: float
+
+
+def curve_value(curve: str, t: float, steepness: float) -> float:
+    if curve == "linear":
+        return t
+    if curve == "cosine":
+        return (1.0 - math.cos(math.pi * t)) / 2.0
+    if curve == "sigmoid":
+        return 1.0 / (1.0 + math.exp(-steepness * (t - 0.5)))
+    raise ValueError(f"unknown fade curve {curve!r}")
+
+
+def allocate_rows(weights: tuple[float, ...] | list[float], num_rows: int) -> tuple[int, ...]:
+    """Largest remainder: floor(w_i * rows) each, leftovers to the largest fractional parts, ties to the
+    higher index. Always sums to num_rows."""
+    exact = [w * num_rows for w in weights]
+    counts = [math.floor(e) for e in exact]
+    leftover = num_rows - sum(counts)
+    # Sort by fractional part descending, then index descending (ties go to the higher stage index).
+    order = sorted(range(len(weights)), key=lambda i: (exact[i] - counts[i], i), reverse=True)
+    for i in order[:leftover]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+class Schedule:
+    """Pure, precomputed view of a config's schedule. Cheap to build; every query is O(num_stages)."""
+
+    def __init__(self, config: Config):
+        t = config.training
+        self.config = config
+        self.budgets: tuple[int, ...] = tuple(t.tokens)
+        self.num_stages = len(self.budgets)
+        self.tokens_per_step = config.tokens_per_step
+        self.total_tokens = sum(self.budgets)
+        self.num_steps = self.total_tokens // self.tokens_per_step
+        self.curve = t.fade.curve
+        self.steepness = t.fade.steepness
+        self.betas: tuple[float, ...] = tuple(config.optimization.kl.betas) or (0.0,) * self.num_stages
+        self.reference_update_stages = frozenset(config.optimization.kl.reference_update_stages)
+        self.boundaries: tuple[int, ...] = tuple(
+            sum(self.budgets[: j + 1]) for j in range(self.num_stages)
+        )  # B_j; the last one is the total
+        overlaps = t.fade.per_boundary_overlap or [t.fade.overlap] * max(self.num_stages - 1, 0)
+        self.ramps: tuple[Ramp, ...] = tuple(
+            Ramp(
+                boundary=j,
+                start=self.boundaries[j] - overlaps[j] * min(self.budgets[j], self.budgets[j + 1]) / 2,
+                end=self.boundaries[j] + overlaps[j] * min(self.budgets[j], self.budgets[j + 1]) / 2,
+            )
+            for j in range(self.num_stages - 1)
+        )
+        self.fades: tuple[Ramp, ...] = tuple(r for r in self.ramps if r.width > 0)
+        # entry_steps[i]: first step whose primary stage is >= i (num_steps if the run ends first).
+        self.entry_steps: tuple[int, ...] = (0,) + tuple(
+            self.stage_entry_step(i) for i in range(1, self.num_stages)
+        )
+        self._transition_steps = self._find_transition_steps()
+
+    # --- positions and steps -------------------------------------------------------------------
+    def step_of(self, tokens: float) -> int:
+        """First step whose start position is >= tokens."""
+        return max(0, math.ceil(tokens / self.tokens_per_step))
+
+    def tokens_of(self, step: int) -> int:
+        return step * self.tokens_per_step
+
+    # --- fade weights ----------------------------------------------------------------------------
+    def raw_weight(self, stage: int, x: float) -> float:
+        fade_in = self.ramps[stage - 1] if stage > 0 else None
+        fade_out = self.ramps[stage] if stage < self.num_stages - 1 else None
+        start = fade_in.start if fade_in else 0.0
+        end = fade_out.end if fade_out else float(self.total_tokens)
+        if x < start or x >= end:
+            return 0.0
+        weight = 1.0
+        if fade_in is not None and x < fade_in.end:
+            weight = min(weight, self._ramp_value(fade_in, x))
+        if fade_out is not None and x >= fade_out.start:
+            weight = min(weight, 1.0 - self._ramp_value(fade_out, x))
+        return weight
+
+    def _ramp_value(self, ramp: Ramp, x: float) -> float:
+        return curve_value(self.curve, (x - ramp.start) / ramp.width, self.steepness)
+
+    def weights_at(self, x: float) -> tuple[float, ...]:
+        raw = [self.raw_weight(i, x) for i in range(self.num_stages)]
+        total = sum(raw)
+        if total <= 0.0:
+            # Past the end (or in a degenerate gap): the stage owning x, else the last, gets it all.
+            owner = bisect.bisect_right(self.boundaries, x)
+            owner = owner if owner < self.num_stages else self.num_stages - 1
+            return tuple(1.0 if i == owner else 0.0 for i in range(self.num_stages))
+        return tuple(w / total for w in raw)
+
+    def primary_at(self, x: float) -> int:
+        weights = self.weights_at(x)
+        best = max(weights)
+        return weights.index(best)  # the lowest index among ties
+
+    # --- per step --------------------------------------------------------------------------------
+    def weights(self, step: int) -> tuple[float, ...]:
+        return self.weights_at(self.tokens_of(step))
+
+    def rows(self, step: int) -> tuple[int, ...]:
+        return allocate_rows(self.weights(step), self.config.training.batch_size)
+
+    def primary(self, step: int) -> int:
+        return self.primary_at(self.tokens_of(step))
+
+    def lr(self, step: int) -> float:
+        return lr_at(self.config.optimization, step, self.num_steps)
+
+    def beta(self, step: int) -> float:
+        return self.betas[self.primary(step)]
+
+    def step_plan(self, step: int) -> StepPlan:
+        weights = self.weights(step)
+        stage = weights.index(max(weights))
+        return StepPlan(
+            step=step,
+            tokens=self.tokens_of(step),
+            stage=stage,
+            weights=weights,
+            rows=allocate_rows(weights, self.config.training.batch_size),
+            lr=lr_at(self.config.optimization, step, self.num_steps),
+            beta=self.betas[stage],
+        )
+
+    # --- where things change ---------------------------------------------------------------------
+    def stage_entry_step(self, stage: int) -> int:
+        """First step (<= num_steps) whose primary stage is >= `stage`; num_steps if none is."""
+        lo, hi = 0, self.num_steps
+        while lo < hi:  # primary is non-decreasing in the step (see module docstring)
+            mid = (lo + hi) // 2
+            if self.primary(mid) >= stage:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def fade_start_step(self, ramp: Ramp) -> int:
+        return min(self.step_of(ramp.start), self.num_steps)
+
+    def fade_end_step(self, ramp: Ramp) -> int:
+        return min(self.step_of(ramp.end), self.num_steps)
+
+    def _find_transition_steps(self) -> list[int]:
+        steps = {0, self.num_steps, *self.entry_steps}
+        for ramp in self.fades:
+            steps.add(self.fade_start_step(ramp))
+            steps.add(self.fade_end_step(ramp))
+        return sorted(steps)
+
+    def next_transition_step(self, step: int) -> int:
+        """Smallest step >= `step` at which a control event may be due (the end at the latest)."""
+        i = bisect.bisect_left(self._transition_steps, step)
+        return self._transition_steps[i] if i < len(self._transition_steps) else self.num_steps
+
+    def stage_tokens(self) -> list[int]:
+        """Tokens actually trained per primary stage (whole steps), for the dry-run summary."""
+        entries = [*self.entry_steps, self.num_steps]
+        return [
+            max(0, entries[i + 1] - entries[i]) * self.tokens_per_step for i in range(self.num_stages)
+        ]

@@ -1,0 +1,48 @@
+"""A small TOML writer for configs (tomllib only reads). Tables for dicts, inline tables in lists."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+
+def dumps(data: dict[str, Any]) -> str:
+    lines: list[str] = []
+    _table(data, [], lines)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _table(data: dict[str, Any], path: list[str], lines: list[str]) -> None:
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    if path and (scalars or not tables):
+        lines.append(f"\n[{'.'.join(_key(p) for p in path)}]")
+    for key, value in scalars.items():
+        lines.append(f"{_key(key)} = {_value(value)}")
+    for key, value in tables.items():
+        _table(value, [*path, key], lines)
+
+
+def _key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
