@@ -96,9 +96,7 @@ class Schedule:
         )
         self.fades: tuple[Ramp, ...] = tuple(r for r in self.ramps if r.width > 0)
         # entry_steps[i]: first step whose primary stage is >= i (num_steps if the run ends first).
-        self.entry_steps: tuple[int, ...] = (0,) + tuple(
-            self.stage_entry_step(i) for i in range(1, self.num_stages)
-        )
+        self.entry_steps: tuple[int, ...] = (0, *(self.stage_entry_step(i) for i in range(1, self.num_stages)))
         self._transition_steps = self._find_transition_steps()
 
     # --- positions and steps -------------------------------------------------------------------
