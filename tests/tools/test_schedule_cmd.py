@@ -1,0 +1,135 @@
+"""`rewind schedule`: the dry-run's outputs, its JSON contract and its handling of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from rewind.states.schedule import Schedule
+from rewind.tools.configfile import load_config
+from tests.conftest import EXAMPLES, REPO
+
+TINY = EXAMPLES / "tiny.toml"
+ABCD = EXAMPLES / "abcd.toml"
+
+
+def test_timeline_lists_every_stage_and_the_summary(rewind_cli):
+    code, out, err = rewind_cli("schedule", ABCD)
+    assert code == 0, err
+    for stage in range(4):
+        assert f"StageEntered        stage {stage}" in out
+    assert "ReferenceRefreshed  stage 1" in out
+    assert "RunFinished" in out
+    assert "fade windows (cosine)" in out
+
+
+def test_json_transitions_have_type_step_tokens_and_fields(rewind_cli):
+    code, out, _ = rewind_cli("schedule", ABCD, "--json")
+    assert code == 0
+    events = json.loads(out)
+    assert events[0]["type"] == "StageEntered"
+    assert events[-1]["type"] == "RunFinished"
+    entered = [e for e in events if e["type"] == "StageEntered"]
+    assert [e["stage"] for e in entered] == [0, 1, 2, 3]
+    refresh = [e for e in events if e["type"] == "ReferenceRefreshed"]
+    assert [e["stage"] for e in refresh] == [1]
+    schedule = Schedule(load_config(ABCD))
+    for e in events:
+        assert e["tokens"] == e["step"] * schedule.tokens_per_step
+    # A refresh comes right after the StageEntered of its stage, at the same step.
+    i = next(i for i, e in enumerate(events) if e["type"] == "ReferenceRefreshed")
+    assert events[i - 1]["type"] == "StageEntered" and events[i - 1]["step"] == events[i]["step"]
+
+
+def test_at_describes_the_covering_step(rewind_cli):
+    schedule = Schedule(load_config(ABCD))
+    tps = schedule.tokens_per_step
+    positions = [0, tps * 320 + 5, schedule.num_steps * tps - 1]
+    code, out, _ = rewind_cli("schedule", ABCD, "--json", "--at", ",".join(map(str, positions)))
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["step"] for r in rows] == [p // tps for p in positions]
+    for r in rows:
+        assert set(r) == {"tokens", "step", "stage", "weights", "rows", "lr", "beta"}
+        assert r["tokens"] == r["step"] * tps
+        assert sum(r["rows"]) == 16
+        assert abs(sum(r["weights"]) - 1) < 1e-12
+    assert rows[0]["stage"] == 0 and rows[-1]["stage"] == 3
+    assert rows[-1]["beta"] == 0.3
+
+
+def test_at_outside_the_run_exits_2(rewind_cli):
+    schedule = Schedule(load_config(TINY))
+    end = schedule.num_steps * schedule.tokens_per_step
+    for bad in (str(end), "-1"):
+        code, _, err = rewind_cli("schedule", TINY, "--json", "--at", bad)
+        assert code == 2
+        assert "outside the run" in err and err.count("\n") == 1
+    code, _, err = rewind_cli("schedule", TINY, "--at", "abc")
+    assert code == 2 and "comma-separated" in err
+
+
+def test_plot_is_written(rewind_cli, tmp_path):
+    out_file = tmp_path / "sub" / "s.png"
+    code, _, _ = rewind_cli("schedule", TINY, "--plot", out_file)
+    assert code == 0
+    assert out_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out_file.stat().st_size > 20_000  # a real figure, not an empty canvas
+
+
+def test_bad_config_reports_every_problem_with_exit_2(rewind_cli, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        "[training]\ntokens = [100, -5]\ndatasets = [[{name='grammar'}], [{name='nope'}]]\n"
+        "[training.fade]\noverlap = 1.5\ncurve = 'zigzag'\nper_boundary_overlap = [0.1, 0.2]\n"
+        "[optimization.kl]\nreference_update_stages = [4]\n"
+    )
+    code, out, err = rewind_cli("schedule", bad)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    for needle in (
+        "training.tokens[1]",
+        "training.datasets[1][0].name",
+        "training.fade.overlap",
+        "training.fade.curve",
+        "training.fade.per_boundary_overlap: expected 1 entries",
+        "optimization.kl.reference_update_stages[0]",
+    ):
+        assert sum(needle in line for line in lines) == 1, (needle, lines)
+    assert "Traceback" not in err
+
+
+def test_missing_and_non_toml_files_exit_2_with_one_line(rewind_cli, tmp_path):
+    code, _, err = rewind_cli("schedule", tmp_path / "nope.toml")
+    assert code == 2 and "no such config file" in err and err.count("\n") == 1
+    junk = tmp_path / "junk.toml"
+    junk.write_text("this is = = not toml")
+    code, _, err = rewind_cli("schedule", junk)
+    assert code == 2 and "not valid TOML" in err and err.count("\n") == 1
+
+
+def test_set_overrides_a_field(rewind_cli):
+    code, out, _ = rewind_cli("schedule", TINY, "--json", "--set", "training.fade.overlap=0")
+    assert code == 0
+    assert not [e for e in json.loads(out) if e["type"].startswith("Fade")]
+    code, _, err = rewind_cli("schedule", TINY, "--set", "training.fade.overlap=7")
+    assert code == 2 and "training.fade.overlap" in err
+
+
+def test_schedule_runs_without_importing_torch():
+    probe = (
+        "import sys; from rewind.tools.cli import main; "
+        f"rc = main(['schedule', {str(TINY)!r}, '--json']); "
+        "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.strip().splitlines() if line.strip()]
+    assert len(commands) == 2
+    assert commands[1] in (REPO / ".ci" / "run").read_text()

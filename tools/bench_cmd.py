@@ -1,0 +1,113 @@
+"""`rewind bench TARGET`: speed figures as ratios against a baseline measured in the same run.
+
+Targets are never checked by timed unit tests (machines differ); they are printed here, with the raw
+figures, so a person can compare like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rewind.tools.errors import UsageError
+
+TARGETS = ("schedule", "log", "overhead")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks: schedule dry-run, event log, training-loop overhead")
+    p.add_argument("target", choices=TARGETS)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.target == "schedule":
+        result = bench_schedule(quick=args.quick)
+    elif args.target == "log":
+        from rewind.stores.bench_log import run_log_bench
+
+        result = run_log_bench(num_events=2_000 if args.quick else 20_000)
+    elif args.target == "overhead":
+        try:
+            from rewind.engine.bench_overhead import run_overhead_bench
+        except ImportError as exc:
+            raise UsageError(f"bench overhead needs the engine: {exc}") from None
+        result = run_overhead_bench(quick=args.quick)
+    else:  # argparse's choices make this unreachable
+        raise UsageError(f"unknown bench target {args.target!r}")
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for key, value in result.items():
+            print(f"{key:>28}: {value:.4g}" if isinstance(value, float) else f"{key:>28}: {value}")
+    return 0
+
+
+def _bench_config(num_steps: int):
+    from rewind.states.config import loads_config
+
+    # Five stages with cosine fades over half of each smaller neighbour: the worst case for a walker.
+    budgets = [num_steps * w // 10 for w in (4, 2, 2, 1, 1)]
+    text = f"""
+[architecture]
+block_size = 1
+[training]
+batch_size = 1
+tokens = {budgets}
+datasets = [[{{name="grammar"}}], [{{name="reverse"}}], [{{name="sort"}}], [{{name="add"}}], [{{name="grammar"}}]]
+[training.fade]
+overlap = 0.5
+curve = "cosine"
+[optimization]
+schedule = "wsd"
+[optimization.kl]
+betas = [0, 0.1, 0.1, 0.1, 0.1]
+reference_update_stages = [1, 3]
+"""
+    return loads_config(text, source="bench")
+
+
+def _walk_every_step(schedule) -> int:
+    """The baseline: what a trainer without a pure schedule does, one decision per step."""
+    from rewind.states.plan import due_events, started_state
+
+    _, state = started_state(schedule.config)
+    num_events = 0
+    for k in range(schedule.num_steps + 1):
+        state, events = due_events(state, schedule, k)
+        num_events += len(events)
+    return num_events
+
+
+def bench_schedule(quick: bool = False) -> dict:
+    from rewind.states.plan import plan
+    from rewind.states.schedule import Schedule
+
+    big = 100_000 if quick else 1_000_000
+    small = 10_000 if quick else 100_000
+    t0 = time.perf_counter()
+    schedule = Schedule(_bench_config(big))
+    events = list(plan(schedule))
+    dry_run_s = time.perf_counter() - t0
+
+    small_schedule = Schedule(_bench_config(small))
+    t0 = time.perf_counter()
+    planned = len(list(plan(small_schedule)))
+    plan_small_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    walked = _walk_every_step(small_schedule)
+    walk_small_s = time.perf_counter() - t0
+    if walked != planned:
+        raise RuntimeError(f"plan and per-step walk disagree: {planned} vs {walked} events")
+    return {
+        "num_steps": schedule.num_steps,
+        "num_events": len(events),
+        "dry_run_s": dry_run_s,
+        "baseline": f"decide() at every one of {small:,} steps",
+        "plan_small_s": plan_small_s,
+        "walk_small_s": walk_small_s,
+        "ratio": plan_small_s / walk_small_s,
+    }

@@ -1,0 +1,61 @@
+"""The `rewind` command. Each subcommand lives in its own module and is imported only when used, so
+`rewind schedule` never pays for (or needs) torch.
+
+Every error a user can cause ends as one line on stderr and a non-zero exit: 2 for usage and config
+problems, 1 for a run or data that is not as expected, 130 for Ctrl-C. Never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand module -> its `add_parser`; the order is the order of `rewind --help`.
+COMMAND_MODULES = [
+    "rewind.tools.schedule_cmd",
+    "rewind.tools.bench_cmd",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + exits 2; we keep it to one line
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rewind", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rewind.states.config import ConfigError
+    from rewind.tools.errors import CommandError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except ConfigError as exc:
+        for line in exc.lines():
+            print(f"rewind: {line}", file=sys.stderr)
+        return 2
+    except CommandError as exc:
+        print(f"rewind: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("rewind: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,99 @@
+"""Plots a person reads at a glance: the schedule (weights, LR, KL) and, later, a run's timeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rewind.states.events import Event, ReferenceRefreshed, StageEntered
+from rewind.states.schedule import Schedule
+
+# One colour per stage, the same in every panel and every plot rewind draws.
+STAGE_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+MAX_POINTS = 2000
+
+
+def stage_colour(stage: int) -> str:
+    return STAGE_COLOURS[stage % len(STAGE_COLOURS)]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def sample_steps(schedule: Schedule) -> list[int]:
+    """~MAX_POINTS steps across the run plus every step inside a fade window, capped, so the curves are
+    exact where they bend and a million-step run still plots in a moment."""
+    n = schedule.num_steps
+    stride = max(1, n // MAX_POINTS)
+    steps = set(range(0, n, stride)) | {n - 1}
+    for ramp in schedule.fades:
+        a, b = schedule.fade_start_step(ramp), schedule.fade_end_step(ramp)
+        inner = max(1, (b - a) // 200)
+        steps |= set(range(max(a - 1, 0), min(b + 1, n), inner))
+    steps |= {s for s in schedule.entry_steps if s < n} | {max(s - 1, 0) for s in schedule.entry_steps}
+    return sorted(steps)
+
+
+def draw_stage_context(ax, schedule: Schedule, events: list[Event], *, label: bool = False) -> None:
+    """Boundaries (dashed), fade windows (shaded) and reference refreshes (red dotted) on one axis."""
+    for j, b in enumerate(schedule.boundaries[:-1]):
+        ax.axvline(b, color="0.35", linestyle="--", linewidth=0.8, label="stage boundary" if label and j == 0 else None)
+    for i, ramp in enumerate(schedule.fades):
+        ax.axvspan(ramp.start, ramp.end, color="0.85", alpha=0.6, zorder=0, label="fade window" if label and i == 0 else None)
+    refreshes = [e for e in events if isinstance(e, ReferenceRefreshed)]
+    for i, e in enumerate(refreshes):
+        ax.axvline(e.tokens, color="#C00000", linestyle=":", linewidth=1.4, label="reference refresh" if label and i == 0 else None)
+
+
+def plot_schedule(schedule: Schedule, events: list[Event], out: str | Path, title: str = "") -> None:
+    plt = _pyplot()
+    steps = sample_steps(schedule)
+    x = [schedule.tokens_of(k) for k in steps]
+    weights = [schedule.weights(k) for k in steps]
+    config = schedule.config
+
+    fig, axes = plt.subplots(3, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [2.2, 1, 1]})
+    ax_w, ax_lr, ax_kl = axes
+    series = [[w[i] for w in weights] for i in range(schedule.num_stages)]
+    labels = [
+        f"stage {i}: " + " + ".join(s.name for s in config.training.datasets[i]) for i in range(schedule.num_stages)
+    ]
+    ax_w.stackplot(x, series, labels=labels, colors=[stage_colour(i) for i in range(schedule.num_stages)], alpha=0.85)
+    draw_stage_context(ax_w, schedule, events, label=True)
+    for e in events:
+        if isinstance(e, StageEntered):
+            ax_w.annotate(
+                f"enter {e.stage}", (e.tokens, 1.0), xytext=(2, 3), textcoords="offset points", fontsize=8, color="0.2"
+            )
+    ax_w.set_ylim(0, 1.08)
+    ax_w.set_ylabel("data mixture weight")
+    ax_w.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fade = config.training.fade
+    ax_w.set_title(
+        (title + "\n" if title else "")
+        + f"{schedule.num_stages} stages, {schedule.num_steps:,} steps of {schedule.tokens_per_step:,} tokens; "
+        + f"fades: {fade.curve}, overlap {fade.per_boundary_overlap or fade.overlap}",
+        fontsize=10,
+    )
+
+    ax_lr.plot(x, [schedule.lr(k) for k in steps], color="black", linewidth=1.2)
+    draw_stage_context(ax_lr, schedule, events)
+    ax_lr.set_ylabel(f"learning rate\n({config.optimization.schedule})")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+
+    ax_kl.step(x, [schedule.beta(k) for k in steps], where="post", color="#C00000", linewidth=1.2)
+    draw_stage_context(ax_kl, schedule, events)
+    ax_kl.set_ylabel(f"KL weight\n({config.optimization.kl.kind})")
+    ax_kl.set_xlabel("tokens consumed")
+    ax_kl.set_ylim(bottom=0, top=max(max(schedule.betas), 1e-3) * 1.25)
+    ax_kl.set_xlim(0, schedule.num_steps * schedule.tokens_per_step)
+
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)

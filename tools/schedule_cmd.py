@@ -1,0 +1,157 @@
+"""`rewind schedule CONFIG`: dry-run a whole run's schedule without torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rewind.states.config import Config
+from rewind.states.events import Event, event_to_dict
+from rewind.states.plan import plan
+from rewind.states.schedule import Schedule
+from rewind.tools.configfile import load_config
+from rewind.tools.errors import UsageError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("schedule", help="dry-run a config's schedule: transitions, weights, LR, KL (no torch)")
+    p.add_argument("config", help="TOML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the readable timeline")
+    p.add_argument("--at", metavar="P1,P2,...", help="describe the steps covering these token positions")
+    p.add_argument("--plot", metavar="OUT.png", help="write a plot of weights, LR and KL over tokens")
+    p.add_argument("--check", action="store_true", help="verify the schedule's invariants; warn about oddities")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    schedule = Schedule(config)
+    if schedule.num_steps == 0:
+        raise UsageError(
+            f"{args.config}: the run has no steps: {schedule.total_tokens} tokens in all, "
+            f"but one step takes {schedule.tokens_per_step} (batch_size x block_size)"
+        )
+    events = list(plan(schedule))
+    if args.at is not None:
+        _print_at(schedule, _parse_positions(args.at), args.json)
+    elif args.json and not args.check:
+        print(json.dumps([event_to_dict(e) for e in events], indent=1))
+    elif not args.check:
+        print(render_timeline(schedule, events, args.config))
+    if args.plot:
+        from rewind.tools.plots import plot_schedule
+
+        plot_schedule(schedule, events, args.plot, title=f"{config.run.name} ({args.config})")
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    if args.check:
+        return _check(config, args.json)
+    return 0
+
+
+def _parse_positions(text: str) -> list[int]:
+    try:
+        return [int(p.strip().replace("_", "")) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise UsageError(f"--at {text!r}: expected comma-separated integer token positions") from None
+
+
+def describe_step(schedule: Schedule, step: int) -> dict:
+    sp = schedule.step_plan(step)
+    return {
+        "tokens": sp.tokens,
+        "step": sp.step,
+        "stage": sp.stage,
+        "weights": list(sp.weights),
+        "rows": list(sp.rows),
+        "lr": sp.lr,
+        "beta": sp.beta,
+    }
+
+
+def _print_at(schedule: Schedule, positions: list[int], as_json: bool) -> None:
+    end = schedule.num_steps * schedule.tokens_per_step
+    for p in positions:
+        if not 0 <= p < end:
+            raise UsageError(f"--at {p}: token position outside the run [0, {end})")
+    rows = [describe_step(schedule, p // schedule.tokens_per_step) for p in positions]
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return
+    for p, r in zip(positions, rows, strict=True):
+        weights = " ".join(f"{w:.3f}" for w in r["weights"])
+        print(
+            f"position {p:>12,}: step {r['step']:>8,} (tokens {r['tokens']:,}) stage {r['stage']} "
+            f"weights [{weights}] rows {r['rows']} lr {r['lr']:.3g} beta {r['beta']:g}"
+        )
+
+
+def _describe_event(schedule: Schedule, event: Event) -> str:
+    data = event_to_dict(event)
+    name = data["type"]
+    config = schedule.config
+    if name == "StageEntered":
+        mixture = ", ".join(f"{s.name} {s.rate:g}" for s in config.training.datasets[data["stage"]])
+        return f"{name:<19} stage {data['stage']} ({mixture}), beta {schedule.betas[data['stage']]:g}"
+    if name in ("FadeStarted", "FadeEnded"):
+        ramp = schedule.ramps[data["boundary"]]
+        return (
+            f"{name:<19} boundary {data['boundary']} (stage {ramp.boundary} -> {ramp.boundary + 1}, "
+            f"{schedule.curve}, tokens {ramp.start:,.0f}..{ramp.end:,.0f})"
+        )
+    if name == "ReferenceRefreshed":
+        return f"{name:<19} stage {data['stage']}: reference := current weights"
+    return name
+
+
+def render_timeline(schedule: Schedule, events: list[Event], source: str) -> str:
+    config: Config = schedule.config
+    tps = schedule.tokens_per_step
+    lines = [
+        f"Schedule of {source}: {schedule.num_stages} stages, {schedule.num_steps:,} steps x {tps:,} tokens "
+        f"= {schedule.num_steps * tps:,} tokens (budget {schedule.total_tokens:,})",
+        "",
+        f"{'step':>10} {'tokens':>14}  event",
+    ]
+    lines += [f"{e.step:>10,} {e.tokens:>14,}  {_describe_event(schedule, e)}" for e in events]
+    lines += ["", f"{'stage':>5} {'budget':>14} {'trained':>14} {'steps':>9} {'beta':>6}  mixture"]
+    trained = schedule.stage_tokens()
+    for i, budget in enumerate(schedule.budgets):
+        mixture = ", ".join(f"{s.name} {s.rate:g}" for s in config.training.datasets[i])
+        lines.append(
+            f"{i:>5} {budget:>14,} {trained[i]:>14,} {trained[i] // tps:>9,} {schedule.betas[i]:>6g}  {mixture}"
+        )
+    if schedule.fades:
+        lines.append("")
+        lines.append(f"fade windows ({schedule.curve}):")
+        for ramp in schedule.fades:
+            lines.append(
+                f"  boundary {ramp.boundary}: tokens [{ramp.start:,.0f}, {ramp.end:,.0f}), steps "
+                f"{schedule.fade_start_step(ramp):,}..{schedule.fade_end_step(ramp):,}"
+            )
+    else:
+        lines += ["", "fades: none (hard switches at the boundaries)"]
+    opt = config.optimization
+    lines.append(
+        f"lr: {opt.schedule}, peak {opt.lr:g}, first {schedule.lr(0):.3g}, last {schedule.lr(schedule.num_steps - 1):.3g}"
+    )
+    refresh = sorted(schedule.reference_update_stages)
+    lines.append(f"KL ({opt.kl.kind}): betas {list(schedule.betas)}, reference refreshed on entering {refresh or 'never'}")
+    return "\n".join(lines)
+
+
+def _check(config: Config, as_json: bool) -> int:
+    from rewind.states.checks import check_schedule
+
+    report = check_schedule(config)
+    if as_json:
+        print(json.dumps({"violations": report.violations, "warnings": report.warnings}, indent=1))
+    else:
+        for v in report.violations:
+            print(f"VIOLATION: {v}")
+        for w in report.warnings:
+            print(f"warning: {w}")
+        if not report.violations:
+            print(f"schedule invariants hold ({len(report.warnings)} warning(s))")
+    return 1 if report.violations else 0
