@@ -16,6 +16,7 @@ import tomllib
 from typing import Any, Literal
 
 import msgspec
+
 from rewind.states.checking import collect_type_problems
 
 CurveName = Literal["linear", "cosine", "sigmoid"]

@@ -13,6 +13,7 @@ Conventions shared by every event:
 from __future__ import annotations
 
 import msgspec
+
 from rewind.states.config import Config
 from rewind.states.state import State
 
@@ -126,6 +127,15 @@ class RunResumed(Event, frozen=True, kw_only=True):
     config_hash: str = ""
 
 
+class ConfigChanged(Event, frozen=True, kw_only=True):
+    """`rewind train --fork`: the run goes on under a new config from its restore point. Tokens per
+    step must not change (step k always starts at token k * tps)."""
+
+    config: Config
+    config_hash: str
+    previous_hash: str
+
+
 class RunFinished(Event, frozen=True, kw_only=True):
     pass
 
@@ -145,6 +155,7 @@ AnyEvent = (
     | NonFiniteLoss
     | RunStopped
     | RunResumed
+    | ConfigChanged
     | RunFinished
 )
 

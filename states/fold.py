@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import msgspec
+
 from rewind.states.events import (
     CheckpointCommitted,
     CheckpointDeleted,
+    ConfigChanged,
     Evaluated,
     Event,
     FadeEnded,
@@ -151,6 +153,26 @@ def apply(state: State, event: Event) -> State:
             # Checkpoints committed after the restore point stay on disk (the log is append-only), but
             # resuming from the last committed one means there are none: keep the restored view.
             return replace(restored, resumes=[*state.resumes, resume], stopped_reason="")
+        case ConfigChanged(config=config, config_hash=new_hash):
+            schedule = Schedule(config)
+            _require(
+                schedule.tokens_per_step == state.tokens_per_step,
+                event,
+                f"tokens per step would change from {state.tokens_per_step} to {schedule.tokens_per_step}",
+            )
+            _require(
+                schedule.num_stages >= state.num_stages_entered,
+                event,
+                f"the run already entered {state.num_stages_entered} stages; the new config has {schedule.num_stages}",
+            )
+            _require(schedule.num_steps >= state.step, event, f"the new config ends before step {state.step}")
+            return replace(
+                state,
+                config_hash=new_hash,
+                num_stages=schedule.num_stages,
+                num_steps=schedule.num_steps,
+                reference_update_stages=sorted(schedule.reference_update_stages),
+            )
         case RunFinished():
             _require(
                 state.num_stages_entered == state.num_stages,
