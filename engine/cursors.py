@@ -1,0 +1,171 @@
+"""Which rows a training step reads: stateless shuffled cursors over every dataset.
+
+A cursor is a plain int per dataset, the number of samples consumed so far; it lives in the run's
+control state (`State.cursors`), so there is no reader object to checkpoint. Position p of dataset
+`name` with n samples reads row
+
+    permutation[seed, name, epoch](p mod n),  epoch = p // n
+
+where the permutation is a keyed pseudo-random bijection on [0, n): a 6-round Feistel network on
+the smallest even number of bits that covers n, with cycle-walking to stay inside [0, n). It costs
+O(1) time and memory per position (no index array, fine for 2**31 samples), every epoch is a fresh
+order, and resuming at a cursor reads exactly the rows the killed run would have read.
+
+`assemble_batch` builds one step's rows: each stage's share of the batch (the fade allocation,
+decided in `rewind.states`) is split across the stage's mixture by `split_rows`, and every dataset
+is read from its one cursor, shared by all stages that mix it in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+from rewind.engine.datasets import Dataset
+from rewind.engine.rng import derive_seed
+from rewind.states.config import Config, Sampling
+
+NUM_FEISTEL_ROUNDS = 6  # >= 4 rounds make a Feistel network a strong pseudo-random permutation
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64 finaliser constants
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+
+
+def _round_keys(seed: int, name: str, epoch: int) -> list[np.uint64]:
+    epoch_seed = derive_seed(seed, "shuffle", name, epoch)
+    return [np.uint64(derive_seed(epoch_seed, "round", r)) for r in range(NUM_FEISTEL_ROUNDS)]
+
+
+def _round_function(half: np.ndarray, key: np.uint64) -> np.ndarray:
+    """splitmix64's finaliser of (half ^ key): every input bit flips about half of the output bits.
+    uint64 array arithmetic wraps around modulo 2**64, which is what the hash wants."""
+    z = half ^ key
+    z = (z ^ (z >> np.uint64(30))) * _MIX_1
+    z = (z ^ (z >> np.uint64(27))) * _MIX_2
+    return z ^ (z >> np.uint64(31))
+
+
+def _feistel(values: np.ndarray, half_bits: int, keys: list[np.uint64]) -> np.ndarray:
+    """A bijection on [0, 4**half_bits): each round swaps the halves and mixes one into the other."""
+    shift = np.uint64(half_bits)
+    mask = np.uint64((1 << half_bits) - 1)
+    left, right = values >> shift, values & mask
+    for key in keys:
+        left, right = right, left ^ (_round_function(right, key) & mask)
+    return (left << shift) | right
+
+
+def _permute(within: np.ndarray, num_samples: int, keys: list[np.uint64]) -> np.ndarray:
+    # Half width so that 4**half_bits >= num_samples: the domain is at most 4x larger than needed,
+    # so cycle-walking takes fewer than 4 Feistel passes on average.
+    half_bits = max(1, ((num_samples - 1).bit_length() + 1) // 2)
+    permuted = _feistel(within.astype(np.uint64), half_bits, keys)
+    outside = permuted >= num_samples
+    while outside.any():
+        # Cycle-walking: re-encrypt until the value lands in [0, n). Since the Feistel network is a
+        # bijection on the larger domain, following its cycle from a point of [0, n) yields a
+        # bijection on [0, n).
+        permuted[outside] = _feistel(permuted[outside], half_bits, keys)
+        outside = permuted >= num_samples
+    return permuted.astype(np.int64)
+
+
+def sample_indices(seed: int, name: str, num_samples: int, start: int, count: int) -> np.ndarray:
+    """Rows read at cursor positions [start, start + count) of dataset `name` (int64 array)."""
+    if num_samples < 1:
+        raise ValueError(f"dataset {name!r}: cannot draw from an empty split")
+    if start < 0 or count < 0:
+        raise ValueError(f"cursor positions must be >= 0, got start={start}, count={count}")
+    positions = np.arange(start, start + count, dtype=np.int64)
+    epochs, within = np.divmod(positions, num_samples)
+    if num_samples == 1:
+        return np.zeros(count, dtype=np.int64)
+    indices = np.empty(count, dtype=np.int64)
+    # A batch spans at most a couple of epochs unless the split is tiny; each gets its own keys.
+    for epoch in np.unique(epochs).tolist():
+        in_epoch = epochs == epoch
+        indices[in_epoch] = _permute(within[in_epoch], num_samples, _round_keys(seed, name, epoch))
+    return indices
+
+
+def sample_index(seed: int, name: str, num_samples: int, position: int) -> int:
+    """The row read at cursor `position` of dataset `name`: sample_indices for a single position."""
+    return int(sample_indices(seed, name, num_samples, position, 1)[0])
+
+
+def draw(
+    seed: int, dataset: Dataset, split: str, start: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows for cursor positions [start, start + count) of `dataset`'s `split`:
+    (tokens LongTensor (count, block_size + 1), loss_mask BoolTensor (count, block_size))."""
+    indices = sample_indices(seed, dataset.name, dataset.num_samples(split), start, count)
+    return dataset.batch(split, indices)
+
+
+def split_rows(mixture: Sequence[Sampling], rows: int) -> list[int]:
+    """Divide `rows` across the mixture by rate (largest remainder): each dataset gets
+    floor(rate * rows), the leftover rows go to the largest fractional parts, ties to the later
+    dataset. Exact rational arithmetic, so the result always sums to `rows` and rates that sum to 1
+    only up to float rounding cannot tip a share over or under."""
+    if not mixture:
+        raise ValueError("split_rows: the mixture is empty")
+    if rows < 0:
+        raise ValueError(f"split_rows: rows must be >= 0, got {rows}")
+    rates = [Fraction(sampling.rate) for sampling in mixture]
+    total = sum(rates)
+    if total <= 0:
+        raise ValueError("split_rows: the rates must sum to a positive number")
+    exact = [rate / total * rows for rate in rates]
+    shares = [int(share) for share in exact]  # floor: shares are >= 0
+    leftover = rows - sum(shares)
+    by_remainder = sorted(range(len(mixture)), key=lambda i: (exact[i] - shares[i], i), reverse=True)
+    for i in by_remainder[:leftover]:
+        shares[i] += 1
+    return shares
+
+
+def assemble_batch(
+    seed: int,
+    config: Config,
+    rows_per_stage: Sequence[int],
+    cursors: Mapping[str, int],
+    datasets: Mapping[str, Dataset],
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, int], dict[str, int]]:
+    """One step's training rows: (tokens (B, block_size + 1), loss_mask (B, block_size), cursors
+    after the step, rows drawn per dataset), with B = sum(rows_per_stage).
+
+    Stage i contributes rows_per_stage[i] rows split across config.training.datasets[i] by
+    `split_rows`; rows are concatenated in (stage, dataset-in-mixture) order. A dataset mixed into
+    several stages reads consecutive positions of its single cursor, in stage order. `cursors` is
+    not modified; datasets missing from it start at position 0. `datasets` maps names to opened
+    datasets, typically a `rewind.engine.datasets.DatasetRegistry` kept for the whole run."""
+    mixtures = config.training.datasets
+    if len(rows_per_stage) != len(mixtures):
+        raise ValueError(f"rows_per_stage has {len(rows_per_stage)} entries for {len(mixtures)} stages")
+    new_cursors = dict(cursors)
+    rows_per_dataset: dict[str, int] = {}
+    token_parts: list[torch.Tensor] = []
+    mask_parts: list[torch.Tensor] = []
+    for stage_rows, mixture in zip(rows_per_stage, mixtures, strict=True):
+        if stage_rows == 0:
+            continue
+        for sampling, rows in zip(mixture, split_rows(mixture, stage_rows), strict=True):
+            if rows == 0:
+                continue
+            start = new_cursors.get(sampling.name, 0)
+            tokens, loss_mask = draw(seed, datasets[sampling.name], "train", start, rows)
+            token_parts.append(tokens)
+            mask_parts.append(loss_mask)
+            new_cursors[sampling.name] = start + rows
+            rows_per_dataset[sampling.name] = rows_per_dataset.get(sampling.name, 0) + rows
+    if not token_parts:
+        block_size = config.architecture.block_size
+        return (
+            torch.zeros((0, block_size + 1), dtype=torch.long),
+            torch.zeros((0, block_size), dtype=torch.bool),
+            new_cursors,
+            rows_per_dataset,
+        )
+    return torch.cat(token_parts), torch.cat(mask_parts), new_cursors, rows_per_dataset

@@ -1,0 +1,210 @@
+"""The GPT rack: shapes, causality, deterministic init, growth, checkpointing and keyed dropout."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewind.engine.model import GPT
+from rewind.states.config import ArchitectureSection
+
+ARCH = ArchitectureSection(block_size=16, vocab_size=32, num_layers=2, num_heads=2, d_model=16)
+
+
+def tokens(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, ARCH.vocab_size, (batch, length), generator=generator)
+
+
+def lm_loss(model: GPT, idx: torch.Tensor, **kwargs) -> torch.Tensor:
+    logits = model(idx[:, :-1], **kwargs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+
+def state(model: GPT) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_forward_shape(norm):
+    model = GPT(msgspec.structs.replace(ARCH, norm=norm))
+    assert model(tokens(3, 7)).shape == (3, 7, ARCH.vocab_size)
+    assert model(tokens(1, ARCH.block_size)).shape == (1, ARCH.block_size, ARCH.vocab_size)
+
+
+def test_sequence_longer_than_block_size_is_refused():
+    with pytest.raises(ValueError, match="block_size"):
+        GPT(ARCH)(tokens(1, ARCH.block_size + 1))
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_changing_a_future_token_leaves_earlier_logits_unchanged(norm):
+    model = GPT(msgspec.structs.replace(ARCH, norm=norm), seed=1).eval()
+    idx = tokens(2, 12)
+    changed = idx.clone()
+    changed[:, 8] = (changed[:, 8] + 1) % ARCH.vocab_size
+    with torch.no_grad():
+        before, after = model(idx), model(changed)
+    assert torch.equal(before[:, :8], after[:, :8])
+    assert not torch.allclose(before[:, 8:], after[:, 8:])
+
+
+def test_parameter_names_are_stable():
+    names = [name for name, _ in GPT(ARCH).named_parameters()]
+    assert names[0] == "embed.weight"
+    assert "stacks.0.blocks.1.attn.qkv.weight" in names
+    assert "stacks.0.blocks.1.mlp.proj.weight" in names
+    assert names[-2:] == ["norm.weight", "head.weight"]
+    assert not any("rope" in name for name in GPT(ARCH).state_dict())  # rope tables are not saved
+
+
+def test_init_ignores_global_rng_and_leaves_it_alone():
+    torch.manual_seed(1)
+    first = state(GPT(ARCH, seed=7))
+    torch.manual_seed(2)
+    rng_before = torch.get_rng_state()
+    second = state(GPT(ARCH, seed=7))
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert_same_weights(first, second)
+
+
+def test_init_depends_on_seed_and_parameter_name_only():
+    model = GPT(ARCH, seed=3)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    model.init_weights(3)
+    assert_same_weights(state(model), state(GPT(ARCH, seed=3)))
+    # A deeper model shares the names, hence the values, of everything but the residual scaling.
+    deep = GPT(msgspec.structs.replace(ARCH, num_layers=4), seed=3).state_dict()
+    shallow = model.state_dict()
+    for name in ("embed.weight", "head.weight", "stacks.0.blocks.1.attn.qkv.weight"):
+        assert torch.equal(deep[name], shallow[name])
+    assert not torch.equal(GPT(ARCH, seed=4).state_dict()["embed.weight"], shallow["embed.weight"])
+
+
+def test_init_distribution():
+    model = GPT(msgspec.structs.replace(ARCH, norm="layernorm", d_model=64, num_layers=8), seed=0)
+    weights = model.state_dict()
+    assert torch.equal(weights["norm.weight"], torch.ones(64))
+    assert torch.equal(weights["stacks.0.blocks.0.attn_norm.bias"], torch.zeros(64))
+    assert weights["embed.weight"].std().item() == pytest.approx(0.02, rel=0.1)
+    assert weights["stacks.0.blocks.3.mlp.proj.weight"].std().item() == pytest.approx(0.02 / 4, rel=0.1)
+
+
+def test_num_parameters():
+    d, v, layers = ARCH.d_model, ARCH.vocab_size, ARCH.num_layers
+    per_block = 2 * d + 3 * d * d + d * d + 2 * 4 * d * d
+    assert GPT(ARCH).num_parameters() == 2 * v * d + d + layers * per_block
+    assert GPT(msgspec.structs.replace(ARCH, d_ff=8)).num_parameters() < GPT(ARCH).num_parameters()
+
+
+def test_default_is_one_stack_and_stack_sizes_are_honoured():
+    assert GPT(ARCH).stack_sizes == [2]
+    model = GPT(ARCH, [1, 3])
+    assert model.stack_sizes == [1, 3]
+    assert model.num_blocks == 4
+    assert "stacks.1.blocks.2.attn.proj.weight" in model.state_dict()
+
+
+def test_append_stack_adds_names_after_and_keeps_existing_weights():
+    model = GPT(ARCH, seed=1)
+    before = state(model)
+    stack = model.append_stack(2, seed=1)
+    assert model.stack_sizes == [2, 2]
+    assert model.stacks[1] is stack
+    after = model.state_dict()
+    for name, value in before.items():
+        assert torch.equal(after[name], value)
+    assert set(after) - set(before) == {n for n in after if n.startswith("stacks.1.")}
+    assert model(tokens()).shape == (2, 12, ARCH.vocab_size)
+
+
+def test_prepend_stack_shifts_existing_names_by_one():
+    model = GPT(ARCH, seed=1)
+    before = state(model)
+    model.prepend_stack(1, seed=1)
+    assert model.stack_sizes == [1, 2]
+    after = model.state_dict()
+    for name, value in before.items():
+        assert torch.equal(after[name.replace("stacks.0.", "stacks.1.")], value)
+    # The new first stack must not repeat the original first stack's draws.
+    key = "stacks.0.blocks.0.attn.qkv.weight"
+    assert not torch.equal(after[key], before[key])
+    assert model(tokens()).shape == (2, 12, ARCH.vocab_size)
+
+
+def test_growth_is_deterministic_and_differs_per_growth():
+    def grown() -> GPT:
+        model = GPT(ARCH, seed=5)
+        model.append_stack(1, seed=5)
+        model.append_stack(1, seed=5)
+        return model
+
+    a, b = grown(), grown()
+    assert_same_weights(state(a), state(b))
+    first, second = (
+        a.state_dict()["stacks.1.blocks.0.mlp.fc.weight"],
+        a.state_dict()["stacks.2.blocks.0.mlp.fc.weight"],
+    )
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("position", ["append", "prepend"])
+def test_function_preserving_growth_keeps_outputs(position):
+    model = GPT(ARCH, seed=2).eval()
+    idx = tokens()
+    with torch.no_grad():
+        before = model(idx)
+        grow = model.append_stack if position == "append" else model.prepend_stack
+        grow(2, seed=2, function_preserving=True)
+        after = model(idx)
+    assert torch.equal(before, after)
+    grad_model = model.train()
+    lm_loss(grad_model, idx).backward()
+    new_stack = grad_model.stacks[-1 if position == "append" else 0]
+    assert new_stack.blocks[0].attn.proj.weight.grad.abs().sum() > 0  # the new blocks can learn
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_activation_checkpointing_gives_same_loss_and_grads(dropout):
+    plain = GPT(msgspec.structs.replace(ARCH, dropout=dropout), [1, 2], seed=3)
+    recomputed = GPT(
+        msgspec.structs.replace(ARCH, dropout=dropout, activation_checkpointing=True), [1, 2], seed=3
+    )
+    idx = tokens(2, 13)
+    losses = []
+    for model in (plain, recomputed):
+        loss = lm_loss(model, idx, dropout_seed=11)
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_dropout_masks_are_keyed_by_dropout_seed_not_global_rng():
+    model = GPT(msgspec.structs.replace(ARCH, dropout=0.3), seed=0).train()
+    idx = tokens()
+    rng_before = torch.get_rng_state()
+    first = model(idx, dropout_seed=1)
+    torch.manual_seed(123)
+    again = model(idx, dropout_seed=1)
+    other = model(idx, dropout_seed=2)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    torch.set_rng_state(rng_before)
+    model(idx, dropout_seed=1)
+    assert torch.equal(torch.get_rng_state(), rng_before)  # forward drew nothing from the global RNG
+    with pytest.raises(ValueError, match="dropout_seed"):
+        model(idx)
+    model.eval()
+    assert torch.equal(model(idx), model(idx, dropout_seed=1))  # no dropout in eval mode
