@@ -155,6 +155,27 @@ def config_hash(config: Config) -> str:
     return hashlib.sha256(msgspec.json.encode(config)).hexdigest()
 
 
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """{'training.fade.overlap': 0.5, ...}: dotted paths to leaves (lists are leaves)."""
+    if isinstance(value, dict):
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: value}
+
+
+def config_differences(old: Config, new: Config) -> list[str]:
+    """'dotted.path: old -> new' for every leaf that differs, in field order."""
+    a, b = flatten(msgspec.to_builtins(old)), flatten(msgspec.to_builtins(new))
+    missing = object()
+    return [
+        f"{key}: {a.get(key, missing)!r} -> {b.get(key, missing)!r}".replace(repr(missing), "(absent)")
+        for key in [*a, *(k for k in b if k not in a)]
+        if a.get(key, missing) != b.get(key, missing)
+    ]
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`dotted.key=VALUE` with VALUE parsed as a TOML value (bare words fall back to strings)."""
     key, sep, raw = text.partition("=")
@@ -203,13 +224,13 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
             rest = check_config(msgspec.convert(sanitized, Config))
         except msgspec.ValidationError:
             rest = []
-        # Per-stage length rules are meaningless once the stage budgets themselves were dropped.
+        # Per-stage length and stage-range rules are meaningless once the stage budgets were dropped.
         stages_unknown = "training.tokens" in dropped
         problems += [
             p
             for p in rest
             if not any(_field_of(p).startswith(d) for d in dropped)
-            and not (stages_unknown and "entries (one" in p)
+            and not (stages_unknown and ("entries (one" in p or "out of range" in p))
         ]
         raise ConfigError(problems, source)
     config = msgspec.convert(raw, Config)

@@ -13,7 +13,9 @@ import sys
 
 # subcommand module -> its `add_parser`; the order is the order of `rewind --help`.
 COMMAND_MODULES = [
+    "rewind.tools.train_cmd",
     "rewind.tools.schedule_cmd",
+    "rewind.tools.export_cmd",
     "rewind.tools.bench_cmd",
 ]
 

@@ -1,0 +1,110 @@
+"""One optimizer step: micro-batches, losses, gradient clipping, AdamW, at the schedule's LR.
+
+Nothing here decides anything: the rows, LR and KL weight come from the schedule's `StepPlan`, the
+batch from the data cursors. What comes back is measured (losses, grad norm) and goes into the
+StepCommitted event.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rewind.engine.rng import derive_seed
+from rewind.kernels.losses import fused_losses
+from rewind.states.config import Config
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # task cross-entropy, mean over the batch's target tokens
+    kl: float  # KL term, same normalisation (0 when beta is 0)
+    grad_norm: float  # before clipping
+    num_correct: int
+    num_target_tokens: int
+    finite: bool
+
+
+def build_optimizer(model: nn.Module, config: Config) -> torch.optim.AdamW:
+    opt = config.optimization
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        # Norm gains and biases are not weight-decayed: decaying them only fights the normalisation.
+        (no_decay if parameter.ndim < 2 or name.endswith(".bias") else decay).append(parameter)
+    groups = [
+        {"params": decay, "weight_decay": opt.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # foreach=False: the single-tensor path's arithmetic is the same on every run and every resume.
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, foreach=False)
+
+
+def micro_batches(num_rows: int, per_device: int) -> list[slice]:
+    size = num_rows if per_device <= 0 else per_device
+    return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    config: Config,
+    lr: float,
+    beta: float,
+    reference: nn.Module | None,
+    step: int,
+    apply_update: bool = True,
+) -> StepResult:
+    """Forward/backward over micro-batches, clip, and (if the loss is finite) one AdamW update.
+
+    `apply_update=False` computes everything but leaves the weights and optimizer untouched (used to
+    skip a step with a non-finite loss, and by `rewind replay` to recompute a logged step)."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    num_target_tokens = int(loss_mask.sum())
+    use_kl = reference is not None and beta > 0.0
+    kind = config.optimization.kl.kind
+    total_ce = total_kl = 0.0
+    num_correct = 0
+    for index, rows in enumerate(micro_batches(tokens.shape[0], config.training.per_device_batch_size)):
+        dropout_seed = derive_seed(config.run.seed, "dropout", step, 0, index)
+        logits = model(inputs[rows], dropout_seed=dropout_seed)
+        reference_logits = None
+        if use_kl:
+            with torch.no_grad():  # no reference forward at all when beta is 0
+                reference_logits = reference(inputs[rows])
+        losses = fused_losses(
+            logits, targets[rows], loss_mask[rows], num_target_tokens, reference_logits, beta, kind
+        )
+        losses.objective.backward()
+        total_ce += float(losses.ce)
+        total_kl += float(losses.kl)
+        num_correct += int(losses.num_correct)
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    clip = config.optimization.grad_clip
+    if clip > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, clip, foreach=False))
+    else:
+        grad_norm = float(torch.norm(torch.stack([p.grad.detach().norm() for p in parameters]))) if parameters else 0.0
+    finite = math.isfinite(total_ce) and math.isfinite(total_kl) and math.isfinite(grad_norm)
+    if finite and apply_update:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(
+        loss=total_ce,
+        kl=total_kl,
+        grad_norm=grad_norm,
+        num_correct=num_correct,
+        num_target_tokens=num_target_tokens,
+        finite=finite,
+    )

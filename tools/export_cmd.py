@@ -1,0 +1,68 @@
+"""`rewind export RUN --to FILE.safetensors` (weights of the last committed checkpoint) and
+`rewind export tensorboard RUN` (rebuild the metrics projection from the log alone)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rewind.tools.errors import CommandError, UsageError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="export weights (--to FILE.safetensors) or rebuild metrics (tensorboard RUN)")
+    p.add_argument("what", metavar="RUN | tensorboard", help="a run directory, or 'tensorboard' followed by one")
+    p.add_argument("run_dir", nargs="?", metavar="RUN")
+    p.add_argument("--to", metavar="FILE.safetensors", help="where to write the model weights")
+    p.set_defaults(run=run)
+
+
+def _records(run_dir: str):
+    from rewind.stores.runs import LogNotFoundError, read_records
+
+    try:
+        records = [(r.seq, r.event) for r in read_records(run_dir)]
+    except LogNotFoundError:
+        raise CommandError(f"{run_dir}: no run here (no event log)") from None
+    if not records:
+        raise CommandError(f"{run_dir}: the event log is empty")
+    return records
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.what == "tensorboard":
+        if not args.run_dir:
+            raise UsageError("export tensorboard: expected a run directory")
+        return export_metrics(args.run_dir)
+    if args.run_dir:
+        raise UsageError(f"export: unexpected argument {args.run_dir!r}")
+    if not args.to:
+        raise UsageError("export RUN: --to FILE.safetensors is required")
+    return export_weights(args.what, args.to)
+
+
+def export_metrics(run_dir: str) -> int:
+    from rewind.states.history import effective
+    from rewind.stores.metrics import rebuild
+
+    records = effective(_records(run_dir))
+    rebuild(run_dir, [e for _, e in records])
+    print(f"rebuilt {run_dir}/metrics.jsonl and {run_dir}/tb/ from {len(records)} effective events")
+    return 0
+
+
+def export_weights(run_dir: str, out: str) -> int:
+    from safetensors.torch import save_file
+
+    from rewind.states.fold import fold
+    from rewind.stores.checkpoints import CheckpointStore
+
+    state = fold(e for _, e in _records(run_dir))
+    ref = state.last_checkpoint
+    if ref is None:
+        raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
+    groups = CheckpointStore(run_dir).load(ref.checkpoint, ref.files)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(groups["model"], out, metadata={"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step)})
+    print(f"wrote {len(groups['model'])} tensors of checkpoint {ref.checkpoint} (step {ref.step}) to {out}")
+    return 0

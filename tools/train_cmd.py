@@ -1,0 +1,151 @@
+"""`rewind train CONFIG --run-dir DIR` (start or resume) and `rewind resume DIR` (resume as logged)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from rewind.tools.configfile import load_config
+from rewind.tools.errors import CommandError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="start a run, or resume it if the run directory holds a log")
+    p.add_argument("config", help="TOML config file")
+    p.add_argument("--run-dir", required=True, help="run directory (local path or fsspec URL)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--fork", action="store_true", help="resume under a config that differs from the run's")
+    _common(p)
+    p.set_defaults(run=run_train)
+
+    r = sub.add_parser("resume", help="resume a run under the config it logged")
+    r.add_argument("run_dir", metavar="RUN")
+    _common(r)
+    r.set_defaults(run=run_resume)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-steps", type=int, default=None, help="stop cleanly after this many steps (resumable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    return _train(config, args.run_dir, fork=args.fork, max_steps=args.max_steps, progress=not args.no_progress)
+
+
+def run_resume(args: argparse.Namespace) -> int:
+    from rewind.engine.session import run_config
+    from rewind.stores.runs import LogNotFoundError, read_records
+
+    try:
+        records = [(r.seq, r.event) for r in read_records(args.run_dir)]
+    except LogNotFoundError:
+        raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
+    if not records:
+        raise CommandError(f"{args.run_dir}: the event log is empty")
+    return _train(run_config(records), args.run_dir, fork=False, max_steps=args.max_steps, progress=not args.no_progress)
+
+
+class ProgressBar:
+    """step / stage / loss / tokens per second, on stderr."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        self.started = time.perf_counter()
+        self.initial = initial
+        self.tokens_per_step = 0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def __call__(self, state, _event) -> None:
+        if self.bar is None:
+            return
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        rate = (state.step - self.initial) * state.tokens_per_step / elapsed
+        self.bar.set_postfix_str(f"stage {state.stage} loss {state.last_loss:.3f} {rate:,.0f} tok/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool) -> int:
+    from rewind.engine.loop import drive
+    from rewind.engine.session import RunError, open_run
+    from rewind.stores.eventlog import LogLockedError
+
+    try:
+        parts, state, how = open_run(config, run_dir, fork=fork)
+    except RunError as exc:
+        raise CommandError(str(exc), exc.exit_code) from None
+    except LogLockedError as exc:
+        raise CommandError(str(exc), 1) from None
+    try:
+        if how == "finished":
+            print(f"{run_dir}: the run is already finished (step {state.step}); nothing to do")
+            return 0
+        if how == "resumed":
+            ref = state.last_checkpoint
+            origin = f"checkpoint {ref.checkpoint}" if ref else "the start (no checkpoint yet)"
+            print(f"resuming {run_dir} at step {state.step} from {origin}", file=sys.stderr)
+        _write_schedule_plot(parts, run_dir)
+        bar = ProgressBar(parts.schedule.num_steps, state.step, progress)
+        try:
+            outcome = drive(parts, state, max_steps=max_steps, progress=bar)
+        finally:
+            bar.close()
+    finally:
+        if parts.metrics is not None:
+            parts.metrics.close()
+        parts.log.close()
+    if outcome.status == "nonfinite":
+        raise CommandError(outcome.message, 1)
+    if outcome.status == "stopped":
+        print(f"rewind: {outcome.message}", file=sys.stderr)
+        return 130 if "Ctrl-C" in (outcome.message + str(outcome.state.stopped_reason)) else 0
+    print(summary(run_dir))
+    return 0
+
+
+def _write_schedule_plot(parts, run_dir: str) -> None:
+    if "://" in run_dir:
+        return
+    from rewind.states.plan import plan
+    from rewind.tools.plots import plot_schedule
+
+    out = Path(run_dir) / "plots" / "schedule.png"
+    if not out.exists():
+        plot_schedule(parts.schedule, list(plan(parts.schedule)), out, title=parts.config.run.name)
+
+
+def summary(run_dir: str) -> str:
+    """Where everything is, and every task's score at each boundary (so forgetting is visible)."""
+    from rewind.states.events import Evaluated
+    from rewind.states.fold import fold
+    from rewind.states.history import effective
+    from rewind.stores.runs import read_records
+
+    records = effective([(r.seq, r.event) for r in read_records(run_dir)])
+    state = fold(e for _, e in records)
+    evaluations = [e for _, e in records if isinstance(e, Evaluated)]
+    lines = [
+        f"run finished: {state.step:,} steps, {state.tokens:,} tokens, final loss {state.last_loss:.4f}",
+        f"  event log    {run_dir}/events/  (rewind log {run_dir})",
+        f"  checkpoints  {run_dir}/checkpoints/  (last: {state.last_checkpoint.checkpoint if state.last_checkpoint else '-'})",
+        f"  tensorboard  {run_dir}/tb/  (tensorboard --logdir {run_dir}/tb)",
+        f"  metrics      {run_dir}/metrics.jsonl",
+        f"  plots        {run_dir}/plots/",
+    ]
+    if evaluations:
+        tasks = list(evaluations[0].scores)
+        lines += ["", "answer-token accuracy at each stage boundary (rows: after stage; columns: task)"]
+        lines.append(f"{'after stage':>12} " + " ".join(f"{t:>9}" for t in tasks))
+        for e in evaluations:
+            lines.append(f"{e.boundary:>12} " + " ".join(f"{e.scores.get(t, float('nan')):>9.3f}" for t in tasks))
+    return "\n".join(lines)
