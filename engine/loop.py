@@ -46,7 +46,7 @@ from rewind.states.events import (
 from rewind.states.fold import apply
 from rewind.states.plan import checkpoints_to_delete, decide, duties_after_step, reference_checkpoint
 from rewind.states.schedule import Schedule
-from rewind.states.state import State
+from rewind.states.state import State, control_summary
 from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.eventlog import EventLog
 from rewind.stores.metrics import MetricsProjection
@@ -133,7 +133,12 @@ def save_checkpoint(parts: Parts, state: State, reason: str) -> State:
     groups["optimizer"] = optimizer_tensors
     if parts.reference is not None:
         groups["reference"] = snapshot.model_tensors(parts.reference)
-    meta = {"optimizer": optimizer_meta, "stack_sizes": parts.model.stack_sizes}
+    meta = {
+        "optimizer": optimizer_meta,
+        "stack_sizes": parts.model.stack_sizes,
+        # The control state the tensors belong to; `rewind verify` checks it against the fold.
+        "control": control_summary(state),
+    }
     written = parts.store.write(state.step, groups, meta)
     state = emit(
         parts,

@@ -69,3 +69,14 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     stopped_reason: str = ""
     resumes: list[Superseded] = []
     parent_run: str = ""
+
+
+def control_summary(state: State) -> dict:
+    """What a checkpoint's manifest records about the control state it was taken in."""
+    return {
+        "step": state.step,
+        "tokens": state.tokens,
+        "stage": state.stage,
+        "cursors": dict(state.cursors),
+        "config_hash": state.config_hash,
+    }

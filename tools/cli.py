@@ -15,6 +15,8 @@ import sys
 COMMAND_MODULES = [
     "rewind.tools.train_cmd",
     "rewind.tools.schedule_cmd",
+    "rewind.tools.log_cmd",
+    "rewind.tools.verify_cmd",
     "rewind.tools.export_cmd",
     "rewind.tools.bench_cmd",
 ]

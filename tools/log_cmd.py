@@ -1,0 +1,117 @@
+"""`rewind log RUN`: the events of a run, readable or as JSON, filtered, optionally following a live run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Iterable
+
+from rewind.states.events import EVENT_TYPES, Event, event_to_dict
+from rewind.tools.errors import CommandError, UsageError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("log", help="list a run's events (filter by type and step range; --follow a live run)")
+    p.add_argument("run_dir", metavar="RUN")
+    p.add_argument("--type", dest="types", action="append", default=[], metavar="T", help="only events of type T")
+    p.add_argument("--steps", metavar="A:B", help="only events with A <= step <= B (either side may be empty)")
+    p.add_argument("--json", action="store_true", help="a JSON list of {type, seq, step, ...fields}")
+    p.add_argument("--follow", action="store_true", help="keep printing new events as a live run commits them")
+    p.add_argument("--effective", action="store_true", help="leave out events superseded by a resume")
+    p.set_defaults(run=run)
+
+
+def parse_steps(text: str | None) -> tuple[int, float]:
+    if text is None:
+        return 0, math.inf
+    low, sep, high = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return (int(low) if low else 0), (int(high) if high else math.inf)
+    except ValueError:
+        raise UsageError(f"--steps {text!r}: expected A:B, A: or :B with integer steps") from None
+
+
+def check_types(types: list[str]) -> set[str]:
+    unknown = [t for t in types if t not in EVENT_TYPES]
+    if unknown:
+        raise UsageError(f"--type {unknown[0]}: unknown event type (known: {', '.join(sorted(EVENT_TYPES))})")
+    return set(types)
+
+
+def record_dict(seq: int, event: Event) -> dict:
+    data = event_to_dict(event)
+    return {"type": data.pop("type"), "seq": seq, **data}
+
+
+def describe(seq: int, event: Event) -> str:
+    data = event_to_dict(event)
+    name = data.pop("type")
+    step, tokens = data.pop("step"), data.pop("tokens")
+    if name == "RunStarted":
+        data = {"config_hash": data["config_hash"][:12], "name": data["config"]["run"]["name"], "parent": data["parent"]}
+    if name == "RunResumed":
+        data.pop("restored")
+    if name == "CheckpointCommitted":
+        data.pop("files")
+        data["manifest_sha256"] = data["manifest_sha256"][:12]
+    if name == "ConfigChanged":
+        data.pop("config")
+    fields = " ".join(f"{k}={_short(v)}" for k, v in data.items())
+    return f"{seq:>7} {step:>8} {tokens:>12,}  {name:<20} {fields}"
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_short(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _select(records: Iterable, types: set[str], low: int, high: float) -> list:
+    return [(s, e) for s, e in records if (not types or type(e).__name__ in types) and low <= e.step <= high]
+
+
+def run(args: argparse.Namespace) -> int:
+    from rewind.states.history import effective
+    from rewind.stores.runs import LogNotFoundError, read_seq_events
+
+    types = check_types(args.types)
+    low, high = parse_steps(args.steps)
+    if args.follow and args.json:
+        raise UsageError("--follow prints one JSON object per line; use it without --json, or --json without it")
+    try:
+        records = read_seq_events(args.run_dir)
+    except LogNotFoundError:
+        raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
+    if args.effective:
+        records = effective(records)
+    selected = _select(records, types, low, high)
+    if args.json:
+        print(json.dumps([record_dict(s, e) for s, e in selected], indent=1, default=str))
+        return 0
+    print(f"{'seq':>7} {'step':>8} {'tokens':>12}  {'type':<20} fields")
+    for seq, event in selected:
+        print(describe(seq, event))
+    if args.follow:
+        return _follow(args.run_dir, len(records), types, low, high)
+    return 0
+
+
+def _follow(run_dir: str, num_seen: int, types: set[str], low: int, high: float) -> int:
+    """Print events as the writer commits them, until the run finishes or stops (Ctrl-C ends it)."""
+    from rewind.states.events import RunFinished, RunStopped
+    from rewind.stores.eventlog import EventLog
+
+    with EventLog.open(run_dir) as log:
+        for record in log.follow(poll_s=0.2):
+            if record.seq < num_seen:
+                continue
+            if _select([(record.seq, record.event)], types, low, high):
+                print(describe(record.seq, record.event), flush=True)
+            if isinstance(record.event, RunFinished | RunStopped):
+                return 0
+    return 0
