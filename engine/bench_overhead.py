@@ -1,0 +1,99 @@
+"""`rewind bench overhead`: what the event log, commits, cursors and metrics cost per step.
+
+The same model, data and optimizer are run twice: by a bare PyTorch loop over batches assembled in
+advance (no log, no cursors, no metrics), and by rewind's own loop (`drive`) in a fresh run
+directory. Both call the same `train_step`, so the difference is rewind's bookkeeping alone. The
+ratio of median step times is the figure; the goal is <= 1.03 on CPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+
+from rewind.engine.cursors import assemble_batch
+from rewind.engine.datasets import DatasetRegistry
+from rewind.engine.loop import build_model, drive
+from rewind.engine.session import open_run
+from rewind.engine.step import build_optimizer, train_step
+from rewind.states.config import loads_config
+from rewind.states.schedule import Schedule
+
+# One stage, no validation and no interval checkpoints: the steady state of a long run.
+BENCH_CONFIG = """
+[run]
+name = "bench-overhead"
+seed = 3
+[architecture]
+block_size = 64
+num_layers = 2
+num_heads = 4
+d_model = 64
+[training]
+batch_size = 16
+tokens = [{tokens}]
+datasets = [[{{ name = "grammar", rate = 0.5 }}, {{ name = "reverse", rate = 0.5 }}]]
+evaluations = ["reverse"]
+eval_samples = 8
+[optimization]
+schedule = "constant"
+lr = 1e-3
+[logging]
+validation_interval = 0
+checkpoint_interval = 0
+"""
+
+
+def _bare_step_times(config, num_steps: int) -> list[float]:
+    schedule = Schedule(config)
+    datasets = DatasetRegistry(config)
+    model = build_model(config)
+    optimizer = build_optimizer(model, config)
+    batches, cursors = [], {}
+    for k in range(num_steps):  # data prepared up front: the bare loop does nothing but train
+        tokens, mask, cursors, _ = assemble_batch(config.run.seed, config, schedule.rows(k), cursors, datasets)
+        batches.append((tokens, mask))
+    times = []
+    for k, (tokens, mask) in enumerate(batches):
+        began = time.perf_counter()
+        train_step(model, optimizer, tokens, mask, config=config, lr=schedule.lr(k), beta=0.0, reference=None, step=k)
+        times.append(time.perf_counter() - began)
+    return times
+
+
+def _rewind_step_times(config, num_steps: int) -> list[float]:
+    stamps: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="rewind-bench-") as run_dir:
+        parts, state, _ = open_run(config, run_dir)
+        try:
+            began = time.perf_counter()
+            stamps.append(began)
+            drive(parts, state, max_steps=num_steps, progress=lambda s, e: stamps.append(time.perf_counter()))
+        finally:
+            if parts.metrics is not None:
+                parts.metrics.close()
+            parts.log.close()
+    # The first interval also holds the run's start-up control events; drop it like the bare warm-up.
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+def run_overhead_bench(quick: bool = False, num_rounds: int = 3) -> dict:
+    num_steps = 15 if quick else 60
+    config = loads_config(BENCH_CONFIG.format(tokens=(num_steps + 5) * 16 * 64), source="bench")
+    bare: list[float] = []
+    ours: list[float] = []
+    for _ in range(1 if quick else num_rounds):  # interleaved, so drift in machine load hits both
+        bare += _bare_step_times(config, num_steps)[2:]
+        ours += _rewind_step_times(config, num_steps)[2:]
+    bare_median, ours_median = statistics.median(bare), statistics.median(ours)
+    return {
+        "num_steps_measured": len(ours),
+        "bare_step_ms": bare_median * 1e3,
+        "rewind_step_ms": ours_median * 1e3,
+        "ratio": ours_median / bare_median,
+        "goal": "<= 1.03",
+        "threads": torch.get_num_threads(),
+    }
