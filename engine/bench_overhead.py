@@ -8,6 +8,7 @@ ratio of median step times is the figure; the goal is <= 1.03 on CPU.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import tempfile
 import time
@@ -77,7 +78,7 @@ def _rewind_step_times(config, num_steps: int) -> list[float]:
                 parts.metrics.close()
             parts.log.close()
     # The first interval also holds the run's start-up control events; drop it like the bare warm-up.
-    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(stamps)]
 
 
 def run_overhead_bench(quick: bool = False, num_rounds: int = 3) -> dict:

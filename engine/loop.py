@@ -291,7 +291,13 @@ def drive(
                 state = emit(parts, state, RunStopped(step=state.step, tokens=state.tokens, reason="non-finite loss"))
                 parts.log.commit()
                 return Outcome("nonfinite", state, message)
-            parts.log.commit()
             steps_here += 1
+            if state.step % parts.config.logging.report_interval == 0:
+                # Group commit: step records become durable report_interval at a time. That loses
+                # nothing a resume needs (it restarts from the last checkpoint, whose record is
+                # committed on the spot) and keeps fsync off the per-step path.
+                parts.log.commit()
+                if parts.metrics is not None:
+                    parts.metrics.flush()
             if progress is not None:
                 progress(state, None)
