@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from rewind.states.events import CheckpointCommitted, Event, RunResumed, RunStarted
+from rewind.states.events import CheckpointCommitted, CheckpointDeleted, Event, RunResumed, RunStarted
 from rewind.states.fold import fold
 from rewind.states.state import State
 
@@ -63,7 +63,12 @@ def restore_point(records: Sequence[SeqEvent]) -> RestorePoint:
                 and event.checkpoint == target.checkpoint
                 and not is_superseded(seq, ranges)
             ):
-                return RestorePoint(target.checkpoint, seq, fold(e for _, e in records[: i + 1]))
+                # The retention deletions that follow a checkpoint record belong to it: their files
+                # may already be gone, so they must not be superseded with the steps after it.
+                end = i + 1
+                while end < len(records) and isinstance(records[end][1], CheckpointDeleted):
+                    end += 1
+                return RestorePoint(target.checkpoint, records[end - 1][0], fold(e for _, e in records[:end]))
     first_seq, started = records[0]
     return RestorePoint("", first_seq, fold([started]))
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from typing import Any
 
 
@@ -25,7 +25,21 @@ def _table(data: dict[str, Any], path: list[str], lines: list[str]) -> None:
 
 
 def _key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _string(key)
+
+
+def _string(text: str) -> str:
+    """A TOML basic string: escape quotes, backslashes and control characters, keep the rest as is
+    (json.dumps would write astral characters as surrogate pairs, which TOML rejects)."""
+    out = []
+    for ch in text:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def _value(value: Any) -> str:
@@ -40,7 +54,7 @@ def _value(value: Any) -> str:
             return "inf" if value > 0 else "-inf"
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)
+        return _string(value)
     if isinstance(value, list):
         return "[" + ", ".join(_value(v) for v in value) + "]"
     if isinstance(value, dict):

@@ -1,0 +1,317 @@
+"""check_schedule: clean on sound configs, each warning on a config made to trigger it, and a
+violation whenever the schedule code is broken (by monkeypatching one piece of it)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import time
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+
+import rewind.states.plan as plan_module
+import rewind.states.schedule as schedule_module
+from rewind.states.checks import ScheduleReport, check_schedule, schedule_warnings
+from rewind.states.config import loads_config
+from rewind.states.events import FadeEnded, FadeStarted
+from rewind.states.fold import apply
+from rewind.states.schedule import Schedule
+from rewind.states.strategies import config_variants, configs
+
+BASE = """
+[architecture]
+block_size = 8
+
+[training]
+batch_size = 8
+tokens = {tokens}
+datasets = {datasets}
+
+[training.fade]
+overlap = {overlap}
+curve = "{curve}"
+
+[optimization]
+schedule = "{schedule}"
+warmup_pct = 0.0
+decay_pct = {decay_pct}
+constant_pct = {constant_pct}
+
+[optimization.kl]
+betas = {betas}
+reference_update_stages = {references}
+"""
+
+
+def config_of(
+    tokens=(6400, 6400, 6400),
+    overlap=0.5,
+    curve="linear",
+    schedule="wsd",
+    decay_pct=0.0,
+    constant_pct=0.0,
+    betas=(),
+    references=(),
+):
+    """A config with tps = 64 (8 x 8) and one built-in dataset per stage."""
+    datasets = "[" + ", ".join('[{ name = "grammar" }]' for _ in tokens) + "]"
+    text = BASE.format(
+        tokens=list(tokens),
+        datasets=datasets,
+        overlap=overlap,
+        curve=curve,
+        schedule=schedule,
+        decay_pct=decay_pct,
+        constant_pct=constant_pct,
+        betas=list(betas),
+        references=list(references),
+    )
+    return loads_config(text)
+
+
+def warnings_about(report: ScheduleReport, needle: str) -> list[str]:
+    return [w for w in report.warnings if needle in w]
+
+
+# --- sound configs -----------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(configs(max_steps=300))
+def test_generated_configs_pass_every_check(config):
+    report = check_schedule(config)
+    assert report.violations == []
+    assert report.ok
+    assert report.num_steps_checked == report.num_steps == Schedule(config).num_steps
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    config_variants(config_of(tokens=(6400, 30, 3200, 6400), betas=(0.0, 0.1, 0.1, 0.2), references=(1, 3)))
+)
+def test_variants_of_a_config_pass_every_check(config):
+    assert check_schedule(config).violations == []
+
+
+def test_a_plain_config_has_neither_violations_nor_warnings():
+    report = check_schedule(config_of())
+    assert (report.violations, report.warnings) == ([], [])
+    assert report.num_steps == 300 == report.num_steps_checked
+    assert msgspec.json.decode(msgspec.json.encode(report), type=ScheduleReport) == report
+
+
+def test_a_million_step_config_is_sampled_and_checked_quickly():
+    config = config_of(tokens=(32_000_000, 16_000_000, 100, 16_000_000), overlap=1.0, curve="sigmoid")
+    start = time.process_time()
+    report = check_schedule(config)
+    elapsed = time.process_time() - start
+    assert report.num_steps == 1_000_001
+    assert report.violations == []
+    assert 10_000 < report.num_steps_checked < 200_000
+    assert elapsed < 2.0, f"check_schedule took {elapsed:.2f} s of CPU for 1M steps"
+
+
+# --- warnings ----------------------------------------------------------------------------------------
+
+
+def test_warns_about_a_stage_shorter_than_one_step():
+    report = check_schedule(config_of(tokens=(6400, 10, 6400)))
+    (warning,) = warnings_about(report, "shorter than one step")
+    assert warning.startswith("stage 1: its budget of 10 tokens") and "(64 tokens)" in warning
+    assert report.violations == []
+
+
+def test_warns_about_kl_before_any_reference_refresh():
+    report = check_schedule(config_of(betas=(0.0, 0.1, 0.2), references=(2,)))
+    (warning,) = warnings_about(report, "KL weight")
+    assert warning.startswith("stage 1: KL weight 0.1 > 0") and "[2]" in warning
+    assert warnings_about(check_schedule(config_of(betas=(0.0, 0.1, 0.2), references=(1,))), "KL") == []
+    assert warnings_about(check_schedule(config_of(betas=(0.1, 0.0, 0.0), references=(0,))), "KL") == []
+
+
+def test_warns_about_a_fade_that_spans_most_of_a_stage():
+    report = check_schedule(config_of(overlap=1.0))
+    (warning,) = warnings_about(report, "inside the fades")
+    # Stage 1 is faded in over its first half and out over its second; the outer stages only half.
+    assert warning.startswith("stage 1: 6400 of its 6400 tokens (100%)") and "[0, 1]" in warning
+    assert warnings_about(check_schedule(config_of(overlap=0.7)), "inside the fades") == []
+
+
+def test_warns_about_an_lr_decay_that_ends_far_from_a_stage_boundary():
+    # 300 steps, stage 1 entered at step 151 (step 150 is the tie half way through the fade).
+    two_stages = {"tokens": (9600, 9600), "schedule": "wsds", "decay_pct": 0.1}
+    far = check_schedule(config_of(**two_stages, constant_pct=0.3))  # decay over steps 180..210
+    (warning,) = warnings_about(far, "LR decay")
+    assert warning.startswith("the LR decay (steps 180..210) ends 59 steps (20% of the run)")
+    assert warning.endswith("(step 151)")
+    near = check_schedule(config_of(**two_stages, constant_pct=0.45))  # ends at step 165
+    assert warnings_about(near, "LR decay") == []
+    assert warnings_about(check_schedule(config_of(decay_pct=0.2)), "LR decay") == []  # wsd ends at N
+
+
+def test_warns_about_tokens_lost_to_whole_steps():
+    # tps = 64: stage 0 owns steps 0..9 (x < 630); the run has 760 // 64 = 11 steps, so stage 1 gets one
+    # step (64 tokens) of its 130.
+    report = check_schedule(config_of(tokens=(630, 130), overlap=0.0))
+    (warning,) = warnings_about(report, "lost to rounding")
+    assert (
+        warning.startswith("stage 1: budget 130 tokens, but only 1 step(s) (64 tokens)")
+        and "66 tokens" in warning
+    )
+    assert warnings_about(check_schedule(config_of(tokens=(640, 128), overlap=0.0)), "lost") == []
+
+
+def test_warns_about_a_run_without_steps():
+    report = check_schedule(config_of(tokens=(10, 20)))
+    assert warnings_about(report, "the run has no steps")
+    assert report.num_steps == 0 and report.violations == []
+
+
+def test_schedule_warnings_alone_match_the_report():
+    config = config_of(tokens=(6400, 10, 6400), overlap=1.0, betas=(0.0, 0.1, 0.1))
+    assert schedule_warnings(config) == check_schedule(config).warnings
+
+
+# --- violations when the code is broken ------------------------------------------------------------------
+
+
+def invariants_violated(report: ScheduleReport) -> set[str]:
+    return {v.split(":")[0] for v in report.violations}
+
+
+def test_wrong_rows_are_a_violation(monkeypatch):
+    def everything_to_the_first_stage(weights, num_rows):
+        return (num_rows, *([0] * (len(weights) - 1)))
+
+    monkeypatch.setattr(schedule_module, "allocate_rows", everything_to_the_first_stage)
+    report = check_schedule(config_of())
+    assert "rows" in invariants_violated(report)
+    assert not report.ok
+
+
+def test_a_tie_given_to_the_lower_stage_is_a_violation(monkeypatch):
+    original = schedule_module.allocate_rows
+
+    def ties_to_the_lower_index(weights, num_rows):
+        return tuple(reversed(original(tuple(reversed(weights)), num_rows)))
+
+    monkeypatch.setattr(schedule_module, "allocate_rows", ties_to_the_lower_index)
+    # tps = 64, ramp [2048, 6144): step 36 is 1/16 into it, weights (15/16, 1/16), rows 7.5 and 0.5:
+    # the first tie, which belongs to stage 1.
+    report = check_schedule(config_of(tokens=(4096, 4096), overlap=1.0))
+    assert invariants_violated(report) == {"rows"}
+    assert report.violations[0].startswith("rows: step 36: rows (8, 0)") and "tie" in report.violations[0]
+
+
+def test_weights_that_do_not_sum_to_one_are_a_violation(monkeypatch):
+    original = Schedule.weights_at
+    monkeypatch.setattr(Schedule, "weights_at", lambda self, x: tuple(2 * w for w in original(self, x)))
+    assert "weights" in invariants_violated(check_schedule(config_of()))
+
+
+def test_a_blurred_hard_switch_is_a_violation(monkeypatch):
+    original = Schedule.weights_at
+
+    def blurred(self, x):
+        if any(b - 1 < x < b for b in self.boundaries[:-1]):
+            return (0.5, 0.5, 0.0)
+        return original(self, x)
+
+    monkeypatch.setattr(Schedule, "weights_at", blurred)
+    report = check_schedule(config_of(overlap=0.0))
+    assert "hard switch" in invariants_violated(report)
+    assert any("boundary 0 has overlap 0" in v for v in report.violations)
+
+
+def test_a_curve_that_turns_back_is_a_violation(monkeypatch):
+    monkeypatch.setattr(schedule_module, "curve_value", lambda curve, t, steepness: min(t, 1 - t) * 2)
+    violated = invariants_violated(check_schedule(config_of(overlap=1.0)))
+    assert {"weights", "monotone"} <= violated
+
+
+def test_a_wrong_lr_is_a_violation(monkeypatch):
+    original = schedule_module.lr_at
+    monkeypatch.setattr(schedule_module, "lr_at", lambda opt, step, n: original(opt, step, n) * 1.5)
+    report = check_schedule(config_of(schedule="cosine"))
+    assert invariants_violated(report) == {"lr"}
+    # A broken rule is reported a few times, then counted.
+    assert any(v.startswith("lr: ... and ") for v in report.violations)
+
+
+def test_a_late_stage_entry_is_a_violation(monkeypatch):
+    original = Schedule.stage_entry_step
+    monkeypatch.setattr(Schedule, "stage_entry_step", lambda self, stage: original(self, stage) + 1)
+    assert "stages" in invariants_violated(check_schedule(config_of()))
+
+
+def test_fade_events_at_the_wrong_step_are_a_violation(monkeypatch):
+    original = Schedule.fade_start_step
+    monkeypatch.setattr(Schedule, "fade_start_step", lambda self, ramp: original(self, ramp) + 1)
+    assert "fades" in invariants_violated(check_schedule(config_of()))
+
+
+def test_a_decision_with_hidden_memory_breaks_resume_and_is_a_violation(monkeypatch):
+    """The classic impurity: a decide() that remembers what it already announced instead of reading
+    the state. One pass looks right; resumed from a cut, the plan skips fades it "already said"."""
+    original, announced = plan_module.decide, set()
+
+    def remembers(state, schedule, step):
+        if state.num_stages_entered == 0:  # a run from the start: the memory is "per run"
+            announced.clear()
+        event = original(state, schedule, step)
+        while isinstance(event, FadeStarted | FadeEnded) and (type(event), event.boundary) in announced:
+            state = apply(state, event)  # skip it: "already said"
+            event = original(state, schedule, step)
+        if isinstance(event, FadeStarted | FadeEnded):
+            announced.add((type(event), event.boundary))
+        return event
+
+    monkeypatch.setattr(plan_module, "decide", remembers)
+    report = check_schedule(config_of())
+    assert invariants_violated(report) == {"resume"}
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail instead of hanging if the guard under test does not work."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_plan_that_never_finishes_is_a_violation_not_a_hang(monkeypatch):
+    original = plan_module.decide
+
+    def stalls_after_stage_1(state, schedule, step):
+        return None if state.num_stages_entered == 2 else original(state, schedule, step)
+
+    monkeypatch.setattr(plan_module, "decide", stalls_after_stage_1)
+    with deadline(20):  # plan() itself would loop forever here
+        report = check_schedule(config_of())
+    assert report.violations == [
+        "events: the plan never reaches RunFinished: decide() stops deciding before the end"
+    ]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_wrong_kl_weight_is_a_violation(monkeypatch, stage):
+    original = Schedule.step_plan
+
+    def other_beta(self, step):
+        plan = original(self, step)
+        return dataclasses.replace(plan, beta=9.0) if plan.stage == stage else plan
+
+    monkeypatch.setattr(Schedule, "step_plan", other_beta)
+    report = check_schedule(config_of(betas=(0.0, 0.1, 0.2), references=(0,)))
+    assert invariants_violated(report) == {"beta"}

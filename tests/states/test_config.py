@@ -1,0 +1,261 @@
+"""Config: TOML round trip, every problem named by its dotted path (all at once), `--set` overrides."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+
+from rewind.states.config import (
+    Config,
+    ConfigError,
+    RunSection,
+    apply_overrides,
+    config_hash,
+    dumps_config,
+    loads_config,
+    parse_override,
+)
+from rewind.states.strategies import configs
+
+GOOD = """
+[training]
+batch_size = 4
+tokens = [1000, 2000]
+datasets = [[{ name = "grammar" }], [{ name = "sort", rate = 0.5 }, { name = "add", rate = 0.5 }]]
+
+[training.fade]
+overlap = 0.5
+
+[optimization.kl]
+betas = [0.0, 0.1]
+reference_update_stages = [1]
+"""
+
+
+def problems_of(text: str, overrides: list[str] | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        loads_config(text, overrides=overrides)
+    return info.value.problems
+
+
+def only_problem(text: str) -> str:
+    problems = problems_of(text)
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+# --- round trip ------------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs(max_steps=200))
+def test_dumps_then_loads_gives_back_the_same_config(config):
+    text = dumps_config(config)
+    assert loads_config(text) == config
+    assert config_hash(loads_config(text)) == config_hash(config)
+
+
+def test_the_good_example_loads_with_its_values():
+    config = loads_config(GOOD)
+    assert config.num_stages == 2
+    assert config.tokens_per_step == 4 * 64
+    assert config.training.datasets[1][0].rate == 0.5
+    assert config.optimization.kl.reference_update_stages == [1]
+
+
+def test_round_trip_of_a_name_outside_the_basic_multilingual_plane():
+    config = msgspec.structs.replace(loads_config(GOOD), run=RunSection(name="run 😀"))
+    assert loads_config(dumps_config(config)) == config
+
+
+def test_round_trip_of_a_non_ascii_dataset_name():
+    text = (
+        GOOD.replace('name = "grammar"', 'name = "données"')
+        + '\n[data."données"]\nkind = "tokens"\npath = "d.bin"\n'
+    )
+    config = loads_config(text)
+    assert loads_config(dumps_config(config)) == config
+
+
+# --- every problem names its dotted path -------------------------------------------------------------
+
+
+def test_unknown_keys_are_named_with_their_path():
+    problem = only_problem(GOOD.replace("[training.fade]\n", "[training.fade]\novrlap = 0.3\n"))
+    assert problem.startswith("training.fade.ovrlap: unknown key")
+    assert "overlap" in problem  # the message lists what was meant
+    assert only_problem(GOOD + "\n[trainer]\nx = 1\n").startswith("trainer: unknown key")
+
+
+@pytest.mark.parametrize(
+    ("line", "path"),
+    [
+        ('batch_size = "eight"', "training.batch_size"),
+        ("validation_steps = 1.5", "training.validation_steps"),
+        ('evaluations = "sort"', "training.evaluations"),
+        ("on_nonfinite = 3", "training.on_nonfinite"),
+    ],
+)
+def test_wrong_types_are_named_with_their_path(line, path):
+    key = line.split(" = ")[0]
+    text = GOOD.replace(f"{key} = 4\n", "") if key == "batch_size" else GOOD
+    problem = only_problem(text.replace("[training]\n", f"[training]\n{line}\n"))
+    assert problem.startswith(f"{path}: ")
+
+
+def test_a_wrong_type_deep_inside_a_list_is_named_with_indices():
+    problem = only_problem(GOOD.replace('{ name = "sort", rate = 0.5 }', '{ name = "sort", rate = "half" }'))
+    assert problem.startswith("training.datasets[1][0].rate: ")
+
+
+@pytest.mark.parametrize(
+    ("edit", "path"),
+    [
+        (("betas = [0.0, 0.1]", "betas = [0.0, 0.1, 0.2]"), "optimization.kl.betas: expected 2 entries"),
+        (
+            ("overlap = 0.5", "overlap = 0.5\nper_boundary_overlap = [0.1, 0.2]"),
+            "training.fade.per_boundary_overlap",
+        ),
+        (('datasets = [[{ name = "grammar" }], ', "datasets = ["), "training.datasets: expected 2 entries"),
+    ],
+)
+def test_list_lengths_must_match_the_number_of_stages(edit, path):
+    assert only_problem(GOOD.replace(*edit)).startswith(path)
+
+
+@pytest.mark.parametrize("overlap", ["-0.1", "1.5"])
+def test_overlap_must_be_in_the_unit_interval(overlap):
+    assert only_problem(GOOD.replace("overlap = 0.5", f"overlap = {overlap}")).startswith(
+        "training.fade.overlap: "
+    )
+    text = GOOD.replace("overlap = 0.5", f"per_boundary_overlap = [{overlap}]")
+    assert only_problem(text).startswith("training.fade.per_boundary_overlap[0]: ")
+
+
+@pytest.mark.parametrize("budget", ["0", "-5"])
+def test_stage_budgets_must_be_positive(budget):
+    problem = only_problem(GOOD.replace("tokens = [1000, 2000]", f"tokens = [1000, {budget}]"))
+    assert problem.startswith("training.tokens[1]: ") and "positive" in problem
+
+
+def test_no_stages_at_all_is_a_problem():
+    problems = problems_of(GOOD.replace("tokens = [1000, 2000]", "tokens = []"))
+    assert any(p.startswith("training.tokens: ") for p in problems)
+
+
+def test_unknown_curve_and_schedule_names_list_the_choices():
+    curve = only_problem(GOOD.replace("overlap = 0.5", 'overlap = 0.5\ncurve = "smooth"'))
+    assert curve.startswith("training.fade.curve: ") and "linear" in curve and "'smooth'" in curve
+    schedule = only_problem(GOOD + '\n[optimization]\nschedule = "onecycle"\n')
+    assert schedule.startswith("optimization.schedule: ") and "wsds" in schedule
+
+
+def test_reference_stages_must_exist():
+    problem = only_problem(GOOD.replace("reference_update_stages = [1]", "reference_update_stages = [1, 2]"))
+    assert problem.startswith("optimization.kl.reference_update_stages[1]: ") and "out of range" in problem
+
+
+def test_mixture_rates_must_sum_to_one():
+    problem = only_problem(GOOD.replace('{ name = "add", rate = 0.5 }', '{ name = "add", rate = 0.25 }'))
+    assert problem.startswith("training.datasets[1]: rates must sum to 1")
+
+
+def test_unknown_dataset_names_are_named_with_indices_and_the_known_ones():
+    problem = only_problem(GOOD.replace('name = "add"', 'name = "ad"'))
+    assert problem.startswith("training.datasets[1][1].name: unknown dataset 'ad'")
+    assert "grammar" in problem
+
+
+def test_a_user_dataset_makes_its_name_known():
+    text = (
+        GOOD.replace('name = "add"', 'name = "corpus"') + '\n[data.corpus]\nkind = "tokens"\npath = "c.bin"\n'
+    )
+    assert "corpus" in loads_config(text).dataset_names()
+
+
+def test_invalid_toml_is_one_problem():
+    assert only_problem("[training\n").startswith("not valid TOML")
+
+
+def test_every_problem_is_reported_at_once():
+    text = (
+        GOOD.replace("overlap = 0.5", 'overlap = 2.0\ncurve = "smooth"')
+        .replace("tokens = [1000, 2000]", "tokens = [1000, -1]")
+        .replace("reference_update_stages = [1]", "reference_update_stages = [5]")
+        .replace('name = "add"', 'name = "ad"')
+    )
+    problems = problems_of(text + "\n[logging]\nkeep_last = 2\n")
+    paths = {p.split(":")[0] for p in problems}
+    # The type problems (curve, unknown key) and the cross-field ones (checked on what is left) together.
+    assert {
+        "training.fade.curve",
+        "logging.keep_last",
+        "training.tokens[1]",
+        "training.fade.overlap",
+        "optimization.kl.reference_update_stages[0]",
+        "training.datasets[1][1].name",
+    } <= paths
+    error = ConfigError(problems, "my.toml")
+    assert error.lines() == [f"my.toml: {p}" for p in problems]
+    assert str(error).startswith("my.toml: ")
+
+
+def test_a_mistyped_field_is_not_reported_twice():
+    problems = problems_of(GOOD.replace("tokens = [1000, 2000]", 'tokens = [1000, "lots"]'))
+    # The length rules need the stage count, which is unknown once `tokens` is wrong: one problem only.
+    assert problems == [p for p in problems if p.startswith("training.tokens[1]: ")] and len(problems) == 1
+
+
+# --- --set overrides ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "value"),
+    [
+        ("training.fade.overlap=0.25", ["training", "fade", "overlap"], 0.25),
+        ("training.batch_size = 16", ["training", "batch_size"], 16),
+        ("training.tokens=[10, 20]", ["training", "tokens"], [10, 20]),
+        ('run.name="a b"', ["run", "name"], "a b"),
+        ("run.name=plain-word", ["run", "name"], "plain-word"),  # bare words fall back to strings
+        ("architecture.activation_checkpointing=true", ["architecture", "activation_checkpointing"], True),
+        ("run.name=x=y", ["run", "name"], "x=y"),  # only the first '=' separates
+    ],
+)
+def test_parse_override(text, path, value):
+    assert parse_override(text) == (path, value)
+
+
+@pytest.mark.parametrize("text", ["no-equals", "=3", "a..b=1", ".a=1", "a.=1"])
+def test_malformed_overrides_are_config_errors(text):
+    with pytest.raises(ConfigError) as info:
+        parse_override(text)
+    assert info.value.source == "override" and "dotted.key=VALUE" in info.value.problems[0]
+
+
+def test_apply_overrides_creates_tables_and_leaves_the_input_alone():
+    raw = {"training": {"fade": {"overlap": 0.5}, "tokens": [1]}, "run": "not a table"}
+    merged = apply_overrides(raw, ["training.fade.curve=cosine", "optimization.kl.betas=[0.1]", "run.seed=3"])
+    assert merged["training"]["fade"] == {"overlap": 0.5, "curve": "cosine"}
+    assert merged["optimization"] == {"kl": {"betas": [0.1]}}
+    assert merged["run"] == {"seed": 3}  # a non-table in the way is replaced
+    assert raw == {"training": {"fade": {"overlap": 0.5}, "tokens": [1]}, "run": "not a table"}
+
+
+def test_later_overrides_win():
+    assert apply_overrides({}, ["a.b=1", "a.b=2"]) == {"a": {"b": 2}}
+
+
+def test_overrides_are_validated_like_the_file():
+    config = loads_config(GOOD, overrides=["training.fade.overlap=0.0", "training.batch_size=2"])
+    assert config.training.fade.overlap == 0.0 and config.training.batch_size == 2
+    problems = problems_of(GOOD, overrides=["training.fade.overlap=3", "training.batchsize=2"])
+    assert {p.split(":")[0] for p in problems} == {"training.fade.overlap", "training.batchsize"}
+
+
+def test_config_hash_changes_with_any_field():
+    config = loads_config(GOOD)
+    assert config_hash(config) == config_hash(loads_config(GOOD))
+    changed = loads_config(GOOD, overrides=["run.seed=1"])
+    assert config_hash(changed) != config_hash(config)
+    assert isinstance(config, Config)

@@ -1,0 +1,364 @@
+"""fold: a left fold over legal transitions. Splits, resumes, illegal events, retention and duties."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rewind.states.config import loads_config
+from rewind.states.events import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    Evaluated,
+    FadeEnded,
+    FadeStarted,
+    ReferenceRefreshed,
+    RunFinished,
+    RunResumed,
+    RunStopped,
+    StackAppended,
+    StageEntered,
+    StepCommitted,
+    Validated,
+)
+from rewind.states.fold import IllegalTransition, apply, fold
+from rewind.states.history import effective
+from rewind.states.plan import Duties, checkpoints_to_delete, duties_after_step, plan, started_state
+from rewind.states.schedule import Schedule
+from rewind.states.state import CheckpointRef, Reference, State
+from rewind.states.strategies import configs, cut_points, engine_logs, simulate_run
+
+replace = msgspec.structs.replace
+TINY_RUNS = configs(max_stages=4, max_steps=40)
+
+CONFIG = loads_config(
+    """
+[architecture]
+block_size = 8
+
+[training]
+batch_size = 2
+tokens = [160, 160, 160]
+datasets = [[{ name = "grammar" }], [{ name = "reverse" }], [{ name = "sort" }]]
+
+[training.fade]
+overlap = 0.5
+
+[optimization.kl]
+betas = [0.0, 0.1, 0.1]
+reference_update_stages = [1]
+
+[logging]
+checkpoint_interval = 4
+validation_interval = 5
+keep_last_checkpoints = 2
+"""
+)  # tps = 16, N = 30. Steps 10 and 20 sit half way through the fades: a tie, which goes to the lower
+# stage, so stages 1 and 2 are entered at steps 11 and 21.
+
+
+def step_event(state: State, **fields) -> StepCommitted:
+    step = state.step + 1
+    values = {"step": step, "tokens": step * state.tokens_per_step, "stage": max(state.stage, 0)}
+    return StepCommitted(**{**values, "lr": 1e-3, "beta": 0.0, "loss": 1.0, **fields})
+
+
+def checkpoint_event(state: State, name: str, reason: str = "interval") -> CheckpointCommitted:
+    return CheckpointCommitted(
+        step=state.step, tokens=state.tokens, checkpoint=name, manifest_sha256="0" * 64, reason=reason
+    )
+
+
+# --- the fold splits anywhere ------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data(), TINY_RUNS)
+def test_fold_of_a_concatenation_is_fold_from_the_first_part(data, config):
+    events = data.draw(engine_logs(config))
+    whole = fold(events)
+    assert whole.finished
+    state = State()
+    for split in range(len(events) + 1):
+        # `state` is fold(events[:split]), built one event at a time.
+        assert fold(events[split:], state) == whole
+        if split < len(events):
+            state = apply(state, events[split])
+
+
+@settings(max_examples=60, deadline=None)
+@given(TINY_RUNS)
+def test_resumed_plan_is_the_one_pass_plan_for_every_cut(config):
+    schedule = Schedule(config)
+    events = list(plan(schedule))
+    _, started = started_state(config)
+    for cut in range(len(events) + 1):
+        prefix = events[:cut]
+        from_step = prefix[-1].step if prefix else 0
+        assert list(plan(schedule, fold(prefix, started), from_step=from_step)) == events[cut:]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), TINY_RUNS)
+def test_a_run_crashed_and_resumed_anywhere_ends_like_the_one_that_never_stopped(data, config):
+    one_pass = simulate_run(config)
+    crashed = data.draw(engine_logs(config, max_crashes=3))
+    resumes = [e for e in crashed if isinstance(e, RunResumed)]
+    a, b = fold(one_pass), fold(crashed)
+    assert len(b.resumes) == len(resumes)
+    # Retention deletions that followed a restore point are superseded and only redone at the next save,
+    # so a crash after the last save can leave extra (orphaned) live checkpoints; nothing else differs.
+    assert {c.checkpoint for c in a.live_checkpoints} <= {c.checkpoint for c in b.live_checkpoints}
+    assert replace(b, resumes=[], live_checkpoints=a.live_checkpoints) == a
+    # What still counts in the crashed log is the one-pass log, up to where the deletions were written.
+    kept = [
+        e for _, e in effective(list(enumerate(crashed))) if not isinstance(e, RunResumed | CheckpointDeleted)
+    ]
+    assert kept == [e for e in one_pass if not isinstance(e, CheckpointDeleted)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data(), TINY_RUNS)
+def test_a_cut_log_resumes_into_the_rest_of_the_plan(data, config):
+    """Cut the dry-run plan anywhere (as cut_points draws it): the rest is what resuming plans."""
+    events = list(plan(Schedule(config)))
+    cut = data.draw(cut_points(events))
+    _, started = started_state(config)
+    state = fold(events[:cut], started)
+    rest = list(plan(Schedule(config), state, from_step=events[cut - 1].step if cut else 0))
+    assert [*events[:cut], *rest] == events
+
+
+# --- RunResumed ----------------------------------------------------------------------------------------
+
+
+def test_run_resumed_restores_the_embedded_state_and_records_what_it_superseded():
+    log = simulate_run(CONFIG)
+    checkpoint_seq = next(i for i, e in enumerate(log) if isinstance(e, CheckpointCommitted) and e.step == 8)
+    at_checkpoint = fold(log[: checkpoint_seq + 1])
+    assert at_checkpoint.step == 8 and at_checkpoint.last_checkpoint.step == 8
+    crashed = log[: checkpoint_seq + 20]  # the dead process got further than step 8 before it died
+    later = fold(crashed)
+    assert later.step > 8
+    last_seq = len(crashed) - 1
+    resumed_event = RunResumed(
+        step=8,
+        tokens=8 * 16,
+        checkpoint=at_checkpoint.last_checkpoint.checkpoint,
+        superseded_first_seq=checkpoint_seq + 1,
+        superseded_last_seq=last_seq,
+        restored=at_checkpoint,
+    )
+    resumed = apply(later, resumed_event)
+    assert replace(resumed, resumes=[]) == replace(at_checkpoint, resumes=[])
+    (record,) = resumed.resumes
+    assert (record.first_seq, record.last_seq, record.step) == (checkpoint_seq + 1, last_seq, 8)
+    assert record.checkpoint == at_checkpoint.last_checkpoint.checkpoint
+    # A second resume keeps the first one's record and adds its own.
+    again = apply(
+        resumed, replace(resumed_event, superseded_first_seq=last_seq + 2, superseded_last_seq=last_seq + 1)
+    )
+    assert [r.first_seq for r in again.resumes] == [checkpoint_seq + 1, last_seq + 2]
+
+
+def test_run_resumed_clears_a_stop_and_needs_a_started_state():
+    _, started = started_state(CONFIG)
+    stopped = apply(started, RunStopped(step=0, tokens=0, reason="Ctrl-C"))
+    assert stopped.stopped_reason == "Ctrl-C"
+    event = RunResumed(
+        step=0, tokens=0, checkpoint="", superseded_first_seq=2, superseded_last_seq=1, restored=started
+    )
+    assert apply(stopped, event).stopped_reason == ""
+    with pytest.raises(IllegalTransition, match="not of a started run"):
+        apply(stopped, replace(event, restored=State()))
+
+
+# --- illegal transitions -------------------------------------------------------------------------------
+
+
+def started_and_entered() -> State:
+    _, state = started_state(CONFIG)
+    return apply(state, StageEntered(step=0, tokens=0, stage=0))
+
+
+def test_events_before_run_started_are_illegal():
+    for event in (StageEntered(step=0, tokens=0, stage=0), step_event(State(tokens_per_step=16))):
+        with pytest.raises(IllegalTransition, match="must be RunStarted"):
+            apply(State(), event)
+
+
+def test_run_started_twice_is_illegal():
+    started, state = started_state(CONFIG)
+    with pytest.raises(IllegalTransition, match="already started"):
+        apply(state, started)
+
+
+@pytest.mark.parametrize("stage", [2, 0, -1])
+def test_stages_must_be_entered_in_order(stage):
+    with pytest.raises(IllegalTransition, match="expected stage 1 next"):
+        apply(started_and_entered(), StageEntered(step=0, tokens=0, stage=stage))
+
+
+def test_no_stage_beyond_the_last():
+    state = started_and_entered()
+    for stage in (1, 2):
+        state = apply(state, StageEntered(step=0, tokens=0, stage=stage))
+        if stage == 1:
+            state = apply(state, ReferenceRefreshed(step=0, tokens=0, stage=1, checkpoint="c"))
+    with pytest.raises(IllegalTransition, match="only 3 stages"):
+        apply(state, StageEntered(step=0, tokens=0, stage=3))
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [({"step": 2, "tokens": 32}, "expected step 1"), ({"tokens": 17}, "expected 16 tokens")],
+)
+def test_step_committed_with_the_wrong_step_or_tokens_is_illegal(fields, match):
+    state = started_and_entered()
+    with pytest.raises(IllegalTransition, match=match):
+        apply(state, step_event(state, **fields))
+
+
+def test_a_step_may_not_run_while_a_reference_refresh_is_due():
+    state = apply(started_and_entered(), StageEntered(step=0, tokens=0, stage=1))
+    assert state.pending_refreshes == [1]
+    with pytest.raises(IllegalTransition, match="refresh is due"):
+        apply(state, step_event(state))
+
+
+def test_a_reference_refresh_that_is_not_due_is_illegal():
+    state = started_and_entered()
+    with pytest.raises(IllegalTransition, match="no refresh is due for stage 0"):
+        apply(state, ReferenceRefreshed(step=0, tokens=0, stage=0))
+    state = apply(state, StageEntered(step=0, tokens=0, stage=1))
+    with pytest.raises(IllegalTransition, match="no refresh is due for stage 2"):
+        apply(state, ReferenceRefreshed(step=0, tokens=0, stage=2))
+
+
+def test_fades_start_in_order_and_end_only_when_running():
+    state = started_and_entered()
+    with pytest.raises(IllegalTransition, match="fade 0 is not running"):
+        apply(state, FadeEnded(step=0, tokens=0, boundary=0))
+    with pytest.raises(IllegalTransition, match="boundary 2 does not exist"):
+        apply(state, FadeStarted(step=0, tokens=0, boundary=2))
+    state = apply(state, FadeStarted(step=0, tokens=0, boundary=1))
+    with pytest.raises(IllegalTransition, match="in order"):
+        apply(state, FadeStarted(step=0, tokens=0, boundary=0))
+    state = apply(state, FadeEnded(step=0, tokens=0, boundary=1))
+    with pytest.raises(IllegalTransition, match="not running"):
+        apply(state, FadeEnded(step=0, tokens=0, boundary=1))
+
+
+def test_after_run_finished_nothing_is_legal():
+    state = fold(simulate_run(CONFIG))
+    assert state.finished
+    for event in (
+        RunFinished(step=30, tokens=480),
+        Validated(step=30, tokens=480, losses={}),
+        RunStopped(step=30, tokens=480, reason="late"),
+    ):
+        with pytest.raises(IllegalTransition, match="already finished"):
+            apply(state, event)
+
+
+def test_run_finished_needs_every_stage_and_no_pending_refresh():
+    with pytest.raises(IllegalTransition, match="only 1 of 3 stages"):
+        apply(started_and_entered(), RunFinished(step=0, tokens=0))
+    state = started_and_entered()
+    state = apply(state, StageEntered(step=0, tokens=0, stage=1))
+    state = apply(state, StageEntered(step=0, tokens=0, stage=2))
+    with pytest.raises(IllegalTransition, match="refresh is still due"):
+        apply(state, RunFinished(step=0, tokens=0))
+
+
+def test_checkpoints_deleted_must_be_live_and_not_the_reference():
+    state = started_and_entered()
+    state = apply(state, checkpoint_event(state, "a", "reference"))
+    state = apply(state, StageEntered(step=0, tokens=0, stage=1))
+    state = apply(state, ReferenceRefreshed(step=0, tokens=0, stage=1, checkpoint="a"))
+    assert state.reference == Reference(stage=1, step=0, checkpoint="a")
+    with pytest.raises(IllegalTransition, match="holds the current reference"):
+        apply(state, CheckpointDeleted(step=0, tokens=0, checkpoint="a"))
+    with pytest.raises(IllegalTransition, match="not live"):
+        apply(state, CheckpointDeleted(step=0, tokens=0, checkpoint="b"))
+
+
+def test_after_step_records_must_carry_the_current_step():
+    state = started_and_entered()
+    state = apply(state, step_event(state))
+    for event in (
+        checkpoint_event(replace(state, step=2), "x"),
+        Validated(step=0, tokens=0, losses={}),
+        Evaluated(step=2, tokens=32, boundary=0, scores={}),
+    ):
+        with pytest.raises(IllegalTransition, match="step"):
+            apply(state, event)
+
+
+def test_stacks_are_appended_in_order():
+    state = apply(started_and_entered(), StackAppended(step=0, tokens=0, stack=0, num_blocks=2))
+    with pytest.raises(IllegalTransition, match="expected stack 1 next"):
+        apply(state, StackAppended(step=0, tokens=0, stack=0, num_blocks=2))
+
+
+def test_an_illegal_transition_names_the_event_and_the_reason():
+    event = StageEntered(step=3, tokens=48, stage=2)
+    with pytest.raises(IllegalTransition) as info:
+        apply(started_and_entered(), event)
+    assert info.value.event is event
+    assert str(info.value).startswith("StageEntered at step 3: expected stage 1")
+
+
+# --- retention and duties ------------------------------------------------------------------------------
+
+
+def live(*specs: tuple[str, int, str]) -> list[CheckpointRef]:
+    return [
+        CheckpointRef(checkpoint=name, step=step, tokens=step * 16, reason=reason, manifest_sha256="")
+        for name, step, reason in specs
+    ]
+
+
+def test_checkpoints_to_delete_keeps_the_last_boundaries_final_and_reference():
+    checkpoints = live(
+        ("c4", 4, "interval"),
+        ("c8", 8, "interval"),
+        ("c10", 10, "boundary"),
+        ("c12", 12, "interval"),
+        ("c16", 16, "interval"),
+        ("c20", 20, "reference"),
+    )
+    state = replace(State(), live_checkpoints=checkpoints)
+    assert checkpoints_to_delete(state, keep_last=2) == ["c4", "c8", "c12"]
+    assert checkpoints_to_delete(state, keep_last=4) == ["c4", "c8"]
+    assert checkpoints_to_delete(state, keep_last=5) == ["c4"]
+    with_reference = replace(state, reference=Reference(stage=1, step=8, checkpoint="c8"))
+    assert checkpoints_to_delete(with_reference, keep_last=2) == ["c4", "c12"]
+    # Oldest first, whatever order they went live in.
+    shuffled = replace(state, live_checkpoints=[checkpoints[3], checkpoints[0], *checkpoints[4:]])
+    assert checkpoints_to_delete(shuffled, keep_last=1) == ["c4", "c12", "c16"]
+    assert checkpoints_to_delete(replace(state, live_checkpoints=live(("f", 30, "final"))), 1) == []
+
+
+def test_duties_after_each_step_of_a_small_run():
+    schedule = Schedule(CONFIG)
+    assert schedule.num_steps == 30 and schedule.entry_steps == (0, 11, 21)
+    _, state = started_state(CONFIG)
+
+    def duties(step: int, last_evaluated: int = -2):
+        return duties_after_step(replace(state, step=step, last_evaluated_boundary=last_evaluated), schedule)
+
+    assert duties(3) == Duties(validate=False, evaluate_boundary=None, checkpoint_reason=None)
+    assert duties(4) == Duties(validate=False, evaluate_boundary=None, checkpoint_reason="interval")
+    assert duties(5) == Duties(validate=True, evaluate_boundary=None, checkpoint_reason=None)
+    assert duties(20) == Duties(validate=True, evaluate_boundary=None, checkpoint_reason="interval")
+    # Stage 1 starts at step 11: after 11 steps, stage 0's boundary is evaluated and checkpointed.
+    assert duties(11) == Duties(validate=False, evaluate_boundary=0, checkpoint_reason="boundary")
+    assert duties(21) == Duties(validate=False, evaluate_boundary=1, checkpoint_reason="boundary")
+    assert duties(30) == Duties(validate=True, evaluate_boundary=2, checkpoint_reason="final")
+    # Resuming onto a step whose boundary was already evaluated does not evaluate it again.
+    assert duties(11, last_evaluated=0) == Duties(
+        validate=False, evaluate_boundary=None, checkpoint_reason=None
+    )
