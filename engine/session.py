@@ -38,6 +38,8 @@ def _prepare_directory(run_dir: str) -> None:
     if "://" in run_dir:
         return  # object stores: nothing to create up front
     path = Path(run_dir)
+    if path.exists() and not path.is_dir():  # mkdir(exist_ok=True) would only say "File exists"
+        raise RunError(f"{run_dir}: not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -59,17 +59,21 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
             if isinstance(record.event, CheckpointCommitted):
                 at_checkpoint[record.event.checkpoint] = control_summary(state)
     notes.append(f"fold: ok (step {state.step}, {'finished' if state.finished else 'not finished'})")
+    num_bad = 0
     for ref in state.live_checkpoints:
         found = store.verify(ref.checkpoint, ref.files)
         problems += [f"checkpoint {ref.checkpoint}: {p}" for p in found]
         if found:
+            num_bad += 1
             continue
         recorded = store.load_manifest(ref.checkpoint).meta.get("control")
         expected = at_checkpoint.get(ref.checkpoint)
         if recorded is not None and expected is not None and recorded != expected:
             diff = [k for k in expected if recorded.get(k) != expected[k]]
             problems.append(f"checkpoint {ref.checkpoint}: manifest disagrees with the log on {', '.join(diff)}")
-    notes.append(f"checkpoints: {len(state.live_checkpoints)} live, verified")
+            num_bad += 1
+    verdict = f"{num_bad} with problems" if num_bad else "verified"
+    notes.append(f"checkpoints: {len(state.live_checkpoints)} live, {verdict}")
     orphans = store.orphans(c.checkpoint for c in state.live_checkpoints)
     if orphans:
         notes.append(f"checkpoints on disk that no live event names (ignored by rewind): {', '.join(orphans)}")

@@ -108,8 +108,8 @@ def test_a_run_crashed_and_resumed_anywhere_ends_like_the_one_that_never_stopped
     resumes = [e for e in crashed if isinstance(e, RunResumed)]
     a, b = fold(one_pass), fold(crashed)
     assert len(b.resumes) == len(resumes)
-    # Retention deletions that followed a restore point are superseded and only redone at the next save,
-    # so a crash after the last save can leave extra (orphaned) live checkpoints; nothing else differs.
+    # A crash between a checkpoint record and its retention deletions (two commits) leaves those
+    # checkpoints live, files and all, until the next save; nothing else may differ.
     assert {c.checkpoint for c in a.live_checkpoints} <= {c.checkpoint for c in b.live_checkpoints}
     assert replace(b, resumes=[], live_checkpoints=a.live_checkpoints) == a
     # What still counts in the crashed log is the one-pass log, up to where the deletions were written.
