@@ -1,0 +1,148 @@
+"""A log written by an earlier version of this code must stay readable, event for event.
+
+`golden/run/` was written by `make_golden.py` (schema version 1) and is committed as binary. Never
+regenerate it to make this test pass: a failure means old logs no longer read, which needs an
+upcaster in `rewind.stores.codec` (or a default for the new field). When the schema is bumped, add a
+second golden log for the new version next to this one and keep both tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rewind.states.config import Config, config_hash
+from rewind.states.events import (
+    EVENT_TYPES,
+    CheckpointCommitted,
+    CheckpointDeleted,
+    ConfigChanged,
+    Evaluated,
+    FadeEnded,
+    FadeStarted,
+    ForkOrigin,
+    NonFiniteLoss,
+    ReferenceRefreshed,
+    RunFinished,
+    RunResumed,
+    RunStarted,
+    RunStopped,
+    StackAppended,
+    StageEntered,
+    StepCommitted,
+    Validated,
+)
+from rewind.states.state import CheckpointRef, Reference, State, Superseded
+from rewind.stores.eventlog import EventLog, verify_log
+
+GOLDEN_RUN = Path(__file__).parent / "golden" / "run"
+GOLDEN_SEGMENT_BYTES = 1024  # small, so the golden log spans several segments
+HASH = "9f2c4e1a" * 8
+SHA = "5d41402abc4b2a76b9719d911017c592" * 2
+
+
+def golden_events() -> list:
+    """One of every event type of schema version 1, with realistic field values."""
+    config = Config()
+    checkpoint = CheckpointRef(
+        checkpoint="00000120-3fa85f64",
+        step=120,
+        tokens=61440,
+        reason="interval",
+        manifest_sha256=SHA,
+        files={"model.safetensors": SHA, "optimizer.safetensors": SHA},
+    )
+    restored = State(
+        started=True,
+        config_hash=HASH,
+        num_stages=2,
+        tokens_per_step=512,
+        step=120,
+        tokens=61440,
+        stage=1,
+        num_stages_entered=2,
+        reference=Reference(stage=1, step=100, checkpoint="00000100-0b1c2d3e"),
+        cursors={"grammar": 700, "reverse": 260},
+        last_loss=1.875,
+        last_checkpoint=checkpoint,
+        live_checkpoints=[checkpoint],
+        resumes=[Superseded(first_seq=30, last_seq=41, checkpoint="00000080-77aa88bb", step=80)],
+    )
+    return [
+        RunStarted(
+            step=0,
+            tokens=0,
+            config=config,
+            config_hash=config_hash(config),
+            rewind_version="0.1.0",
+            parent=ForkOrigin(run="runs/base", step=400, checkpoint="00000400-deadbeef", config_hash=HASH),
+        ),
+        Evaluated(step=0, tokens=0, boundary=-1, scores={"add": 0.0625, "sort": 0.125}, losses={"add": 4.5}),
+        StageEntered(step=0, tokens=0, stage=0),
+        StackAppended(step=0, tokens=0, stack=1, num_blocks=2, position="prepend", trunk="lora"),
+        StepCommitted(
+            step=1,
+            tokens=512,
+            stage=0,
+            lr=3e-6,
+            beta=0.0,
+            loss=5.541263580322266,
+            kl=0.0,
+            grad_norm=3.25,
+            rows=[8, 0],
+            cursors={"grammar": 8},
+        ),
+        StepCommitted(
+            step=2,
+            tokens=1024,
+            stage=0,
+            lr=6e-6,
+            beta=0.1,
+            loss=float("inf"),
+            rows=[8, 0],
+            cursors={"grammar": 16},
+            skipped=True,
+        ),
+        NonFiniteLoss(step=2, tokens=1024, loss=float("inf"), action="skip"),
+        Validated(step=2, tokens=1024, losses={"grammar": 5.25, "reverse": 5.5}),
+        FadeStarted(step=50, tokens=25600, boundary=0),
+        CheckpointCommitted(
+            step=100,
+            tokens=51200,
+            checkpoint="00000100-0b1c2d3e",
+            manifest_sha256=SHA,
+            files={"model.safetensors": SHA},
+            reason="reference",
+        ),
+        StageEntered(step=100, tokens=51200, stage=1),
+        ReferenceRefreshed(step=100, tokens=51200, stage=1, checkpoint="00000100-0b1c2d3e"),
+        FadeEnded(step=110, tokens=56320, boundary=0),
+        CheckpointDeleted(step=120, tokens=61440, checkpoint="00000040-1234abcd"),
+        RunStopped(step=120, tokens=61440, reason="interrupted (SIGINT)"),
+        RunResumed(
+            step=120,
+            tokens=61440,
+            checkpoint="00000120-3fa85f64",
+            superseded_first_seq=15,
+            superseded_last_seq=14,
+            restored=restored,
+            config_hash=HASH,
+        ),
+        ConfigChanged(
+            step=120, tokens=61440, config=config, config_hash=config_hash(config), previous_hash=HASH
+        ),
+        RunFinished(step=200, tokens=102400),
+    ]
+
+
+def test_the_golden_log_still_reads_event_for_event():
+    records = list(EventLog.open(GOLDEN_RUN).records())
+    assert [r.event for r in records] == golden_events()
+    assert [r.seq for r in records] == list(range(len(records)))
+    assert {r.version for r in records} == {1}
+    assert len({r.segment for r in records}) > 1
+
+
+def test_the_golden_log_verifies_clean_and_covers_every_type_it_was_written_with():
+    report = verify_log(GOLDEN_RUN)
+    assert report.ok and report.torn_tail is None and report.next_seq == len(golden_events())
+    assert {type(e).__name__ for e in golden_events()} <= set(EVENT_TYPES)
