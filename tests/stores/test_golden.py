@@ -1,6 +1,7 @@
 """A log written by an earlier version of this code must stay readable, event for event.
 
-`golden/run/` was written by `make_golden.py` (schema version 1) and is committed as binary. Never
+`golden/run/` was written by `make_golden.py` (schema version 1) and is committed as binary, with
+`golden/config.json`, the default Config of that day, which its RunStarted carries. Never
 regenerate it to make this test pass: a failure means old logs no longer read, which needs an
 upcaster in `rewind.stores.codec` (or a default for the new field). When the schema is bumped, add a
 second golden log for the new version next to this one and keep both tests.
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rewind.states.config import Config, config_hash
+import msgspec
+
+from rewind.states.config import Config
 from rewind.states.events import (
     EVENT_TYPES,
     CheckpointCommitted,
@@ -34,15 +37,26 @@ from rewind.states.events import (
 from rewind.states.state import CheckpointRef, Reference, State, Superseded
 from rewind.stores.eventlog import EventLog, verify_log
 
-GOLDEN_RUN = Path(__file__).parent / "golden" / "run"
+GOLDEN_DIR = Path(__file__).parent / "golden"
+GOLDEN_RUN = GOLDEN_DIR / "run"
+GOLDEN_CONFIG = GOLDEN_DIR / "config.json"  # Config() as it was when the log was written
 GOLDEN_SEGMENT_BYTES = 1024  # small, so the golden log spans several segments
 HASH = "9f2c4e1a" * 8
 SHA = "5d41402abc4b2a76b9719d911017c592" * 2
+# config_hash(Config()) when the log was written; a literal, since adding a config field with a default
+# changes today's hash but must not break reading old logs.
+DEFAULT_CONFIG_HASH = "2681743c22da3700b8e183de0efd5455a19104f36fdd23bdbf1b4a1fd5015332"
 
 
-def golden_events() -> list:
+def golden_config() -> Config:
+    """The default Config of the day the log was written: its values are what the log holds, even if
+    the defaults change later (fields added since decode to their defaults)."""
+    return msgspec.json.decode(GOLDEN_CONFIG.read_bytes(), type=Config)
+
+
+def golden_events(config: Config | None = None) -> list:
     """One of every event type of schema version 1, with realistic field values."""
-    config = Config()
+    config = config if config is not None else golden_config()
     checkpoint = CheckpointRef(
         checkpoint="00000120-3fa85f64",
         step=120,
@@ -72,7 +86,7 @@ def golden_events() -> list:
             step=0,
             tokens=0,
             config=config,
-            config_hash=config_hash(config),
+            config_hash=DEFAULT_CONFIG_HASH,
             rewind_version="0.1.0",
             parent=ForkOrigin(run="runs/base", step=400, checkpoint="00000400-deadbeef", config_hash=HASH),
         ),
@@ -128,7 +142,7 @@ def golden_events() -> list:
             config_hash=HASH,
         ),
         ConfigChanged(
-            step=120, tokens=61440, config=config, config_hash=config_hash(config), previous_hash=HASH
+            step=120, tokens=61440, config=config, config_hash=DEFAULT_CONFIG_HASH, previous_hash=HASH
         ),
         RunFinished(step=200, tokens=102400),
     ]
