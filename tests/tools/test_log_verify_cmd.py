@@ -1,0 +1,205 @@
+"""`rewind log` (filters, JSON, the effective view after a resume) and `rewind verify` (a clean run, and
+damage to the log or a checkpoint found and located)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rewind.states.events import CheckpointCommitted, RunResumed, StepCommitted
+from rewind.states.fold import fold
+from rewind.states.history import effective
+from rewind.stores.runs import read_records, read_seq_events
+from tests.engine.test_loop import (
+    OVERRIDES,
+    events_of,
+    interrupt_before,
+    one_line,
+    one_torch_thread,
+    run_cli,
+    straight_run,
+    train_args,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    return straight_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> Path:
+    """A run hit by Ctrl-C twice before the step with index 6 (steps 5 and 6 committed, no checkpoint
+    since step 4), then resumed to the end: the records of steps 5 and 6 are superseded."""
+    run = tmp_path_factory.mktemp("resumed") / "run"
+    overrides = (*OVERRIDES, "logging.report_interval=1")  # commit the log at every step
+    with pytest.MonkeyPatch.context() as patch:
+        interrupt_before(patch, step_index=6, times=2)  # the second Ctrl-C stops at once
+        code, _, err = run_cli(*train_args(run, overrides=overrides))
+    assert code == 130, err
+    state = fold(events_of(run))
+    assert state.step == 6 and state.last_checkpoint.step == 4 and not state.stopped_reason
+    code, _, err = run_cli(*train_args(run, overrides=overrides))
+    assert code == 0, err
+    return run
+
+
+def log_json(run: Path, *args: str) -> list[dict]:
+    code, out, err = run_cli("log", run, "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+# --- rewind log -------------------------------------------------------------------------------------
+
+
+def test_log_prints_a_header_and_one_line_per_record(resumed):
+    code, out, err = run_cli("log", resumed)
+    assert code == 0, err
+    lines = out.splitlines()
+    records = read_seq_events(resumed)
+    assert lines[0].split() == ["seq", "step", "tokens", "type", "fields"]
+    assert len(lines) == 1 + len(records)
+    for line, (seq, event) in zip(lines[1:], records, strict=True):
+        assert line.split()[:2] == [str(seq), str(event.step)] and type(event).__name__ in line
+
+
+def test_log_json_is_a_list_of_records_with_type_seq_step_and_fields(resumed):
+    listed = log_json(resumed)
+    records = read_seq_events(resumed)
+    assert [(d["type"], d["seq"], d["step"], d["tokens"]) for d in listed] == [
+        (type(e).__name__, s, e.step, e.tokens) for s, e in records
+    ]
+    steps = [d for d in listed if d["type"] == "StepCommitted"]
+    assert steps and all({"loss", "lr", "rows", "cursors", "skipped"} <= d.keys() for d in steps)
+    assert listed[0]["type"] == "RunStarted" and listed[0]["config"]["run"]["name"] == "tiny"
+
+
+def test_log_type_filter(resumed):
+    listed = log_json(resumed, "--type", "StepCommitted", "--type", "RunResumed")
+    records = read_seq_events(resumed)
+    expected = [s for s, e in records if isinstance(e, StepCommitted | RunResumed)]
+    assert [d["seq"] for d in listed] == expected
+    assert {d["type"] for d in listed} == {"StepCommitted", "RunResumed"}
+
+
+def test_log_unknown_type_is_a_usage_error(resumed):
+    code, out, err = run_cli("log", resumed, "--type", "StepCommited")
+    assert code == 2 and not out
+    assert "StepCommited" in one_line(err) and "StepCommitted" in err  # the known types are listed
+
+
+@pytest.mark.parametrize(("steps", "low", "high"), [("3:5", 3, 5), ("18:", 18, 10**9), (":2", 0, 2)])
+def test_log_steps_filter(resumed, steps, low, high):
+    listed = log_json(resumed, "--steps", steps)
+    expected = [s for s, e in read_seq_events(resumed) if low <= e.step <= high]
+    assert expected and [d["seq"] for d in listed] == expected
+
+
+@pytest.mark.parametrize("steps", ["3-5", "a:b", "3", "1:2:3"])
+def test_log_bad_steps_is_a_usage_error(resumed, steps):
+    code, out, err = run_cli("log", resumed, "--steps", steps)
+    assert code == 2 and not out
+    assert "--steps" in one_line(err)
+
+
+def test_log_effective_drops_the_records_a_resume_superseded(resumed):
+    raw = log_json(resumed, "--type", "StepCommitted")
+    kept = log_json(resumed, "--type", "StepCommitted", "--effective")
+    raw_steps = [d["step"] for d in raw]
+    assert raw_steps.count(5) == raw_steps.count(6) == 2  # committed, then redone after the resume
+    assert [d["step"] for d in kept] == list(range(1, 21))
+    (resume,) = [e for e in events_of(resumed) if isinstance(e, RunResumed)]
+    superseded = range(resume.superseded_first_seq, resume.superseded_last_seq + 1)
+    assert len(superseded) >= 2
+    everything = log_json(resumed, "--effective")
+    assert [d["seq"] for d in everything] == [s for s, _ in effective(read_seq_events(resumed))]
+    assert not any(d["seq"] in superseded for d in everything)
+
+
+def test_log_of_a_missing_run(tmp_path):
+    code, out, err = run_cli("log", tmp_path / "nothing")
+    assert code != 0 and not out
+    assert "no run here" in one_line(err) and "Traceback" not in err
+
+
+# --- rewind verify ----------------------------------------------------------------------------------
+
+
+def verify(run: Path) -> tuple[int, list[str]]:
+    code, out, err = run_cli("verify", run)
+    assert not err
+    return code, [line for line in out.splitlines() if line.startswith("PROBLEM ")]
+
+
+@pytest.fixture
+def damaged(straight, tmp_path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    return run
+
+
+@pytest.mark.parametrize("which", ["straight", "resumed"])
+def test_verify_a_clean_run(which, request):
+    run = request.getfixturevalue(which)
+    code, out, err = run_cli("verify", run)
+    assert code == 0, out + err
+    assert "PROBLEM" not in out and out.splitlines()[-1] == "verify: clean"
+
+
+def test_verify_finds_a_flipped_byte_in_the_log(damaged):
+    segment = damaged / "events" / "00000000.log"
+    data = bytearray(segment.read_bytes())
+    middle = len(data) // 2
+    data[middle] ^= 0xFF
+    hit = [r for r in read_records(damaged) if r.offset <= middle][-1]  # the record holding the byte
+    segment.write_bytes(data)
+    code, problems = verify(damaged)
+    assert code == 1
+    assert problems[0].startswith(f"PROBLEM log: 00000000.log offset {hit.offset}: ")
+
+
+def test_verify_finds_a_corrupt_checkpoint_file(damaged):
+    final = fold(events_of(damaged)).last_checkpoint
+    path = damaged / "checkpoints" / final.checkpoint / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(data)
+    code, problems = verify(damaged)
+    assert code == 1
+    (problem,) = problems
+    assert final.checkpoint in problem and "model.safetensors" in problem
+    code, out, _ = run_cli("verify", damaged)
+    assert "1 with problems" in out and "verified" not in out  # the summary does not claim otherwise
+
+
+def test_verify_finds_a_missing_live_checkpoint(damaged):
+    live = fold(events_of(damaged)).live_checkpoints
+    gone = live[0].checkpoint
+    shutil.rmtree(damaged / "checkpoints" / gone)
+    code, problems = verify(damaged)
+    assert code == 1
+    (problem,) = problems
+    assert gone in problem and "not found" in problem
+
+
+def test_verify_reports_a_torn_tail(damaged):
+    last = read_records(damaged)[-1]
+    segment = damaged / "events" / last.segment
+    data = segment.read_bytes()
+    segment.write_bytes(data[: len(data) - 5])  # the last record loses its end
+    code, problems = verify(damaged)
+    assert code == 1
+    (problem,) = problems
+    assert "torn tail" in problem and f"{last.segment} at offset {last.offset}" in problem
+    # Everything before the tear is intact and still folds (to a run that has not finished).
+    assert isinstance(read_seq_events(damaged)[-1][1], CheckpointCommitted)
