@@ -24,22 +24,9 @@ from tests.engine.test_loop import (
     events_of,
     exported_weights,
     one_line,
-    one_torch_thread,
     run_cli,
-    straight_run,
     train_args,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
-    return straight_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
