@@ -79,7 +79,7 @@ def _rewind_step_times(config, num_steps: int) -> list[float]:
         try:
             began = time.perf_counter()
             stamps.append(began)
-            drive(parts, state, max_steps=num_steps, progress=lambda s, e: stamps.append(time.perf_counter()))
+            drive(parts, state, max_steps=num_steps, progress=lambda _state: stamps.append(time.perf_counter()))
         finally:
             if parts.metrics is not None:
                 parts.metrics.close()

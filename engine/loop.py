@@ -67,13 +67,12 @@ class Parts:
     store: CheckpointStore
     metrics: MetricsProjection | None
     reference: nn.Module | None = None
-    on_event: Callable[[Event], None] | None = None
     param_names: dict[nn.Parameter, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # "finished" | "stopped" | "nonfinite"
+    status: str  # "finished" | "stopped" (step limit) | "interrupted" (Ctrl-C) | "nonfinite"
     state: State
     message: str = ""
 
@@ -121,8 +120,6 @@ def emit(parts: Parts, state: State, event: Event) -> State:
     parts.log.append(event)
     if parts.metrics is not None:
         parts.metrics.observe(event)
-    if parts.on_event is not None:
-        parts.on_event(event)
     return new_state
 
 
@@ -204,7 +201,7 @@ def run_one_step(parts: Parts, state: State) -> tuple[State, bool]:
         config=config,
         lr=plan.lr,
         beta=plan.beta,
-        reference=parts.reference if plan.beta > 0 else None,
+        reference=parts.reference,
         step=k,
     )
     skipped = False
@@ -263,7 +260,7 @@ def drive(
     state: State,
     *,
     max_steps: int | None = None,
-    progress: Callable[[State, StepCommitted | None], None] | None = None,
+    progress: Callable[[State], None] | None = None,
 ) -> Outcome:
     """Run until the end, a stop request, a non-finite loss (with on_nonfinite = "stop") or
     `max_steps` steps in this process."""
@@ -276,7 +273,7 @@ def drive(
                 return Outcome("finished", state)
             if stop_request.requested:
                 state = stop(parts, state, "interrupted (Ctrl-C)")
-                return Outcome("stopped", state, f"stopped after step {state.step}; run the same command to resume")
+                return Outcome("interrupted", state, f"stopped after step {state.step}; run the same command to resume")
             if max_steps is not None and steps_here >= max_steps:
                 state = stop(parts, state, f"step limit of {max_steps} for this process")
                 return Outcome("stopped", state, f"stopped after step {state.step} (--max-steps)")
@@ -300,4 +297,4 @@ def drive(
                 if parts.metrics is not None:
                     parts.metrics.flush()
             if progress is not None:
-                progress(state, None)
+                progress(state)

@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from rewind.states.events import CheckpointCommitted, CheckpointDeleted, Event, RunResumed, RunStarted
+from rewind.states.events import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    ConfigChanged,
+    Event,
+    RunResumed,
+    RunStarted,
+)
 from rewind.states.fold import fold
 from rewind.states.state import State
 
@@ -75,6 +82,4 @@ def restore_point(records: Sequence[SeqEvent]) -> RestorePoint:
 
 def config_events(records: Sequence[SeqEvent]) -> list[SeqEvent]:
     """RunStarted and every later config change (forks in place), in order."""
-    from rewind.states.events import ConfigChanged
-
     return [(s, e) for s, e in records if isinstance(e, RunStarted | ConfigChanged)]

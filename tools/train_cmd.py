@@ -56,13 +56,12 @@ class ProgressBar:
         self.bar = None
         self.started = time.perf_counter()
         self.initial = initial
-        self.tokens_per_step = 0
         if enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
 
-    def __call__(self, state, _event) -> None:
+    def __call__(self, state) -> None:
         if self.bar is None:
             return
         elapsed = max(time.perf_counter() - self.started, 1e-9)
@@ -106,9 +105,9 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
         parts.log.close()
     if outcome.status == "nonfinite":
         raise CommandError(outcome.message, 1)
-    if outcome.status == "stopped":
+    if outcome.status in ("stopped", "interrupted"):
         print(f"rewind: {outcome.message}", file=sys.stderr)
-        return 130 if "Ctrl-C" in (outcome.message + str(outcome.state.stopped_reason)) else 0
+        return 130 if outcome.status == "interrupted" else 0
     print(summary(run_dir))
     return 0
 
