@@ -31,6 +31,7 @@ ALLOWED_STDLIB = {
     "enum",
     "functools",
     "itertools",
+    "struct",  # bit-exact float comparison (states/compare.py)
 }
 FORBIDDEN = {"time", "random", "os", "io", "pathlib", "datetime", "torch", "numpy"}
 MODULES = sorted(p for p in STATES.glob("*.py") if p.name not in EXEMPT)
