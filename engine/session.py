@@ -34,7 +34,7 @@ class RunError(Exception):
         self.exit_code = exit_code
 
 
-def _prepare_directory(run_dir: str) -> None:
+def prepare_directory(run_dir: str) -> None:
     if "://" in run_dir:
         return  # object stores: nothing to create up front
     path = Path(run_dir)
@@ -60,16 +60,8 @@ def open_run(
 ) -> tuple[Parts, State, str]:
     """Returns (parts, state, how) with how in {"started", "resumed", "finished"}. The log stays open
     (and locked) in parts.log; the caller closes it."""
-    _prepare_directory(run_dir)
-    try:
-        datasets = datasets or DatasetRegistry(config)
-        for mixture in config.training.datasets:  # open every dataset now: fail before the log is touched
-            for sampling in mixture:
-                datasets[sampling.name]
-        for name in config.training.evaluations:
-            datasets[name]
-    except DatasetError as exc:
-        raise RunError(str(exc)) from None
+    prepare_directory(run_dir)
+    datasets = open_datasets(config, datasets)
     log = EventLog.open(run_dir, "w")
     try:
         records = [(r.seq, r.event) for r in log.records()]
@@ -81,7 +73,21 @@ def open_run(
         raise
 
 
-def _parts(config: Config, run_dir: str, log: EventLog, metrics: bool, datasets: DatasetRegistry) -> Parts:
+def open_datasets(config: Config, datasets: DatasetRegistry | None = None) -> DatasetRegistry:
+    """Open every dataset the config names now, so a bad one fails before any log is touched."""
+    try:
+        datasets = datasets or DatasetRegistry(config)
+        for mixture in config.training.datasets:
+            for sampling in mixture:
+                datasets[sampling.name]
+        for name in config.training.evaluations:
+            datasets[name]
+    except DatasetError as exc:
+        raise RunError(str(exc)) from None
+    return datasets
+
+
+def make_parts(config: Config, run_dir: str, log: EventLog, metrics: bool, datasets: DatasetRegistry) -> Parts:
     model = build_model(config)
     optimizer = build_optimizer(model, config)
     return Parts(
@@ -107,7 +113,7 @@ def _start(config: Config, run_dir: str, log: EventLog, *, metrics: bool, datase
     state = apply(State(), started)
     log.append(started)
     log.commit()
-    parts = _parts(config, run_dir, log, metrics, datasets)
+    parts = make_parts(config, run_dir, log, metrics, datasets)
     if parts.metrics is not None:
         parts.metrics.rebuild(run_dir, [started])
     return parts, state, "started"
@@ -117,7 +123,7 @@ def _resume(config, run_dir, log, records, *, fork: bool, metrics: bool, dataset
     current = fold(e for _, e in records)
     logged_config = run_config(records)
     if current.finished:
-        return _parts(logged_config, run_dir, log, metrics, datasets), current, "finished"
+        return make_parts(logged_config, run_dir, log, metrics, datasets), current, "finished"
     new_hash = config_hash(config)
     if new_hash != current.config_hash and not fork:
         changes = config_differences(logged_config, config)
@@ -149,7 +155,7 @@ def _resume(config, run_dir, log, records, *, fork: bool, metrics: bool, dataset
         log.append(change)
         logged_config = config
     log.commit()
-    parts = _parts(logged_config, run_dir, log, metrics, datasets)
+    parts = make_parts(logged_config, run_dir, log, metrics, datasets)
     if point.checkpoint:
         load_checkpoint(parts, state)
     if parts.metrics is not None:

@@ -56,28 +56,31 @@ class RestorePoint:
 
 
 def restore_point(records: Sequence[SeqEvent]) -> RestorePoint:
-    """The last committed, still-effective checkpoint, or the run's start when there is none."""
+    """The last committed, still-effective checkpoint, or the run's start when there is none.
+
+    A checkpoint is anchored by its CheckpointCommitted record, or by a later RunResumed that restarted
+    from it (a resume, or the start of a fork); the last effective anchor wins. Records that belong to
+    the anchor stay with it: retention deletions after a checkpoint (their files may already be gone)
+    and config changes after a resume (the run goes on under the new config even if the process dies
+    before its next checkpoint)."""
     if not records or not isinstance(records[0][1], RunStarted):
         raise ValueError("the log does not start with RunStarted")
-    final = fold(e for _, e in records)
-    target = final.last_checkpoint
-    if target is not None:
-        ranges = superseded_ranges(records)
-        for i in range(len(records) - 1, -1, -1):
-            seq, event = records[i]
-            if (
-                isinstance(event, CheckpointCommitted)
-                and event.checkpoint == target.checkpoint
-                and not is_superseded(seq, ranges)
-            ):
-                # The retention deletions that follow a checkpoint record belong to it: their files
-                # may already be gone, so they must not be superseded with the steps after it.
-                end = i + 1
-                while end < len(records) and isinstance(records[end][1], CheckpointDeleted):
-                    end += 1
-                return RestorePoint(target.checkpoint, records[end - 1][0], fold(e for _, e in records[:end]))
-    first_seq, started = records[0]
-    return RestorePoint("", first_seq, fold([started]))
+    target = fold(e for _, e in records).last_checkpoint
+    name = target.checkpoint if target is not None else ""
+    ranges = superseded_ranges(records)
+    for i in range(len(records) - 1, -1, -1):
+        seq, event = records[i]
+        anchored = (
+            isinstance(event, CheckpointCommitted) and event.checkpoint == name
+            or isinstance(event, RunResumed) and event.checkpoint == name
+            or isinstance(event, RunStarted) and not name
+        )
+        if anchored and not is_superseded(seq, ranges):
+            end = i + 1
+            while end < len(records) and isinstance(records[end][1], CheckpointDeleted | ConfigChanged):
+                end += 1
+            return RestorePoint(name, records[end - 1][0], fold(e for _, e in records[:end]))
+    raise ValueError(f"no effective record anchors checkpoint {name!r}")
 
 
 def config_events(records: Sequence[SeqEvent]) -> list[SeqEvent]:

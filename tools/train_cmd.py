@@ -75,7 +75,6 @@ class ProgressBar:
 
 
 def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool) -> int:
-    from rewind.engine.loop import drive
     from rewind.engine.session import RunError, open_run
     from rewind.stores.eventlog import LogLockedError
 
@@ -85,14 +84,24 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
         raise CommandError(str(exc), exc.exit_code) from None
     except LogLockedError as exc:
         raise CommandError(str(exc), 1) from None
+    if how == "finished":
+        if parts.metrics is not None:
+            parts.metrics.close()
+        parts.log.close()
+        print(f"{run_dir}: the run is already finished (step {state.step}); nothing to do")
+        return 0
+    if how == "resumed":
+        ref = state.last_checkpoint
+        origin = f"checkpoint {ref.checkpoint}" if ref else "the start (no checkpoint yet)"
+        print(f"resuming {run_dir} at step {state.step} from {origin}", file=sys.stderr)
+    return drive_and_report(parts, state, run_dir, max_steps=max_steps, progress=progress)
+
+
+def drive_and_report(parts, state, run_dir: str, *, max_steps: int | None, progress: bool) -> int:
+    """Train an opened run to its end (or a stop), close it, and report; returns the exit code."""
+    from rewind.engine.loop import drive
+
     try:
-        if how == "finished":
-            print(f"{run_dir}: the run is already finished (step {state.step}); nothing to do")
-            return 0
-        if how == "resumed":
-            ref = state.last_checkpoint
-            origin = f"checkpoint {ref.checkpoint}" if ref else "the start (no checkpoint yet)"
-            print(f"resuming {run_dir} at step {state.step} from {origin}", file=sys.stderr)
         _write_schedule_plot(parts, run_dir)
         bar = ProgressBar(parts.schedule.num_steps, state.step, progress)
         try:

@@ -1,0 +1,65 @@
+"""`rewind fork RUN --at-step N [--set KEY=VALUE ...] NEW_RUN`: a what-if experiment.
+
+The new run starts from RUN's last intact checkpoint at or before step N, under RUN's config with the
+overrides applied (or under `--config FILE`), and trains to its end like `rewind train`. Its RunStarted
+names the parent, so `rewind diff RUN NEW_RUN` compares them from the fork point on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rewind.tools.errors import CommandError, UsageError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fork", help="start a new run from a run's checkpoint at or before a step, with a changed config")
+    p.add_argument("run_dir", metavar="RUN", help="the parent run")
+    p.add_argument("new_run", metavar="NEW_RUN", help="directory of the new run (must not hold a run)")
+    p.add_argument("--at-step", type=int, required=True, metavar="N", help="fork at the last checkpoint at or before N")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--config", help="a whole new config file instead of the parent's (--set applies on top)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop cleanly after this many steps (resumable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from rewind.engine.fork import open_fork
+    from rewind.engine.session import RunError
+    from rewind.states.config import apply_overrides, config_differences, config_from_dict
+    from rewind.stores.eventlog import LogLockedError, LogNotFoundError
+    from rewind.tools.configfile import load_config
+    from rewind.tools.train_cmd import drive_and_report
+
+    if args.at_step < 0:
+        raise UsageError(f"--at-step {args.at_step}: must be >= 0")
+    if args.max_steps is not None and args.max_steps < 0:
+        raise UsageError(f"--max-steps {args.max_steps}: must be >= 0")
+    if args.config is not None:
+        chosen = load_config(args.config, args.overrides)  # problems show before the parent is read
+
+    def config_of_child(parent_config):
+        if args.config is not None:
+            return chosen
+        raw = apply_overrides(msgspec.to_builtins(parent_config), args.overrides)
+        return config_from_dict(raw, source=f"{args.run_dir} config with --set")
+
+    try:
+        parts, state, point = open_fork(args.run_dir, args.at_step, config_of_child, args.new_run)
+    except LogNotFoundError:
+        raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
+    except RunError as exc:
+        raise CommandError(str(exc), exc.exit_code) from None
+    except LogLockedError as exc:
+        raise CommandError(str(exc), 1) from None
+    where = f"checkpoint {point.checkpoint} (step {point.step})" if point.checkpoint else "its start (step 0)"
+    print(f"forked {args.run_dir} at {where} into {args.new_run}", file=sys.stderr)
+    if point.step != args.at_step:
+        print(f"  (no intact checkpoint at step {args.at_step}; {point.step} is the last one before it)", file=sys.stderr)
+    for line in config_differences(point.config, parts.config):
+        print(f"  config: {line}", file=sys.stderr)
+    return drive_and_report(parts, state, args.new_run, max_steps=args.max_steps, progress=not args.no_progress)
