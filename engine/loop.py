@@ -123,13 +123,19 @@ def emit(parts: Parts, state: State, event: Event) -> State:
     return new_state
 
 
-def save_checkpoint(parts: Parts, state: State, reason: str) -> State:
-    """Write, sync and rename the checkpoint, then announce it; then apply the retention policy."""
+def checkpoint_groups(parts: Parts) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """The tensors a checkpoint holds, per group, and the optimizer's layout metadata."""
     groups = {"model": snapshot.model_tensors(parts.model)}
     optimizer_tensors, optimizer_meta = snapshot.optimizer_tensors(parts.optimizer, parts.param_names)
     groups["optimizer"] = optimizer_tensors
     if parts.reference is not None:
         groups["reference"] = snapshot.model_tensors(parts.reference)
+    return groups, optimizer_meta
+
+
+def save_checkpoint(parts: Parts, state: State, reason: str) -> State:
+    """Write, sync and rename the checkpoint, then announce it; then apply the retention policy."""
+    groups, optimizer_meta = checkpoint_groups(parts)
     meta = {
         "optimizer": optimizer_meta,
         "stack_sizes": parts.model.stack_sizes,
@@ -188,8 +194,10 @@ def perform_control_events(parts: Parts, state: State, step: int) -> State:
     return state
 
 
-def run_one_step(parts: Parts, state: State) -> tuple[State, bool]:
-    """Run the step with index state.step; returns (state, keep_going)."""
+def execute_step(parts: Parts, state: State) -> StepCommitted:
+    """Run the step with index state.step (update included unless the loss is non-finite) and return
+    the event that commits it; `skipped` says the update was withheld. `rewind replay` calls this too,
+    so a re-execution is the very code path that produced the log."""
     config, k = parts.config, state.step
     plan = parts.schedule.step_plan(k)
     tokens, mask, cursors, _ = assemble_batch(config.run.seed, config, plan.rows, state.cursors, parts.datasets)
@@ -204,30 +212,31 @@ def run_one_step(parts: Parts, state: State) -> tuple[State, bool]:
         reference=parts.reference,
         step=k,
     )
-    skipped = False
-    if not result.finite:
+    return StepCommitted(
+        step=k + 1,
+        tokens=(k + 1) * parts.schedule.tokens_per_step,
+        stage=plan.stage,
+        lr=plan.lr,
+        beta=plan.beta,
+        loss=result.loss,
+        kl=result.kl,
+        grad_norm=result.grad_norm,
+        rows=list(plan.rows),
+        cursors=cursors,
+        skipped=not result.finite,
+    )
+
+
+def run_one_step(parts: Parts, state: State) -> tuple[State, bool]:
+    """Run the step with index state.step; returns (state, keep_going)."""
+    config = parts.config
+    committed = execute_step(parts, state)
+    if committed.skipped:
         action = config.training.on_nonfinite
-        state = emit(parts, state, NonFiniteLoss(step=state.step, tokens=state.tokens, loss=result.loss, action=action))
+        state = emit(parts, state, NonFiniteLoss(step=state.step, tokens=state.tokens, loss=committed.loss, action=action))
         if action == "stop":
             return state, False
-        skipped = True
-    state = emit(
-        parts,
-        state,
-        StepCommitted(
-            step=k + 1,
-            tokens=(k + 1) * parts.schedule.tokens_per_step,
-            stage=plan.stage,
-            lr=plan.lr,
-            beta=plan.beta,
-            loss=result.loss,
-            kl=result.kl,
-            grad_norm=result.grad_norm,
-            rows=list(plan.rows),
-            cursors=cursors,
-            skipped=skipped,
-        ),
-    )
+    state = emit(parts, state, committed)
     duties = duties_after_step(state, parts.schedule)
     if duties.validate:
         losses = validate(parts.model, parts.datasets, config, state.step)

@@ -275,6 +275,13 @@ class CheckpointStore:
         return digest.hexdigest()
 
 
+def group_file(group: str, tensors: Mapping[str, torch.Tensor]) -> tuple[str, str]:
+    """(file name, sha256) that a checkpoint holding these tensors records for the group: a re-execution
+    can check its live tensors against a CheckpointCommitted event even after retention deleted the files."""
+    _, entry = _serialize(group, _checked_tensors(group, tensors))
+    return entry.name, entry.sha256
+
+
 def _join(*parts: str) -> str:
     # fsspec paths are "/"-separated on every platform and for every protocol.
     return "/".join(part.rstrip("/") if i == 0 else part.strip("/") for i, part in enumerate(parts))

@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "rewind.tools.train_cmd",
     "rewind.tools.schedule_cmd",
     "rewind.tools.log_cmd",
+    "rewind.tools.replay_cmd",
     "rewind.tools.fork_cmd",
     "rewind.tools.verify_cmd",
     "rewind.tools.export_cmd",

@@ -1,0 +1,127 @@
+"""`rewind replay RUN [--from-checkpoint C] [--to-step N] [--rtol R]`: re-execute a window of a run and
+compare every recomputed step with the logged one, and the live tensors with every checkpoint's
+recorded hashes. Exit 0 when everything matches, 1 at the first mismatch (which is reported)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rewind.tools.errors import CommandError, UsageError
+
+COMPARED = "stage, lr, beta, loss, kl, grad norm, rows, cursors, skipped"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="re-execute a run's steps from a checkpoint and compare them with the log")
+    p.add_argument("run_dir", metavar="RUN")
+    p.add_argument("--from-checkpoint", metavar="C", help="a checkpoint name or step (default: the earliest start)")
+    p.add_argument("--to-step", type=int, metavar="N", help="last step to re-execute (default: the last logged)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for floats (default 0: bit for bit)")
+    p.add_argument("--json", action="store_true", help="the report as one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rewind.engine.replay import ReplayError, replay
+    from rewind.engine.session import RunError
+    from rewind.stores.runs import LogNotFoundError, read_seq_events
+
+    if not args.rtol >= 0.0:  # also refuses NaN
+        raise UsageError(f"--rtol {args.rtol}: must be >= 0")
+    try:
+        records = read_seq_events(args.run_dir)
+    except LogNotFoundError:
+        raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
+    if not records:
+        raise CommandError(f"{args.run_dir}: the event log is empty", 1)
+    bar = _ProgressBar(enabled=not args.no_progress and not args.json)
+    try:
+        report = replay(
+            args.run_dir, records, from_checkpoint=args.from_checkpoint, to_step=args.to_step, rtol=args.rtol,
+            progress=bar,
+        )
+    except (ReplayError, RunError) as exc:
+        raise CommandError(str(exc), exc.exit_code) from None
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps(as_dict(report, args.rtol), indent=1, default=repr))
+    else:
+        print(describe(report, args.run_dir, args.rtol))
+    return 0 if report.mismatch is None else 1
+
+
+def as_dict(report, rtol: float) -> dict:
+    mismatch = report.mismatch
+    return {
+        "start_checkpoint": report.start_checkpoint,
+        "start_step": report.start_step,
+        "to_step": report.to_step,
+        "rtol": rtol,
+        "num_steps_compared": report.num_steps,
+        "checkpoints_matched": report.checkpoints_matched,
+        "reproducible": mismatch is None,
+        "mismatch": None
+        if mismatch is None
+        else {
+            "step": mismatch.step,
+            "seq": mismatch.seq,
+            "event": mismatch.event,
+            "field": mismatch.difference.field,
+            "logged": mismatch.difference.a,
+            "recomputed": mismatch.difference.b,
+        },
+    }
+
+
+def describe(report, run_dir: str, rtol: float) -> str:
+    start = f"checkpoint {report.start_checkpoint}" if report.start_checkpoint else "the run's start"
+    exact = "bit for bit" if rtol == 0 else f"within rtol {rtol:g}"
+    lines = [f"replayed {run_dir} from {start} (step {report.start_step}) towards step {report.to_step}"]
+    mismatch = report.mismatch
+    if mismatch is None:
+        lines.append(f"  steps {report.start_step + 1}..{report.to_step}: {report.num_steps} recomputed, "
+                     f"all equal to the log {exact} ({COMPARED})")
+    else:
+        lines.append(f"  {report.num_steps - (mismatch.event == 'StepCommitted')} steps matched {exact} before")
+    if report.checkpoints_matched:
+        lines.append(f"  model, optimizer and reference tensors equal the hashes of {len(report.checkpoints_matched)} "
+                     f"checkpoint(s): {', '.join(report.checkpoints_matched)}")
+    if mismatch is None:
+        lines.append("replay: reproducible")
+        return "\n".join(lines)
+    d = mismatch.difference
+    lines.append(f"FIRST MISMATCH at step {mismatch.step} (seq {mismatch.seq}, {mismatch.event}.{d.field}):")
+    lines.append(f"  logged      {d.a!r}")
+    lines.append(f"  recomputed  {d.b!r}")
+    if isinstance(d.a, float) and isinstance(d.b, float):
+        delta = abs(d.a - d.b)
+        lines.append(f"  |delta| {delta:.3g}, relative {delta / max(abs(d.a), abs(d.b), 1e-300):.3g}")
+    if mismatch.event == "CheckpointCommitted":
+        lines.append("  every step before matched, so the difference is in state no step reports (e.g. optimizer moments)")
+    lines.append(f"replay: not reproducible at step {mismatch.step}")
+    return "\n".join(lines)
+
+
+class _ProgressBar:
+    """Appears with the first replayed step, so a request refused up front prints only its one line."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+
+    def __call__(self, step: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit="step", dynamic_ncols=True, file=sys.stderr, desc="replay", initial=step - 1)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
