@@ -109,7 +109,13 @@ def open_fork(
         run=_run_identity(parent_dir), step=point.step, checkpoint=point.checkpoint, config_hash=point.state.config_hash
     )
     started = RunStarted(
-        step=0, tokens=0, config=config, config_hash=child_hash, rewind_version=REWIND_VERSION, parent=origin
+        step=0,
+        tokens=0,
+        config=config,
+        config_hash=child_hash,
+        rewind_version=REWIND_VERSION,
+        parent=origin,
+        num_threads=point.state.num_threads,  # the parent's: an unchanged fork must compute the same bits
     )
     preamble = [started]
     if point.checkpoint:

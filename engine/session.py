@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from rewind.engine.datasets import DatasetError, DatasetRegistry
 from rewind.engine.loop import Parts, build_model, load_checkpoint
 from rewind.engine.step import build_optimizer
@@ -48,6 +50,16 @@ def prepare_directory(run_dir: str) -> None:
         raise RunError(f"{run_dir}: not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise RunError(f"{run_dir}: the run directory is not writable")
+
+
+def adopt_threads(num_threads: int) -> str:
+    """Compute with the run's recorded CPU thread count (resume, fork, replay). Returns a note for the
+    user when that differs from this process's default, else ""."""
+    before = torch.get_num_threads()
+    if num_threads <= 0 or num_threads == before:
+        return ""
+    torch.set_num_threads(num_threads)
+    return f"computing with {num_threads} CPU thread(s) as the run was started (this process had {before}): bit for bit"
 
 
 def run_config(records) -> Config:
@@ -109,7 +121,14 @@ def _start(config: Config, run_dir: str, log: EventLog, *, metrics: bool, datase
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
-    started = RunStarted(step=0, tokens=0, config=config, config_hash=config_hash(config), rewind_version=REWIND_VERSION)
+    started = RunStarted(
+        step=0,
+        tokens=0,
+        config=config,
+        config_hash=config_hash(config),
+        rewind_version=REWIND_VERSION,
+        num_threads=torch.get_num_threads(),
+    )
     state = apply(State(), started)
     log.append(started)
     log.commit()

@@ -40,6 +40,9 @@ class RunStarted(Event, frozen=True, kw_only=True):
     config_hash: str
     rewind_version: str = "0"
     parent: ForkOrigin | None = None
+    # CPU threads the run computes with (0 = not recorded). A CPU sum is split across threads, so its
+    # bits depend on the count: resume, fork and replay use this one, wherever they run.
+    num_threads: int = 0
 
 
 class StageEntered(Event, frozen=True, kw_only=True):

@@ -57,7 +57,7 @@ def apply(state: State, event: Event) -> State:
         _require(False, event, "the run has already finished")
 
     match event:
-        case RunStarted(config=config, config_hash=config_hash, parent=parent):
+        case RunStarted(config=config, config_hash=config_hash, parent=parent, num_threads=num_threads):
             _require(not state.started, event, "the run has already started")
             schedule = Schedule(config)
             return State(
@@ -68,6 +68,7 @@ def apply(state: State, event: Event) -> State:
                 num_steps=schedule.num_steps,
                 reference_update_stages=sorted(schedule.reference_update_stages),
                 parent_run=parent.run if parent else "",
+                num_threads=num_threads,
             )
         case StageEntered(stage=stage):
             _require(stage == state.num_stages_entered, event, f"expected stage {state.num_stages_entered} next")

@@ -71,9 +71,9 @@ def restore_point(records: Sequence[SeqEvent]) -> RestorePoint:
     for i in range(len(records) - 1, -1, -1):
         seq, event = records[i]
         anchored = (
-            isinstance(event, CheckpointCommitted) and event.checkpoint == name
-            or isinstance(event, RunResumed) and event.checkpoint == name
-            or isinstance(event, RunStarted) and not name
+            (isinstance(event, CheckpointCommitted) and event.checkpoint == name)
+            or (isinstance(event, RunResumed) and event.checkpoint == name)
+            or (isinstance(event, RunStarted) and not name)
         )
         if anchored and not is_superseded(seq, ranges):
             end = i + 1

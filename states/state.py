@@ -69,6 +69,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     stopped_reason: str = ""
     resumes: list[Superseded] = []
     parent_run: str = ""
+    num_threads: int = 0  # CPU threads the run computes with (RunStarted's; 0 = not recorded)
 
 
 def control_summary(state: State) -> dict:

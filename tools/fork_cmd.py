@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from rewind.engine.fork import open_fork
-    from rewind.engine.session import RunError
+    from rewind.engine.session import RunError, adopt_threads
     from rewind.states.config import apply_overrides, config_differences, config_from_dict
     from rewind.stores.eventlog import LogLockedError, LogNotFoundError
     from rewind.tools.configfile import load_config
@@ -62,4 +62,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"  (no intact checkpoint at step {args.at_step}; {point.step} is the last one before it)", file=sys.stderr)
     for line in config_differences(point.config, parts.config):
         print(f"  config: {line}", file=sys.stderr)
+    if note := adopt_threads(state.num_threads):
+        print(f"  {note}", file=sys.stderr)
     return drive_and_report(parts, state, args.new_run, max_steps=args.max_steps, progress=not args.no_progress)

@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rewind.engine.replay import ReplayError, replay
-    from rewind.engine.session import RunError
+    from rewind.engine.session import RunError, adopt_threads
+    from rewind.states.fold import fold
     from rewind.stores.runs import LogNotFoundError, read_seq_events
 
     if not args.rtol >= 0.0:  # also refuses NaN
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
     if not records:
         raise CommandError(f"{args.run_dir}: the event log is empty", 1)
+    if note := adopt_threads(fold(e for _, e in records).num_threads):
+        print(f"rewind: {note}", file=sys.stderr)
     bar = _ProgressBar(enabled=not args.no_progress and not args.json)
     try:
         report = replay(

@@ -75,7 +75,7 @@ class ProgressBar:
 
 
 def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool) -> int:
-    from rewind.engine.session import RunError, open_run
+    from rewind.engine.session import RunError, adopt_threads, open_run
     from rewind.stores.eventlog import LogLockedError
 
     try:
@@ -94,6 +94,8 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
         ref = state.last_checkpoint
         origin = f"checkpoint {ref.checkpoint}" if ref else "the start (no checkpoint yet)"
         print(f"resuming {run_dir} at step {state.step} from {origin}", file=sys.stderr)
+        if note := adopt_threads(state.num_threads):
+            print(f"  {note}", file=sys.stderr)
     return drive_and_report(parts, state, run_dir, max_steps=max_steps, progress=progress)
 
 

@@ -244,3 +244,33 @@ def test_a_second_writer_is_refused_while_the_lock_is_held(rewind_cli, stopped_c
 def test_resume_of_a_directory_without_a_run(rewind_cli, tmp_path):
     code, _, err = rewind_cli("resume", tmp_path)
     assert_one_clean_line(code, err, 2, str(tmp_path), "no run here")
+
+
+# --- CPU threads ------------------------------------------------------------------------------------
+
+
+def test_a_run_records_its_thread_count_and_a_resume_computes_with_it(stopped_copy, straight, tmp_path):
+    """CPU float sums are split across threads, so their bits depend on the count: a resume in a process
+    (or on a machine) with another default must still compute with the run's."""
+    import contextlib
+    import io
+
+    import torch
+
+    from rewind.tools.cli import main
+
+    assert events_of(stopped_copy)[0].num_threads == 1  # every test trains with one thread
+    err = io.StringIO()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(["resume", str(stopped_copy), "--no-progress"])
+    finally:
+        torch.set_num_threads(before)
+    assert code == 0, err.getvalue()
+    assert "computing with 1 CPU thread(s)" in err.getvalue() and "had 2" in err.getvalue()
+    assert_bitwise_equal(
+        exported_weights(straight, tmp_path / "straight.safetensors"),
+        exported_weights(stopped_copy, tmp_path / "resumed.safetensors"),
+    )
