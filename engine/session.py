@@ -175,6 +175,11 @@ def _resume(config, run_dir, log, records, *, fork: bool, metrics: bool, dataset
         logged_config = config
     log.commit()
     parts = make_parts(logged_config, run_dir, log, metrics, datasets)
+    # With the resume on record and the lock held, checkpoint directories no live event names are
+    # garbage by construction: half-written ones, ones written after the restore point (never
+    # acknowledged, since the restore point is the last committed checkpoint), retention deletions
+    # the dead process did not finish.
+    parts.store.remove_orphans(c.checkpoint for c in state.live_checkpoints)
     if point.checkpoint:
         load_checkpoint(parts, state)
     if parts.metrics is not None:

@@ -20,7 +20,9 @@ import pytest
 from safetensors.torch import load_file
 
 from rewind.states.events import RunResumed, StepCommitted
+from rewind.states.fold import fold
 from rewind.states.history import effective
+from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.runs import LogNotFoundError, read_records
 from tests.conftest import EXAMPLES
 
@@ -109,6 +111,17 @@ def test_sigkill_at_random_moments_then_resume_gives_identical_weights(tmp_path)
         assert want[name].dtype == got[name].dtype
         assert want[name].view(-1).view(dtypes_as_bytes(want[name])).equal(got[name].view(-1).view(dtypes_as_bytes(got[name]))), name
     assert _effective_steps(straight) == _effective_steps(killed)
+
+    # Every resume removed the debris of the process it replaced: no checkpoint directory is unnamed.
+    live = fold(records).live_checkpoints
+    assert CheckpointStore(str(killed)).orphans(c.checkpoint for c in live) == []
+    # And the whole run, crashes and superseded records included, replays bit for bit.
+    replayed = subprocess.run(
+        [sys.executable, "-m", "rewind.tools.cli", "replay", str(killed), "--no-progress"],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert replayed.stdout.strip().endswith("replay: reproducible")
 
 
 def dtypes_as_bytes(tensor):
