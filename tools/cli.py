@@ -16,6 +16,8 @@ COMMAND_MODULES = [
     "rewind.tools.train_cmd",
     "rewind.tools.schedule_cmd",
     "rewind.tools.log_cmd",
+    "rewind.tools.state_cmd",
+    "rewind.tools.timeline_cmd",
     "rewind.tools.replay_cmd",
     "rewind.tools.fork_cmd",
     "rewind.tools.verify_cmd",

@@ -1,4 +1,4 @@
-"""Plots a person reads at a glance: the schedule (weights, LR, KL) and, later, a run's timeline."""
+"""Plots a person reads at a glance: the schedule (weights, LR, KL) and, with `timeline_plot`, a run's story."""
 
 from __future__ import annotations
 
@@ -9,11 +9,48 @@ from rewind.states.schedule import Schedule
 
 # One colour per stage, the same in every panel and every plot rewind draws.
 STAGE_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+# For datasets and tasks that lead no stage: dark tones that stay apart from the stage colours.
+DATASET_COLOURS = ["#222222", "#17BECF", "#9E9E00", "#7F3C8D", "#666666", "#E377C2", "#1F4E79", "#8C564B"]
+DATASET_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 MAX_POINTS = 2000
 
 
 def stage_colour(stage: int) -> str:
     return STAGE_COLOURS[stage % len(STAGE_COLOURS)]
+
+
+def home_stages(mixtures: list[dict[str, float]]) -> dict[str, int]:
+    """dataset name -> the first stage whose mixture (name -> rate) it leads; ties go to the first listed."""
+    homes: dict[str, int] = {}
+    for stage, mixture in enumerate(mixtures):
+        if mixture:
+            homes.setdefault(max(mixture, key=mixture.__getitem__), stage)
+    return homes
+
+
+def dataset_styles(names, mixtures: list[dict[str, float]]) -> dict[str, tuple[str, str]]:
+    """name -> (colour, marker), the same in every panel. A dataset that leads a stage's mixture takes that
+    stage's colour (so a task's evaluation curve reads against its own stage); the others get their own."""
+    homes = home_stages(mixtures)
+    ordered = sorted(set(names), key=lambda n: (homes.get(n, len(mixtures)), n))
+    styles = {}
+    num_others = 0
+    for i, name in enumerate(ordered):
+        if name in homes:
+            colour = stage_colour(homes[name])
+        else:
+            colour = DATASET_COLOURS[num_others % len(DATASET_COLOURS)]
+            num_others += 1
+        styles[name] = (colour, DATASET_MARKERS[i % len(DATASET_MARKERS)])
+    return styles
+
+
+def format_tokens(value: float, _position=None) -> str:
+    """Axis ticks in tokens: 0, 500, 50k, 1.5M, 2B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.4g}{suffix}"
+    return f"{value:.4g}"
 
 
 def _pyplot():

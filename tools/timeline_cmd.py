@@ -1,0 +1,354 @@
+"""`rewind timeline RUN`: the story of a run. A header, one table row per stage (loss, validation and the
+boundary evaluation that closes it), then every control marker in token order; `--plot` draws it.
+
+Curves and the table come from the effective records (what still counts after resumes); resumes,
+stops and non-finite losses from the raw log, because they are what happened to the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from rewind.tools.state_cmd import config_in_force, fold_events, load_records, print_json, status_text
+
+# Stage start/end losses are means over this fraction of the stage's steps (1 to LOSS_WINDOW_MAX), so one
+# noisy step does not decide them.
+LOSS_WINDOW_FRACTION = 0.1
+LOSS_WINDOW_MAX = 100
+MAX_CHECKPOINT_STEPS_SHOWN = 12
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("timeline", help="the story of a run: stages, losses, evaluations, resumes (--plot)")
+    p.add_argument("run_dir", metavar="RUN")
+    p.add_argument(
+        "--plot", metavar="OUT.png", help="write a picture of the run: loss, evaluations, LR/KL, mixture"
+    )
+    p.add_argument("--json", action="store_true", help="the summary as one JSON object")
+    p.set_defaults(run=run)
+
+
+@dataclass(frozen=True)
+class History:
+    """A run's log read once: raw and effective records, the final state and the config in force."""
+
+    run_dir: str
+    records: list  # (seq, event), raw
+    kept: list  # (seq, event), effective
+    state: Any
+    config: Any
+    schedule: Any
+
+    # Records grouped by event type once: a million-step log is then walked a few times, not per query.
+    @cached_property
+    def _effective_by_type(self) -> dict[type, list]:
+        return _by_type(self.kept)
+
+    @cached_property
+    def _raw_by_type(self) -> dict[type, list]:
+        return _by_type(self.records)
+
+    @cached_property
+    def _superseded_by_type(self) -> dict[type, list]:
+        kept_seqs = {s for s, _ in self.kept}
+        return _by_type((s, e) for s, e in self.records if s not in kept_seqs)
+
+    def effective_records(self, *kinds: type) -> list:
+        """(seq, event) of the effective records of these types, in log order."""
+        return sorted(r for kind in kinds for r in self._effective_by_type.get(kind, []))
+
+    def raw_records(self, *kinds: type) -> list:
+        return sorted(r for kind in kinds for r in self._raw_by_type.get(kind, []))
+
+    def effective_of(self, kind: type) -> list:
+        return [e for _, e in self._effective_by_type.get(kind, [])]
+
+    def raw_of(self, kind: type) -> list:
+        return [e for _, e in self._raw_by_type.get(kind, [])]
+
+    def superseded_records(self, kind: type) -> list:
+        return self._superseded_by_type.get(kind, [])
+
+
+def _by_type(records) -> dict[type, list]:
+    grouped: dict[type, list] = {}
+    for seq, event in records:
+        grouped.setdefault(type(event), []).append((seq, event))
+    return grouped
+
+
+def load_history(run_dir: str) -> History:
+    from rewind.states.history import effective
+    from rewind.states.schedule import Schedule
+
+    records = load_records(run_dir)
+    state = fold_events(run_dir, (e for _, e in records))
+    config = config_in_force(records, state)
+    return History(run_dir, records, effective(records), state, config, Schedule(config))
+
+
+# --- the summary ------------------------------------------------------------------------------------
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def stage_rows(history: History) -> list[dict]:
+    import math
+
+    from rewind.states.events import Evaluated, StepCommitted, Validated
+
+    steps = history.effective_of(StepCommitted)
+    stage_of_step = {e.step: e.stage for e in steps}
+    validated: dict[int, dict[str, float]] = {}
+    for v in history.effective_of(Validated):
+        validated.setdefault(stage_of_step.get(v.step, 0), {}).update(v.losses)
+    evaluated = {e.boundary: e.scores for e in history.effective_of(Evaluated)}
+    tps = history.schedule.tokens_per_step
+    rows = []
+    for stage in range(history.schedule.num_stages):
+        mine = [e for e in steps if e.stage == stage]
+        losses = [e.loss for e in mine if math.isfinite(e.loss)]
+        window = min(LOSS_WINDOW_MAX, max(1, round(len(losses) * LOSS_WINDOW_FRACTION)))
+        rows.append(
+            {
+                "stage": stage,
+                "datasets": {s.name: s.rate for s in history.config.training.datasets[stage]},
+                "num_steps": len(mine),
+                "first_step": mine[0].step if mine else None,
+                "last_step": mine[-1].step if mine else None,
+                "tokens_start": mine[0].tokens - tps if mine else None,
+                "tokens_end": mine[-1].tokens if mine else None,
+                "loss_start": _mean(losses[:window]),
+                "loss_end": _mean(losses[-window:]),
+                "loss_min": min(losses) if losses else None,
+                "validation": validated.get(stage, {}),
+                "evaluation": evaluated.get(stage),
+            }
+        )
+    return rows
+
+
+def markers(history: History) -> list[dict]:
+    """Control markers in token order (then log order). Checkpoints are summarised separately."""
+    from rewind.states.config import config_differences
+    from rewind.states.events import (
+        ConfigChanged,
+        FadeEnded,
+        FadeStarted,
+        NonFiniteLoss,
+        ReferenceRefreshed,
+        RunResumed,
+        RunStarted,
+        RunStopped,
+        StackAppended,
+        StageEntered,
+        StepCommitted,
+    )
+
+    found: list[dict] = []
+
+    def add(seq: int, event, kind: str, text: str, **fields) -> None:
+        found.append(
+            {"kind": kind, "seq": seq, "step": event.step, "tokens": event.tokens, "text": text, **fields}
+        )
+
+    configs = {e.config_hash: e.config for _, e in history.raw_records(RunStarted, ConfigChanged)}
+    datasets = history.config.training.datasets
+    control = (StageEntered, FadeStarted, FadeEnded, ReferenceRefreshed, StackAppended, ConfigChanged)
+    for seq, e in history.effective_records(*control):
+        match e:
+            case StageEntered(stage=stage):
+                mixture = ", ".join(s.name for s in datasets[stage]) if stage < len(datasets) else ""
+                add(seq, e, "stage_entered", f"stage {stage} entered ({mixture})", stage=stage)
+            case FadeStarted(boundary=b):
+                add(seq, e, "fade_started", f"fade {b} -> {b + 1} started", boundary=b)
+            case FadeEnded(boundary=b):
+                add(seq, e, "fade_ended", f"fade {b} -> {b + 1} ended", boundary=b)
+            case ReferenceRefreshed(stage=stage, checkpoint=checkpoint):
+                text = f"KL reference refreshed for stage {stage} ({checkpoint or 'dry run'})"
+                add(seq, e, "reference_refreshed", text, stage=stage, checkpoint=checkpoint)
+            case StackAppended():
+                text = f"stack {e.stack} joined: {e.num_blocks} blocks, {e.position}, trunk {e.trunk}"
+                add(seq, e, "stack_appended", text, stack=e.stack, num_blocks=e.num_blocks)
+            case ConfigChanged(previous_hash=previous):
+                changes = config_differences(configs[previous], e.config) if previous in configs else []
+                shown = "; ".join(changes[:3]) + (
+                    f"; and {len(changes) - 3} more" if len(changes) > 3 else ""
+                )
+                add(
+                    seq,
+                    e,
+                    "config_changed",
+                    f"config changed (fork): {shown or e.config_hash[:12]}",
+                    changes=changes,
+                )
+    redone = history.superseded_records(StepCommitted)
+    for seq, e in history.raw_records(RunResumed, RunStopped, NonFiniteLoss):
+        match e:
+            case RunResumed(superseded_first_seq=first, superseded_last_seq=last):
+                steps = [step.step for s, step in redone if first <= s <= last]
+                lost = f"records {first}..{last} superseded" if last >= first else "nothing superseded"
+                if steps:
+                    lost += f" (steps {min(steps)}..{max(steps)} recomputed)"
+                text = f"resumed from {e.checkpoint or 'the start'} at step {e.step:,}; {lost}"
+                add(
+                    seq,
+                    e,
+                    "resumed",
+                    text,
+                    checkpoint=e.checkpoint,
+                    superseded=[first, last],
+                    superseded_steps=steps,
+                )
+            case RunStopped(reason=reason):
+                add(seq, e, "stopped", f"stopped: {reason}", reason=reason)
+            case NonFiniteLoss(loss=loss, action=action):
+                add(seq, e, "nonfinite_loss", f"non-finite loss {loss} ({action})", action=action)
+    return sorted(found, key=lambda m: (m["tokens"], m["seq"]))
+
+
+def checkpoint_summary(history: History) -> dict:
+    from rewind.states.events import CheckpointCommitted
+
+    written = history.effective_of(CheckpointCommitted)
+    return {
+        "num_written": len(written),
+        "reasons": dict(Counter(c.reason for c in written)),
+        "steps": [c.step for c in written],
+        "live": [c.checkpoint for c in history.state.live_checkpoints],
+    }
+
+
+def summarize(history: History) -> dict:
+    from rewind.states.events import Evaluated, RunResumed
+
+    state, schedule = history.state, history.schedule
+    before = [e.scores for e in history.effective_of(Evaluated) if e.boundary == -1]
+    return {
+        "run": history.config.run.name,
+        "run_dir": str(history.run_dir),
+        "status": status_text(state),
+        "finished": state.finished,
+        "step": state.step,
+        "num_steps": schedule.num_steps,
+        "tokens": state.tokens,
+        "total_tokens": schedule.num_steps * schedule.tokens_per_step,
+        "tokens_per_step": schedule.tokens_per_step,
+        "num_resumes": len(history.raw_of(RunResumed)),
+        "evaluation_before_training": before[-1] if before else None,
+        "stages": stage_rows(history),
+        "markers": markers(history),
+        "checkpoints": checkpoint_summary(history),
+    }
+
+
+# --- text -------------------------------------------------------------------------------------------
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _span(low: int | None, high: int | None) -> str:
+    return "not reached" if low is None else f"{low:,}..{high:,}"
+
+
+def render_table(columns: list[tuple[str, str, list[str]]]) -> list[str]:
+    """columns: (group, header, cells). Right-aligned cells; a group label spans its columns."""
+    widths = [max(len(header), *(len(c) for c in cells)) for _, header, cells in columns]
+    groups: list[tuple[str, int]] = []  # (label, total width), contiguous runs of one group
+    for (group, _, _), width in zip(columns, widths, strict=True):
+        if groups and groups[-1][0] == group:
+            groups[-1] = (group, groups[-1][1] + 2 + width)
+        else:
+            groups.append((group, width))
+    top = "  ".join(label.center(width) if label else " " * width for label, width in groups)
+    lines = [top.rstrip()] if any(label for label, _ in groups) else []
+    lines.append("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths, strict=True)))
+    num_rows = len(columns[0][2])
+    for i in range(num_rows):
+        lines.append("  ".join(cells[i].rjust(w) for (_, _, cells), w in zip(columns, widths, strict=True)))
+    return lines
+
+
+def render(summary: dict) -> list[str]:
+    stages = summary["stages"]
+    resumes = summary["num_resumes"]
+    lines = [
+        f"{summary['run']}  ({summary['run_dir']})",
+        f"  status   {summary['status']}",
+        f"  steps    {summary['step']:,} of {summary['num_steps']:,}",
+        f"  tokens   {summary['tokens']:,} of {summary['total_tokens']:,}",
+        f"  resumes  {resumes}",
+        "",
+    ]
+    val_names = _in_stage_order({name for row in stages for name in row["validation"]}, stages)
+    eval_names = _in_stage_order({name for row in stages for name in (row["evaluation"] or {})}, stages)
+    columns = [
+        ("", "stage", [str(r["stage"]) for r in stages]),
+        ("", "tokens", [_span(r["tokens_start"], r["tokens_end"]) for r in stages]),
+        ("", "steps", [_span(r["first_step"], r["last_step"]) for r in stages]),
+        ("train loss", "start", [_number(r["loss_start"]) for r in stages]),
+        ("train loss", "end", [_number(r["loss_end"]) for r in stages]),
+        ("train loss", "min", [_number(r["loss_min"]) for r in stages]),
+    ]
+    columns += [
+        ("last validation loss", n, [_number(r["validation"].get(n)) for r in stages]) for n in val_names
+    ]
+    columns += [
+        ("evaluation at stage end", n, [_number((r["evaluation"] or {}).get(n)) for r in stages])
+        for n in eval_names
+    ]
+    lines += render_table(columns)
+    if summary["evaluation_before_training"]:
+        scores = ", ".join(f"{n} {v:.3f}" for n, v in sorted(summary["evaluation_before_training"].items()))
+        lines.append(f"evaluation before training: {scores}")
+    lines += ["", f"{'step':>10} {'tokens':>14}  marker"]
+    lines += [f"{m['step']:>10,} {m['tokens']:>14,}  {m['text']}" for m in summary["markers"]]
+    lines.append(_checkpoint_line(summary["checkpoints"]))
+    return lines
+
+
+def _in_stage_order(names: set[str], stages: list[dict]) -> list[str]:
+    """Datasets in the order of the stages they lead (as the plot colours them), the others after."""
+    from rewind.tools.plots import home_stages
+
+    homes = home_stages([row["datasets"] for row in stages])
+    return sorted(names, key=lambda name: (homes.get(name, len(stages)), name))
+
+
+def _checkpoint_line(checkpoints: dict) -> str:
+    steps = checkpoints["steps"]
+    if not steps:
+        return "checkpoints: none written"
+    shown = [f"{s:,}" for s in steps]
+    if len(steps) > MAX_CHECKPOINT_STEPS_SHOWN:
+        half = MAX_CHECKPOINT_STEPS_SHOWN // 2
+        shown = [*shown[:half], "...", *shown[-half:]]
+    reasons = ", ".join(f"{reason} {count}" for reason, count in checkpoints["reasons"].items())
+    return (
+        f"checkpoints: {len(steps)} written ({reasons}) at steps {', '.join(shown)}; "
+        f"{len(checkpoints['live'])} live"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    history = load_history(args.run_dir)
+    summary = summarize(history)
+    if args.json:
+        print_json(summary if not args.plot else {**summary, "plot": str(args.plot)})
+    else:
+        print("\n".join(render(summary)))
+    if args.plot:
+        from rewind.tools.timeline_plot import plot_timeline
+
+        plot_timeline(history, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
