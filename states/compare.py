@@ -35,7 +35,9 @@ def floats_equal(x: float, y: float, rtol: float = 0.0) -> bool:
 def values_difference(path: str, a: Any, b: Any, rtol: float = 0.0) -> FieldDifference | None:
     """The first difference inside two plain values (as msgspec.to_builtins makes them)."""
     if isinstance(a, float) or isinstance(b, float):
-        if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool | str):
+        # An int where a float is expected is the same number (a hand-made event: loss=1); a bool is
+        # not, on either side (True == 1.0 in Python).
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b)):
             return None if floats_equal(float(a), float(b), rtol) else FieldDifference(field=path, a=a, b=b)
         return FieldDifference(field=path, a=a, b=b)
     if isinstance(a, list) and isinstance(b, list):

@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "rewind.tools.log_cmd",
     "rewind.tools.state_cmd",
     "rewind.tools.timeline_cmd",
+    "rewind.tools.diff_cmd",
     "rewind.tools.replay_cmd",
     "rewind.tools.fork_cmd",
     "rewind.tools.verify_cmd",
@@ -59,6 +60,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:
+        if not _is_damage(exc):
+            raise
+        print(f"rewind: {exc}", file=sys.stderr)
+        return 1
+
+
+# Damaged or unreadable run data (a CRC mismatch mid-log, a newer schema, a checkpoint whose hash does
+# not match): one line naming the place, exit 1, from any command. Matched by name so that `rewind
+# schedule` never imports the stores (and torch) just to be able to catch their errors.
+_DAMAGE = {("rewind.stores.codec", "LogError"), ("rewind.stores.checkpoints", "CheckpointError")}
+
+
+def _is_damage(exc: Exception) -> bool:
+    return any((cls.__module__, cls.__name__) in _DAMAGE for cls in type(exc).__mro__)
 
 
 def entry() -> None:

@@ -190,3 +190,18 @@ def test_verify_reports_a_torn_tail(damaged):
     assert "torn tail" in problem and f"{last.segment} at offset {last.offset}" in problem
     # Everything before the tear is intact and still folds (to a run that has not finished).
     assert isinstance(read_seq_events(damaged)[-1][1], CheckpointCommitted)
+
+
+@pytest.mark.parametrize("command", ["log", "replay", "diff", "timeline", "state"])
+def test_a_damaged_log_is_one_line_and_exit_1_from_every_reader(straight, tmp_path, command):
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    segment = sorted((run / "events").glob("*.log"))[0]
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # mid-log: not a torn tail, real damage
+    segment.write_bytes(bytes(data))
+    args = [command, run, straight] if command == "diff" else [command, run]
+    code, _, err = run_cli(*args)
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert "00000000.log" in one_line(err)
