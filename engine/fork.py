@@ -19,7 +19,14 @@ from pathlib import Path
 import msgspec
 
 from rewind.engine.loop import Parts, load_checkpoint
-from rewind.engine.session import REWIND_VERSION, RunError, make_parts, open_datasets, prepare_directory
+from rewind.engine.session import (
+    REWIND_VERSION,
+    RunError,
+    continuation_problem,
+    make_parts,
+    open_datasets,
+    prepare_directory,
+)
 from rewind.states.config import Config, config_hash
 from rewind.states.events import (
     CheckpointCommitted,
@@ -30,7 +37,7 @@ from rewind.states.events import (
     RunStarted,
 )
 from rewind.states.fold import IllegalTransition, fold
-from rewind.states.history import SeqEvent, config_events, is_superseded, superseded_ranges
+from rewind.states.history import SeqEvent, anchor_end, config_events, is_superseded, superseded_ranges
 from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog
@@ -63,15 +70,28 @@ def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) ->
             continue
         if is_superseded(seq, ranges) or event.checkpoint in deleted:
             continue
-        state = fold(e for _, e in records[: i + 1])
+        end = anchor_end(records, i)  # with the config change that may follow a resume
+        state = fold(e for _, e in records[:end])
         ref = state.last_checkpoint
         if ref is None or ref.checkpoint != event.checkpoint or store.verify(ref.checkpoint, ref.files):
             continue  # damaged or missing on disk: an older one is still a faithful starting point
-        prefix = [(s, e) for s, e in records[: i + 1] if not is_superseded(s, ranges)]
+        prefix = [(s, e) for s, e in records[:end] if not is_superseded(s, ranges)]
         return ForkPoint(event.checkpoint, event.step, state, config_events(prefix)[-1][1].config)
     started = records[0][1]
     assert isinstance(started, RunStarted)
-    return ForkPoint("", 0, fold([started]), started.config)
+    if started.parent is not None and started.parent.checkpoint:
+        # A fork's own history begins at its fork point: "its start" would be weights it never had.
+        raise RunError(
+            f"--at-step {at_step}: this run is a fork of {started.parent.run} at step {started.parent.step} and "
+            "has no intact checkpoint at or before that step; fork its parent instead"
+        )
+    # The start as it stands now: a crash before the first checkpoint restarts from scratch, maybe
+    # under a changed config (RunResumed(checkpoint="") then ConfigChanged).
+    starts = [i for i, (s, e) in enumerate(records) if isinstance(e, RunResumed) and not e.checkpoint]
+    starts = [i for i in starts if not is_superseded(records[i][0], ranges)] or [0]
+    end = anchor_end(records, starts[-1])
+    prefix = [(s, e) for s, e in records[:end] if not is_superseded(s, ranges)]
+    return ForkPoint("", 0, fold(e for _, e in records[:end]), config_events(prefix)[-1][1].config)
 
 
 def _run_identity(run_dir: str) -> str:
@@ -141,6 +161,8 @@ def open_fork(
                     previous_hash=state.config_hash,
                 )
             )
+    if point.checkpoint and (problem := continuation_problem(point.config, config)):
+        raise RunError(f"cannot fork {parent_dir} at step {point.step}: {problem}")
     try:  # every check before the child directory is touched
         state = fold(preamble)
     except IllegalTransition as exc:

@@ -35,11 +35,12 @@ from rewind.states.events import (
     ConfigChanged,
     ReferenceRefreshed,
     RunResumed,
+    RunStarted,
     StackAppended,
     StepCommitted,
 )
 from rewind.states.fold import apply, fold
-from rewind.states.history import SeqEvent, config_events, effective
+from rewind.states.history import SeqEvent, anchor_end, config_events, effective
 from rewind.states.schedule import Schedule
 from rewind.stores.checkpoints import CheckpointStore, group_file
 
@@ -81,15 +82,15 @@ class Window:
 
 
 def checkpoint_anchors(records: Sequence[SeqEvent]) -> list[Window]:
-    """Every point of the effective history a replay can start from, in order."""
-    windows = [Window(1, "", 0)] if any(isinstance(e, StepCommitted) and e.step == 1 for _, e in records) else []
+    """Every point of the effective history a replay can start from, in order. The run's start is one
+    when its first weights came from the seed (not for a fork, whose first weights are a checkpoint)."""
+    parent = records[0][1].parent if isinstance(records[0][1], RunStarted) else None
+    from_seed = parent is None or not parent.checkpoint
+    windows = [Window(1, "", 0)] if from_seed and any(isinstance(e, StepCommitted) for _, e in records) else []
     for i, (_, event) in enumerate(records):
-        if isinstance(event, CheckpointCommitted | RunResumed) and event.checkpoint:
-            end = i + 1
-            while end < len(records) and isinstance(records[end][1], CheckpointDeleted | ConfigChanged):
-                end += 1
-            if not any(w.checkpoint == event.checkpoint for w in windows):
-                windows.append(Window(end, event.checkpoint, event.step))
+        anchors = isinstance(event, CheckpointCommitted | RunResumed) and event.checkpoint
+        if anchors and not any(w.checkpoint == event.checkpoint for w in windows):
+            windows.append(Window(anchor_end(records, i), event.checkpoint, event.step))
     return windows
 
 
@@ -103,6 +104,8 @@ def choose_window(records: Sequence[SeqEvent], checkpoint: str | None) -> Window
         raise ReplayError("the run has no steps to replay yet, or no checkpoint to start from", 1)
     if checkpoint is None:
         return usable[0]
+    if checkpoint in ("start", "0") and windows[0].checkpoint == "":
+        return windows[0]
     for window in windows:
         by_step = checkpoint.isdigit() and window.checkpoint and window.step == int(checkpoint)
         if window.checkpoint == checkpoint or by_step:
@@ -141,17 +144,19 @@ def replay(
             f"({last_step})"
         )
     state = fold(e for _, e in records[: window.begin])
-    parts = _parts(run_dir, config_events(records[: window.begin])[-1][1].config)
+    parts = _parts(CheckpointStore(run_dir), config_events(records[: window.begin])[-1][1].config)
     if window.checkpoint:
         try:
             load_checkpoint(parts, state)
         except Exception as exc:  # missing or damaged files: say which, never a traceback
             raise ReplayError(f"cannot load checkpoint {window.checkpoint}: {exc}", 1) from None
     report = ReplayReport(start_checkpoint=window.checkpoint, start_step=window.step, to_step=end_step)
+    fresh = not window.checkpoint  # weights straight from the seed: no step has touched them yet
     for seq, logged in records[window.begin :]:
+        if logged.step > end_step:
+            break
         if isinstance(logged, StepCommitted):
-            if logged.step > end_step:
-                break
+            fresh = False
             recomputed = execute_step(parts, state)
             report.num_steps += 1
             difference = first_difference(logged, recomputed, rtol=rtol)
@@ -170,15 +175,18 @@ def replay(
             report.checkpoints_matched.append(logged.checkpoint)
         elif isinstance(logged, ReferenceRefreshed):
             parts.reference = frozen_copy(parts.model)
+        elif isinstance(logged, RunResumed) and not logged.checkpoint:
+            fresh = True  # a restart from scratch: the seed's weights again
+            parts = _rebuild(parts, parts.config, fresh=True)
         elif isinstance(logged, ConfigChanged):
-            _change_config(parts, logged.config)
+            parts = _rebuild(parts, logged.config, fresh=fresh)
         elif isinstance(logged, StackAppended):
             raise ReplayError(f"step {logged.step}: replaying model growth (StackAppended) is not supported yet", 1)
         state = apply(state, logged)
     return report
 
 
-def _parts(run_dir: str, config: Config) -> Parts:
+def _parts(store: CheckpointStore, config: Config) -> Parts:
     model = build_model(config)
     return Parts(
         config=config,
@@ -187,29 +195,35 @@ def _parts(run_dir: str, config: Config) -> Parts:
         optimizer=build_optimizer(model, config),
         datasets=open_datasets(config),
         log=None,  # type: ignore[arg-type]  # replay never writes: nothing may reach a log
-        store=CheckpointStore(run_dir),
+        store=store,
         metrics=None,
         param_names={p: n for n, p in model.named_parameters()},
     )
 
 
-def _change_config(parts: Parts, config: Config) -> None:
-    """What a resume under a new config does: the same tensors, the new schedule and optimizer settings."""
+def _rebuild(parts: Parts, config: Config, *, fresh: bool) -> Parts:
+    """What a resume does: model, optimizer and reference built for `config` (dropout, seed and the
+    optimizer's settings come from it), then loaded with the tensors the run had unless it restarts
+    from scratch. The tensors are the checkpoint's: the replay checked them against its hashes."""
+    rebuilt = _parts(parts.store, config)
+    if fresh:
+        return rebuilt
+    snapshot.load_model_tensors(rebuilt.model, snapshot.model_tensors(parts.model))
     moments, layout = snapshot.optimizer_tensors(parts.optimizer, parts.param_names)
-    optimizer = build_optimizer(parts.model, config)
-    snapshot.load_optimizer_tensors(optimizer, parts.param_names, moments, layout)
-    parts.config, parts.schedule, parts.optimizer = config, Schedule(config), optimizer
-    parts.datasets = open_datasets(config)
+    snapshot.load_optimizer_tensors(rebuilt.optimizer, rebuilt.param_names, moments, layout)
+    if parts.reference is not None:
+        reference = build_model(config)
+        snapshot.load_model_tensors(reference, snapshot.model_tensors(parts.reference))
+        rebuilt.reference = frozen_copy(reference)
+    return rebuilt
 
 
 def _tensor_difference(parts: Parts, logged: CheckpointCommitted) -> FieldDifference | None:
     groups, _ = checkpoint_groups(parts)
-    for group in sorted(groups):
-        name, digest = group_file(group, groups[group])
-        if name not in logged.files:
-            return FieldDifference(field=f"files.{name}", a=None, b=digest)
-        if logged.files[name] != digest:
-            return FieldDifference(field=f"files.{name}", a=logged.files[name], b=digest)
+    recomputed = dict(group_file(group, tensors) for group, tensors in groups.items())
+    for name in sorted(logged.files.keys() | recomputed.keys()):
+        if logged.files.get(name) != recomputed.get(name):  # a group on one side only shows as None
+            return FieldDifference(field=f"files.{name}", a=logged.files.get(name), b=recomputed.get(name))
     return None
 
 

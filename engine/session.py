@@ -62,6 +62,21 @@ def adopt_threads(num_threads: int) -> str:
     return f"computing with {num_threads} CPU thread(s) as the run was started (this process had {before}): bit for bit"
 
 
+def continuation_problem(old: Config, new: Config) -> str:
+    """Why a run cannot go on from a checkpoint of `old` under `new` ("" if it can): the architecture
+    fields that give the weights their shapes must stay. Dropout, RoPE base and the like may change."""
+    def shaping(config: Config) -> dict:
+        a = config.architecture
+        return {"vocab_size": a.vocab_size, "num_layers": a.num_layers, "d_model": a.d_model,
+                "d_ff": a.d_ff or 4 * a.d_model, "norm": a.norm}
+
+    before, after = shaping(old), shaping(new)
+    changed = [f"architecture.{k} ({before[k]} -> {after[k]})" for k in before if before[k] != after[k]]
+    if not changed:
+        return ""
+    return f"{', '.join(changed)} cannot change when continuing from a checkpoint: the weights have other shapes"
+
+
 def run_config(records) -> Config:
     """The config in force: RunStarted's, or that of the last effective ConfigChanged."""
     return config_events(effective(records))[-1][1].config
@@ -164,6 +179,8 @@ def _resume(config, run_dir, log, records, *, fork: bool, metrics: bool, dataset
     state = apply(current, resumed)
     log.append(resumed)
     if new_hash != state.config_hash:
+        if point.checkpoint and (problem := continuation_problem(logged_config, config)):
+            raise RunError(f"{run_dir}: {problem}")
         change = ConfigChanged(
             step=state.step, tokens=state.tokens, config=config, config_hash=new_hash, previous_hash=state.config_hash
         )

@@ -167,12 +167,19 @@ def apply(state: State, event: Event) -> State:
                 f"the run already entered {state.num_stages_entered} stages; the new config has {schedule.num_stages}",
             )
             _require(schedule.num_steps >= state.step, event, f"the new config ends before step {state.step}")
+            # Evaluations count as done only for boundaries that have ended under the new schedule: a
+            # finished run forked into a longer one must evaluate its (new) end again.
+            ended = [i for i in range(schedule.num_stages - 1) if schedule.entry_steps[i + 1] <= state.step]
+            if schedule.num_steps <= state.step:
+                ended.append(schedule.num_stages - 1)
+            evaluated = min(state.last_evaluated_boundary, max(ended, default=-1))
             return replace(
                 state,
                 config_hash=new_hash,
                 num_stages=schedule.num_stages,
                 num_steps=schedule.num_steps,
                 reference_update_stages=sorted(schedule.reference_update_stages),
+                last_evaluated_boundary=evaluated,
             )
         case RunFinished():
             _require(

@@ -25,6 +25,10 @@ from rewind.states.state import State
 SeqEvent = tuple[int, Event]
 
 
+class HistoryError(ValueError):
+    """A log whose records fold but do not make a history a run can restart from."""
+
+
 def superseded_ranges(records: Iterable[SeqEvent]) -> list[tuple[int, int]]:
     return [
         (e.superseded_first_seq, e.superseded_last_seq)
@@ -64,7 +68,7 @@ def restore_point(records: Sequence[SeqEvent]) -> RestorePoint:
     and config changes after a resume (the run goes on under the new config even if the process dies
     before its next checkpoint)."""
     if not records or not isinstance(records[0][1], RunStarted):
-        raise ValueError("the log does not start with RunStarted")
+        raise HistoryError("the log does not start with RunStarted")
     target = fold(e for _, e in records).last_checkpoint
     name = target.checkpoint if target is not None else ""
     ranges = superseded_ranges(records)
@@ -76,11 +80,18 @@ def restore_point(records: Sequence[SeqEvent]) -> RestorePoint:
             or (isinstance(event, RunStarted) and not name)
         )
         if anchored and not is_superseded(seq, ranges):
-            end = i + 1
-            while end < len(records) and isinstance(records[end][1], CheckpointDeleted | ConfigChanged):
-                end += 1
+            end = anchor_end(records, i)
             return RestorePoint(name, records[end - 1][0], fold(e for _, e in records[:end]))
-    raise ValueError(f"no effective record anchors checkpoint {name!r}")
+    raise HistoryError(f"no effective record anchors checkpoint {name!r}")
+
+
+def anchor_end(records: Sequence[SeqEvent], i: int) -> int:
+    """The index just past the anchor at `i` and the records that belong to it (see restore_point).
+    Resume, fork and replay all start there, so they agree on the config and state in force."""
+    end = i + 1
+    while end < len(records) and isinstance(records[end][1], CheckpointDeleted | ConfigChanged):
+        end += 1
+    return end
 
 
 def config_events(records: Sequence[SeqEvent]) -> list[SeqEvent]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 # subcommand module -> its `add_parser`; the order is the order of `rewind --help`.
 COMMAND_MODULES = [
@@ -42,10 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with warnings.catch_warnings():
+        # rewind's warnings (a torn tail cut off, a stale lock broken) are news for the user: one line
+        # each, not Python's file:line report with a source excerpt.
+        warnings.showwarning = _show_warning
+        return _run(args)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"rewind: warning: {message}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
     from rewind.states.config import ConfigError
     from rewind.tools.errors import CommandError
 
-    args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except ConfigError as exc:
@@ -70,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 # Damaged or unreadable run data (a CRC mismatch mid-log, a newer schema, a checkpoint whose hash does
 # not match): one line naming the place, exit 1, from any command. Matched by name so that `rewind
 # schedule` never imports the stores (and torch) just to be able to catch their errors.
-_DAMAGE = {("rewind.stores.codec", "LogError"), ("rewind.stores.checkpoints", "CheckpointError")}
+_DAMAGE = {
+    ("rewind.stores.codec", "LogError"),
+    ("rewind.stores.checkpoints", "CheckpointError"),
+    ("rewind.states.fold", "IllegalTransition"),  # a log that does not fold (tampered, or a buggy writer)
+    ("rewind.states.history", "HistoryError"),
+}
 
 
 def _is_damage(exc: Exception) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from rewind.tools.errors import CommandError, UsageError
@@ -30,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from rewind.states.fold import fold
     from rewind.stores.runs import LogNotFoundError, read_seq_events
 
-    if not args.rtol >= 0.0:  # also refuses NaN
-        raise UsageError(f"--rtol {args.rtol}: must be >= 0")
+    if not (args.rtol >= 0.0 and math.isfinite(args.rtol)):
+        raise UsageError(f"--rtol {args.rtol}: must be a finite number >= 0")
     try:
         records = read_seq_events(args.run_dir)
     except LogNotFoundError:

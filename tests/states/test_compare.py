@@ -186,3 +186,8 @@ def test_ignore_skips_only_the_named_fields():
 )
 def test_ints_compare_as_floats_but_bools_and_strings_do_not(a, b, equal):
     assert (values_difference("x", a, b) is None) == equal
+
+
+def test_equal_values_are_equal_under_an_infinite_rtol():
+    # 0 * inf is NaN: the relative check alone would call 0.0 and 0.0 different.
+    assert floats_equal(0.0, 0.0, math.inf) and floats_equal(1.5, 1.5, math.inf)

@@ -193,3 +193,64 @@ def test_fork_into_an_existing_run_is_refused(straight, tmp_path):
 def test_fork_of_a_directory_without_a_run(tmp_path):
     code, _, err = run_cli(*fork_args(tmp_path / "nothing", tmp_path / "child", 3))
     assert code == 2 and "no run here" in one_line(err)
+
+
+# --- found in review ----------------------------------------------------------------------------------
+
+
+def test_a_fork_after_an_in_place_config_change_starts_under_the_changed_config(tmp_path):
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    keep = (*OVERRIDES[:-1], "logging.keep_last_checkpoints=3")
+    assert run_cli(*train_args(parent, "--max-steps", "6", overrides=keep))[0] == 0
+    changed = (*keep, "optimization.lr=1e-3")
+    assert run_cli(*train_args(parent, "--fork", "--max-steps", "2", overrides=changed))[0] == 0
+    code, _, err = run_cli(*fork_args(parent, child, 7, "--max-steps", "2"))  # anchored on the resume at 6
+    assert code == 0, err
+    events = events_of(child)
+    assert events[0].config.optimization.lr == 1e-3
+    assert not any(isinstance(e, ConfigChanged) for e in events)  # nothing changed: nothing recorded
+    assert events[0].parent.config_hash == events[0].config_hash
+    parent_steps = dict(zip(_steps(parent), effective_steps(parent), strict=True))
+    child_steps = dict(zip(_steps(child), effective_steps(child), strict=True))
+    assert child_steps and all(child_steps[s] == parent_steps[s] for s in child_steps)
+
+
+def test_a_finished_run_forked_into_a_longer_one_evaluates_its_new_end(straight, tmp_path):
+    child = tmp_path / "child"
+    code, out, err = run_cli(*fork_args(straight, child, 20, "--set", "training.tokens=[2560,1280,2560]"))
+    assert code == 0, err
+    evaluated = [e for e in events_of(child) if type(e).__name__ == "Evaluated"]
+    assert [(e.step, e.boundary) for e in evaluated] == [(25, 2)]
+    assert "answer-token accuracy" in out
+
+
+@pytest.fixture(scope="module")
+def stopped_at_7(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("stopped") / "run"
+    assert run_cli(*train_args(run, "--max-steps", "7"))[0] == 0
+    return run
+
+
+@pytest.mark.parametrize("change", ["architecture.d_model=64", "architecture.num_layers=3", 'architecture.norm="layernorm"'])
+def test_a_change_of_weight_shapes_is_refused_before_anything_is_written(straight, stopped_at_7, tmp_path, change):
+    child = tmp_path / "child"
+    code, _, err = run_cli(*fork_args(straight, child, 16, "--set", change))
+    assert code == 2 and "cannot change when continuing from a checkpoint" in one_line(err)
+    assert not child.exists()
+    before = segment_bytes(stopped_at_7)
+    code, _, err = run_cli(*train_args(stopped_at_7, "--fork", overrides=(*OVERRIDES, change)))
+    assert code == 2 and "cannot change when continuing from a checkpoint" in one_line(err)
+    assert segment_bytes(stopped_at_7) == before
+
+
+def test_dropout_may_change_in_a_fork(straight, tmp_path):
+    code, _, err = run_cli(*fork_args(straight, tmp_path / "child", 16, "--set", "architecture.dropout=0.1"))
+    assert code == 0, err
+
+
+def test_a_fork_cannot_be_forked_before_its_own_fork_point(unchanged_fork, tmp_path):
+    child, _ = unchanged_fork
+    code, _, err = run_cli(*fork_args(child, tmp_path / "grandchild", 3))
+    assert code == 2
+    assert "is a fork of" in one_line(err) and "fork its parent instead" in err
+    assert not (tmp_path / "grandchild").exists()

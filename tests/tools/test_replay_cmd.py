@@ -203,3 +203,73 @@ def name_of(run: Path, step: int) -> str:
         if isinstance(e, CheckpointCommitted) and e.step == step
     ]
     return name
+
+
+# --- found in review: config changes that rebuild the model, restarts from scratch, forks at step 0 -----
+
+
+def test_a_dropout_change_in_place_replays(tmp_path):
+    run = tmp_path / "run"
+    assert run_cli(*train_args(run, "--max-steps", "6"))[0] == 0
+    assert run_cli(*train_args(run, "--fork", overrides=(*OVERRIDES, "architecture.dropout=0.1")))[0] == 0
+    code, report, err = replay_json(run)
+    assert code == 0, err
+    assert report["num_steps_compared"] == NUM_STEPS
+
+
+def test_a_restart_from_scratch_under_a_new_seed_replays(tmp_path, monkeypatch):
+    """A crash before the first checkpoint, then a resume under another seed: the resumed process
+    starts from the new seed's weights, and so must the replay."""
+    run = tmp_path / "run"
+    no_checkpoints = (*OVERRIDES, "logging.checkpoint_interval=0", "logging.report_interval=1")
+    real = loop.execute_step
+
+    def crash_at_step_5(parts, state):
+        if state.step == 5:
+            raise RuntimeError("simulated crash")
+        return real(parts, state)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "execute_step", crash_at_step_5)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            run_cli(*train_args(run, overrides=no_checkpoints))
+    code, _, err = run_cli(*train_args(run, "--fork", overrides=(*no_checkpoints, "run.seed=8")))
+    assert code == 0, err
+    resumed = [e for e in events_of(run) if isinstance(e, RunResumed)]
+    assert [e.checkpoint for e in resumed] == [""]
+    code, report, err = replay_json(run)
+    assert code == 0, err
+    assert report["num_steps_compared"] == NUM_STEPS
+
+
+def test_a_fork_at_step_0_from_a_reference_checkpoint_replays_from_that_checkpoint(tmp_path):
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    refresh_first = (*OVERRIDES, "optimization.kl.reference_update_stages=[0,1]", "optimization.kl.betas=[0.1,0.2,0.2]")
+    assert run_cli(*train_args(parent, "--max-steps", "3", overrides=refresh_first))[0] == 0
+    code, _, err = run_cli("fork", parent, child, "--at-step", "0", "--set", "run.seed=9", "--max-steps", "3",
+                           "--no-progress")
+    assert code == 0, err
+    assert events_of(child)[1].checkpoint.startswith("00000000-")
+    code, report, err = replay_json(child)
+    assert code == 0, err
+    assert report["start_checkpoint"].startswith("00000000-") and report["num_steps_compared"] == 3
+
+
+def test_a_log_that_does_not_fold_is_one_line_and_exit_1(straight, tmp_path):
+    from rewind.states.events import StepCommitted
+    from rewind.stores.eventlog import EventLog
+
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    with EventLog.open(run, "w") as log:
+        log.append(StepCommitted(step=99, tokens=99 * 256, stage=2, lr=0.0, beta=0.0, loss=1.0))
+        log.commit()
+    for args in (["replay", run], ["resume", run], ["fork", run, tmp_path / "c", "--at-step", "3"]):
+        code, _, err = run_cli(*args, "--no-progress")
+        assert code == 1, err
+        assert "Traceback" not in err and "StepCommitted at step 99" in one_line(err)
+
+
+def test_an_infinite_rtol_is_refused(straight):
+    code, _, err = run_cli("replay", straight, "--rtol", "inf")
+    assert code == 2 and "finite" in one_line(err)
