@@ -37,7 +37,7 @@ from rewind.states.events import (
     RunStarted,
 )
 from rewind.states.fold import IllegalTransition, fold
-from rewind.states.history import SeqEvent, anchor_end, config_events, is_superseded, superseded_ranges
+from rewind.states.history import SeqEvent, anchor_end, config_in_force, is_superseded, superseded_ranges
 from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog
@@ -75,8 +75,9 @@ def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) ->
         ref = state.last_checkpoint
         if ref is None or ref.checkpoint != event.checkpoint or store.verify(ref.checkpoint, ref.files):
             continue  # damaged or missing on disk: an older one is still a faithful starting point
-        prefix = [(s, e) for s, e in records[:end] if not is_superseded(s, ranges)]
-        return ForkPoint(event.checkpoint, event.step, state, config_events(prefix)[-1][1].config)
+        # Ranges only ever supersede what follows a restore point, so none reaches back past this
+        # effective anchor: the prefix's own effective records are the full log's.
+        return ForkPoint(event.checkpoint, event.step, state, config_in_force(records[:end]))
     started = records[0][1]
     assert isinstance(started, RunStarted)
     if started.parent is not None and started.parent.checkpoint:
@@ -90,8 +91,7 @@ def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) ->
     starts = [i for i, (s, e) in enumerate(records) if isinstance(e, RunResumed) and not e.checkpoint]
     starts = [i for i in starts if not is_superseded(records[i][0], ranges)] or [0]
     end = anchor_end(records, starts[-1])
-    prefix = [(s, e) for s, e in records[:end] if not is_superseded(s, ranges)]
-    return ForkPoint("", 0, fold(e for _, e in records[:end]), config_events(prefix)[-1][1].config)
+    return ForkPoint("", 0, fold(e for _, e in records[:end]), config_in_force(records[:end]))
 
 
 def _run_identity(run_dir: str) -> str:

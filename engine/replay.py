@@ -25,8 +25,7 @@ from rewind.engine.loop import (
     frozen_copy,
     load_checkpoint,
 )
-from rewind.engine.session import open_datasets
-from rewind.engine.step import build_optimizer
+from rewind.engine.session import make_parts, open_datasets
 from rewind.states.compare import FieldDifference, first_difference
 from rewind.states.config import Config
 from rewind.states.events import (
@@ -40,9 +39,8 @@ from rewind.states.events import (
     StepCommitted,
 )
 from rewind.states.fold import apply, fold
-from rewind.states.history import SeqEvent, anchor_end, config_events, effective
-from rewind.states.schedule import Schedule
-from rewind.stores.checkpoints import CheckpointStore, group_file
+from rewind.states.history import SeqEvent, anchor_end, config_in_force, effective
+from rewind.stores.checkpoints import group_file
 
 
 class ReplayError(Exception):
@@ -144,7 +142,7 @@ def replay(
             f"({last_step})"
         )
     state = fold(e for _, e in records[: window.begin])
-    parts = _parts(CheckpointStore(run_dir), config_events(records[: window.begin])[-1][1].config)
+    parts = _parts(run_dir, config_in_force(records[: window.begin]))
     if window.checkpoint:
         try:
             load_checkpoint(parts, state)
@@ -177,35 +175,25 @@ def replay(
             parts.reference = frozen_copy(parts.model)
         elif isinstance(logged, RunResumed) and not logged.checkpoint:
             fresh = True  # a restart from scratch: the seed's weights again
-            parts = _rebuild(parts, parts.config, fresh=True)
+            parts = _rebuild(run_dir, parts, parts.config, fresh=True)
         elif isinstance(logged, ConfigChanged):
-            parts = _rebuild(parts, logged.config, fresh=fresh)
+            parts = _rebuild(run_dir, parts, logged.config, fresh=fresh)
         elif isinstance(logged, StackAppended):
             raise ReplayError(f"step {logged.step}: replaying model growth (StackAppended) is not supported yet", 1)
         state = apply(state, logged)
     return report
 
 
-def _parts(store: CheckpointStore, config: Config) -> Parts:
-    model = build_model(config)
-    return Parts(
-        config=config,
-        schedule=Schedule(config),
-        model=model,
-        optimizer=build_optimizer(model, config),
-        datasets=open_datasets(config),
-        log=None,  # type: ignore[arg-type]  # replay never writes: nothing may reach a log
-        store=store,
-        metrics=None,
-        param_names={p: n for n, p in model.named_parameters()},
-    )
+def _parts(run_dir: str, config: Config) -> Parts:
+    # No log and no metrics: replay never writes to the run.
+    return make_parts(config, run_dir, None, False, open_datasets(config))  # type: ignore[arg-type]
 
 
-def _rebuild(parts: Parts, config: Config, *, fresh: bool) -> Parts:
+def _rebuild(run_dir: str, parts: Parts, config: Config, *, fresh: bool) -> Parts:
     """What a resume does: model, optimizer and reference built for `config` (dropout, seed and the
     optimizer's settings come from it), then loaded with the tensors the run had unless it restarts
     from scratch. The tensors are the checkpoint's: the replay checked them against its hashes."""
-    rebuilt = _parts(parts.store, config)
+    rebuilt = _parts(run_dir, config)
     if fresh:
         return rebuilt
     snapshot.load_model_tensors(rebuilt.model, snapshot.model_tensors(parts.model))

@@ -18,7 +18,7 @@ from rewind.engine.step import build_optimizer
 from rewind.states.config import Config, config_differences, config_hash
 from rewind.states.events import ConfigChanged, RunResumed, RunStarted
 from rewind.states.fold import apply, fold
-from rewind.states.history import config_events, effective, restore_point
+from rewind.states.history import config_in_force, effective, restore_point
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointStore
@@ -75,11 +75,6 @@ def continuation_problem(old: Config, new: Config) -> str:
     if not changed:
         return ""
     return f"{', '.join(changed)} cannot change when continuing from a checkpoint: the weights have other shapes"
-
-
-def run_config(records) -> Config:
-    """The config in force: RunStarted's, or that of the last effective ConfigChanged."""
-    return config_events(effective(records))[-1][1].config
 
 
 def open_run(
@@ -155,7 +150,7 @@ def _start(config: Config, run_dir: str, log: EventLog, *, metrics: bool, datase
 
 def _resume(config, run_dir, log, records, *, fork: bool, metrics: bool, datasets) -> tuple[Parts, State, str]:
     current = fold(e for _, e in records)
-    logged_config = run_config(records)
+    logged_config = config_in_force(records)
     if current.finished:
         return make_parts(logged_config, run_dir, log, metrics, datasets), current, "finished"
     new_hash = config_hash(config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from rewind.states.config import Config
 from rewind.states.events import (
     CheckpointCommitted,
     CheckpointDeleted,
@@ -92,6 +93,12 @@ def anchor_end(records: Sequence[SeqEvent], i: int) -> int:
     while end < len(records) and isinstance(records[end][1], CheckpointDeleted | ConfigChanged):
         end += 1
     return end
+
+
+def config_in_force(records: Sequence[SeqEvent]) -> Config:
+    """The config the run goes on under after `records` (the whole log, or a prefix of it): RunStarted's,
+    or that of the last ConfigChanged no resume has superseded."""
+    return config_events(effective(records))[-1][1].config
 
 
 def config_events(records: Sequence[SeqEvent]) -> list[SeqEvent]:

@@ -17,7 +17,8 @@ from typing import Any
 
 from rewind.states.diffing import DiffReport, EvaluationPair, Metrics, Relation, RunEnd
 from rewind.states.events import ForkOrigin
-from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.errors import UsageError
+from rewind.tools.runlog import load_records
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,24 +47,6 @@ def same_run(named: str, run_dir: str) -> bool:
     return Path(named).resolve() == Path(run_dir).resolve()
 
 
-def _read(run_dir: str) -> list:
-    from rewind.states.events import RunStarted
-    from rewind.stores.eventlog import LogError, LogNotFoundError
-    from rewind.stores.runs import read_seq_events
-
-    try:
-        records = read_seq_events(run_dir)
-    except LogNotFoundError:
-        raise CommandError(f"{run_dir}: no run here (no event log)") from None
-    except LogError as exc:
-        raise CommandError(f"{run_dir}: cannot read the event log: {exc}", 1) from None
-    if not records:
-        raise CommandError(f"{run_dir}: the event log is empty", 1)
-    if not isinstance(records[0][1], RunStarted):
-        raise CommandError(f"{run_dir}: the event log does not start with RunStarted", 1)
-    return records
-
-
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -71,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.rtol) and args.rtol >= 0.0):
         raise UsageError(f"--rtol {args.rtol}: must be a finite number >= 0")
-    records_a, records_b = _read(args.run_a), _read(args.run_b)
+    records_a, records_b = load_records(args.run_a), load_records(args.run_b)
     parent_a, parent_b = records_a[0][1].parent, records_b[0][1].parent
     child = ""
     if parent_b is not None and same_run(parent_b.run, args.run_a):

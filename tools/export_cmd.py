@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.runlog import load_records
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,18 +16,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", nargs="?", metavar="RUN")
     p.add_argument("--to", metavar="FILE.safetensors", help="where to write the model weights")
     p.set_defaults(run=run)
-
-
-def _records(run_dir: str):
-    from rewind.stores.runs import LogNotFoundError, read_records
-
-    try:
-        records = [(r.seq, r.event) for r in read_records(run_dir)]
-    except LogNotFoundError:
-        raise CommandError(f"{run_dir}: no run here (no event log)") from None
-    if not records:
-        raise CommandError(f"{run_dir}: the event log is empty")
-    return records
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +34,7 @@ def export_metrics(run_dir: str) -> int:
     from rewind.states.history import effective
     from rewind.stores.metrics import rebuild
 
-    records = effective(_records(run_dir))
+    records = effective(load_records(run_dir))
     rebuild(run_dir, [e for _, e in records])
     print(f"rebuilt {run_dir}/metrics.jsonl and {run_dir}/tb/ from {len(records)} effective events")
     return 0
@@ -57,7 +46,7 @@ def export_weights(run_dir: str, out: str) -> int:
     from rewind.states.fold import fold
     from rewind.stores.checkpoints import CheckpointStore
 
-    state = fold(e for _, e in _records(run_dir))
+    state = fold(e for _, e in load_records(run_dir))
     ref = state.last_checkpoint
     if ref is None:
         raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)

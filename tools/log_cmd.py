@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterable
 
 from rewind.states.events import EVENT_TYPES, Event, event_to_dict
-from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.errors import UsageError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,16 +77,13 @@ def _select(records: Iterable, types: set[str], low: int, high: float) -> list:
 
 def run(args: argparse.Namespace) -> int:
     from rewind.states.history import effective
-    from rewind.stores.runs import LogNotFoundError, read_seq_events
+    from rewind.tools.runlog import load_records
 
     types = check_types(args.types)
     low, high = parse_steps(args.steps)
     if args.follow and args.json:
         raise UsageError("--follow prints one JSON object per line; use it without --json, or --json without it")
-    try:
-        records = read_seq_events(args.run_dir)
-    except LogNotFoundError:
-        raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
+    records = load_records(args.run_dir)
     if args.effective:
         records = effective(records)
     selected = _select(records, types, low, high)

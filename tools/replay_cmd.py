@@ -29,16 +29,11 @@ def run(args: argparse.Namespace) -> int:
     from rewind.engine.replay import ReplayError, replay
     from rewind.engine.session import RunError, adopt_threads
     from rewind.states.fold import fold
-    from rewind.stores.runs import LogNotFoundError, read_seq_events
+    from rewind.tools.runlog import load_records
 
     if not (args.rtol >= 0.0 and math.isfinite(args.rtol)):
         raise UsageError(f"--rtol {args.rtol}: must be a finite number >= 0")
-    try:
-        records = read_seq_events(args.run_dir)
-    except LogNotFoundError:
-        raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
-    if not records:
-        raise CommandError(f"{args.run_dir}: the event log is empty", 1)
+    records = load_records(args.run_dir)
     if note := adopt_threads(fold(e for _, e in records).num_threads):
         print(f"rewind: {note}", file=sys.stderr)
     bar = _ProgressBar(enabled=not args.no_progress and not args.json)

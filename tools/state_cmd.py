@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.runlog import load_records
 
 KEY_WIDTH = 18
 
@@ -34,22 +35,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 # --- helpers shared with `rewind timeline` ----------------------------------------------------------
 
 
-def load_records(run_dir: str) -> list:
-    """(seq, event) of every committed record; one clear line when there is no run or nothing logged."""
-    from rewind.stores.eventlog import LogError
-    from rewind.stores.runs import LogNotFoundError, read_seq_events
-
-    try:
-        records = read_seq_events(run_dir)
-    except LogNotFoundError:
-        raise CommandError(f"{run_dir}: no run here (no event log)") from None
-    except LogError as exc:  # damaged bytes or a newer schema: `rewind verify` locates the damage
-        raise CommandError(f"{run_dir}: {exc}", exit_code=1) from None
-    if not records:
-        raise CommandError(f"{run_dir}: the event log is empty", exit_code=1)
-    return records
-
-
 def fold_events(run_dir: str, events) -> Any:
     from rewind.states.fold import IllegalTransition, fold
 
@@ -57,16 +42,6 @@ def fold_events(run_dir: str, events) -> Any:
         return fold(events)
     except IllegalTransition as exc:
         raise CommandError(f"{run_dir}: the log does not fold: {exc}", exit_code=1) from None
-
-
-def config_in_force(records: list, state) -> Any:
-    """The config whose hash the state carries: the last RunStarted/ConfigChanged over `records` with that
-    hash (a fork superseded by a later resume no longer counts), else simply the last one."""
-    from rewind.states.history import config_events
-
-    changes = [e for _, e in config_events(records)]
-    matching = [e for e in changes if e.config_hash == state.config_hash]
-    return (matching or changes)[-1].config
 
 
 def status_text(state) -> str:
@@ -136,12 +111,13 @@ def select_records(records: list, at_step: int | None, at_seq: int | None) -> tu
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
+    from rewind.states.history import config_in_force
     from rewind.states.schedule import Schedule
 
     records = load_records(args.run_dir)
     selected, point, as_of = select_records(records, args.at_step, args.at_seq)
     state = fold_events(args.run_dir, (e for _, e in selected))
-    config = config_in_force(selected, state)
+    config = config_in_force(selected)
     upcoming = next_step_plan(Schedule(config), state)
     if args.json:
         print_json(

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from rewind.tools.state_cmd import config_in_force, fold_events, load_records, print_json, status_text
+from rewind.tools.runlog import load_records
+from rewind.tools.state_cmd import fold_events, print_json, status_text
 
 # Stage start/end losses are means over this fraction of the stage's steps (1 to LOSS_WINDOW_MAX), so one
 # noisy step does not decide them.
@@ -82,12 +83,12 @@ def _by_type(records) -> dict[type, list]:
 
 
 def load_history(run_dir: str) -> History:
-    from rewind.states.history import effective
+    from rewind.states.history import config_in_force, effective
     from rewind.states.schedule import Schedule
 
     records = load_records(run_dir)
     state = fold_events(run_dir, (e for _, e in records))
-    config = config_in_force(records, state)
+    config = config_in_force(records)
     return History(run_dir, records, effective(records), state, config, Schedule(config))
 
 

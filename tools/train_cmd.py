@@ -37,16 +37,11 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_resume(args: argparse.Namespace) -> int:
-    from rewind.engine.session import run_config
-    from rewind.stores.runs import LogNotFoundError, read_records
+    from rewind.states.history import config_in_force
+    from rewind.tools.runlog import load_records
 
-    try:
-        records = [(r.seq, r.event) for r in read_records(args.run_dir)]
-    except LogNotFoundError:
-        raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
-    if not records:
-        raise CommandError(f"{args.run_dir}: the event log is empty")
-    return _train(run_config(records), args.run_dir, fork=False, max_steps=args.max_steps, progress=not args.no_progress)
+    records = load_records(args.run_dir)
+    return _train(config_in_force(records), args.run_dir, fork=False, max_steps=args.max_steps, progress=not args.no_progress)
 
 
 class ProgressBar:

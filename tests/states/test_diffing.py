@@ -36,7 +36,7 @@ from rewind.states.events import (
     Validated,
 )
 from rewind.states.fold import fold
-from rewind.states.history import effective
+from rewind.states.history import anchor_end, effective
 from rewind.states.strategies import configs, simulate_run
 
 replace = msgspec.structs.replace
@@ -82,9 +82,7 @@ def fork_of(parent: list[Event], checkpoint: str, parent_run: str = "/runs/paren
         for i, (_, e) in enumerate(records)
         if isinstance(e, CheckpointCommitted) and e.checkpoint == checkpoint
     )
-    end = cut + 1
-    while end < len(records) and isinstance(records[end][1], CheckpointDeleted):
-        end += 1
+    end = anchor_end(records, cut)
     restored = fold(e for _, e in records[:end])
     started = records[0][1]
     origin = ForkOrigin(

@@ -17,7 +17,6 @@ from rewind.states.compare import first_difference
 from rewind.states.config import Config, config_hash
 from rewind.states.events import (
     CheckpointCommitted,
-    CheckpointDeleted,
     ConfigChanged,
     Evaluated,
     Event,
@@ -35,7 +34,7 @@ from rewind.states.events import (
     Validated,
 )
 from rewind.states.fold import fold
-from rewind.states.history import effective
+from rewind.states.history import anchor_end, effective
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import read_seq_events
 from tests.engine.test_loop import OVERRIDES, one_line, run_cli, train_args
@@ -103,9 +102,7 @@ def write_fork(
     cut = next(
         i for i, (_, e) in enumerate(records) if isinstance(e, CheckpointCommitted) and e.step == at_step
     )
-    end = cut + 1
-    while end < len(records) and isinstance(records[end][1], CheckpointDeleted):
-        end += 1
+    end = anchor_end(records, cut)
     checkpoint = records[cut][1].checkpoint
     restored = fold(e for _, e in records[:end])
     started = records[0][1]

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rewind.engine.session import run_config
 from rewind.states.events import ConfigChanged, RunResumed, RunStarted, StepCommitted
 from rewind.states.fold import fold
-from rewind.states.history import effective
+from rewind.states.history import config_in_force, effective
 from rewind.states.schedule import Schedule
 from rewind.stores.runs import read_seq_events
 from tests.engine.test_loop import (
@@ -96,7 +95,7 @@ def test_a_changed_fork_records_the_change_and_trains_under_it(straight, tmp_pat
     events = [e for _, e in records]
     assert [type(e).__name__ for e in events[:3]] == ["RunStarted", "RunResumed", "ConfigChanged"]
     assert events[0].config.optimization.lr == 1e-3 and events[2].config == events[0].config
-    assert run_config(records).optimization.lr == 1e-3
+    assert config_in_force(records).optimization.lr == 1e-3
     schedule = Schedule(events[0].config)
     later = [e for e in events if isinstance(e, StepCommitted)]
     assert [e.step for e in later] == list(range(17, 21))
@@ -151,8 +150,8 @@ def test_an_in_place_fork_survives_a_crash_before_its_first_checkpoint(straight,
     code, _, err = run_cli("resume", run, "--no-progress")
     assert code == 0, err
     records = read_seq_events(run)
-    assert run_config(records).optimization.lr == 1e-3
-    schedule = Schedule(run_config(records))
+    assert config_in_force(records).optimization.lr == 1e-3
+    schedule = Schedule(config_in_force(records))
     later = [e for _, e in effective(records) if isinstance(e, StepCommitted) and e.step > 6]
     assert [e.step for e in later] == list(range(7, 21))
     assert all(e.lr == schedule.lr(e.step - 1) for e in later)
