@@ -1,0 +1,100 @@
+"""Make a compatibility fixture: a run directory left by this release, for every later one to resume.
+
+    python tests/compat/make_fixture.py VERSION
+
+writes tests/compat/fixtures/VERSION/: the run of fixtures/run.toml, stopped cleanly after step 17 (a
+RunStopped and a "stop" checkpoint), resumed, and then crashed after step 27 with steps 22..24 committed
+past its last checkpoint (so the next resume supersedes records), plus expected.json: the sha256 of every
+tensor of the final model of the same run trained straight through, and the CPU it was made on.
+
+A fixture is made once, by the release it is named after, and committed; it is never regenerated (that
+would test nothing). This script uses only the CLI and the stores' reader, so it keeps working.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONFIG = HERE / "fixtures" / "run.toml"
+STOP_AT, CRASH_AT = 17, 27
+
+
+def rewind(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "rewind.tools.cli", *args], capture_output=True, text=True, env=env)
+    if check and done.returncode != 0:
+        raise SystemExit(f"rewind {' '.join(args)} failed ({done.returncode}): {done.stderr}")
+    return done
+
+
+def last_step(run_dir: Path) -> int:
+    from rewind.stores.runs import read_seq_events
+
+    steps = [e.step for _, e in read_seq_events(str(run_dir)) if type(e).__name__ == "StepCommitted"]
+    return steps[-1] if steps else 0
+
+
+def crash_after(run_dir: Path, step: int) -> None:
+    """Resume the run and SIGKILL the process once `step` is logged (committed or not: the records past
+    the last group commit are lost, those before it stay and get superseded on the next resume)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [sys.executable, "-m", "rewind.tools.cli", "train", str(CONFIG), "--run-dir", str(run_dir), "--no-progress"]
+    # --max-steps makes the kill deterministic: the process stops (cleanly) at the step we want to
+    # crash at, but we kill it first while it is still before that point. Simpler and exact: run to
+    # the crash step with a throttled process and kill it when the log shows the step.
+    process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while process.poll() is None:
+            if last_step(run_dir) >= step - 3:  # the group commit at step 24 is on disk
+                os.kill(process.pid, signal.SIGKILL)
+                break
+            time.sleep(0.002)
+    finally:
+        process.wait()
+
+
+def tensor_hashes(file: Path) -> dict[str, str]:
+    from safetensors.torch import load_file
+
+    return {name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for name, t in sorted(load_file(file).items())}
+
+
+def main() -> None:
+    version = sys.argv[1]
+    out = HERE / "fixtures" / version
+    if out.exists():
+        raise SystemExit(f"{out} exists: fixtures are made once and never regenerated")
+    with tempfile.TemporaryDirectory() as tmp:
+        straight, run = Path(tmp) / "straight", Path(tmp) / "run"
+        rewind("train", str(CONFIG), "--run-dir", str(straight), "--no-progress")
+        rewind("export", str(straight), "--to", str(Path(tmp) / "final.safetensors"))
+        rewind("train", str(CONFIG), "--run-dir", str(run), "--no-progress", "--max-steps", str(STOP_AT))
+        crash_after(run, CRASH_AT)
+        (run / "events" / "LOCK").unlink(missing_ok=True)  # a dead writer's lock: not part of the format
+        out.mkdir(parents=True)
+        for part in ("events", "checkpoints"):
+            shutil.copytree(run / part, out / part, ignore=shutil.ignore_patterns(".tmp-*"))
+        expected = {
+            "made_by": version,
+            "machine": platform.machine(),
+            "processor": platform.processor() or "unknown",
+            "logged_last_step": last_step(run),
+            "final_model_sha256": tensor_hashes(Path(tmp) / "final.safetensors"),
+        }
+        (out / "expected.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out} (logged up to step {expected['logged_last_step']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The compatibility promise: a run started by an older rewind resumes and replays under this one.
+
+Each directory under fixtures/ was left by the release it is named after (see make_fixture.py): a run
+stopped once, resumed, and crashed with records past its last checkpoint. This release must verify
+it, replay its logged steps bit for bit, accept the very config file it was started with, resume it
+(superseding the crashed records), and end with the final weights that release's straight run had.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.engine.test_loop import one_torch_thread
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+CONFIG = FIXTURES / "run.toml"
+RELEASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.json").exists())
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(params=RELEASES)
+def old_run(request, tmp_path) -> tuple[Path, dict]:
+    # A copy: the committed fixture must never be written to, by this test or any other.
+    copy = tmp_path / request.param
+    shutil.copytree(FIXTURES / request.param, copy, ignore=shutil.ignore_patterns("expected.json"))
+    return copy, json.loads((FIXTURES / request.param / "expected.json").read_text())
+
+
+def _tensor_hashes(file: Path) -> dict[str, str]:
+    return {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for n, t in sorted(load_file(file).items())}
+
+
+def test_there_is_a_fixture_of_the_first_release():
+    assert "0.1.0" in RELEASES
+
+
+def test_an_old_run_verifies_and_replays_bit_for_bit(old_run, rewind_cli):
+    run, expected = old_run
+    code, out, err = rewind_cli("verify", run)
+    assert code == 0, out + err
+    code, out, err = rewind_cli("replay", run, "--from-checkpoint", "start")
+    assert code == 0, out + err
+    assert "replay: reproducible" in out
+    assert f"towards step {expected['logged_last_step']}" in out
+
+
+def test_an_old_run_resumes_under_its_own_config_file_to_the_same_final_weights(old_run, rewind_cli, tmp_path):
+    run, expected = old_run
+    code, out, err = rewind_cli("train", CONFIG, "--run-dir", run, "--no-progress")
+    assert code == 0, err
+    assert "the config differs" not in err
+    assert f"resuming {run}" in err
+    code, _, err = rewind_cli("export", run, "--to", tmp_path / "final.safetensors")
+    assert code == 0, err
+    assert _tensor_hashes(tmp_path / "final.safetensors") == expected["final_model_sha256"]
+    code, out, err = rewind_cli("verify", run)
+    assert code == 0, out + err
+
+
+def test_an_old_run_resumes_under_its_logged_config(old_run, rewind_cli, tmp_path):
+    run, expected = old_run
+    code, _, err = rewind_cli("resume", run, "--no-progress")
+    assert code == 0, err
+    code, _, err = rewind_cli("export", run, "--to", tmp_path / "final.safetensors")
+    assert code == 0, err
+    assert _tensor_hashes(tmp_path / "final.safetensors") == expected["final_model_sha256"]
