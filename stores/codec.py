@@ -26,6 +26,7 @@ is converted. A newer one raises `UnsupportedSchemaError`: this code cannot know
 
 from __future__ import annotations
 
+import gc
 import struct
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -120,6 +121,7 @@ class FrameEncoder:
     def __init__(self) -> None:
         self._encode = msgspec.msgpack.Encoder().encode
         self._version = _events.SCHEMA_VERSION
+        self.last_crc = 0  # CRC of the last frame appended (the writer's segment index records it)
 
     def append(self, buffer: bytearray, seq: int, event: Any) -> int:
         """Frame `event` as record `seq` at the end of `buffer`; returns the frame size in bytes.
@@ -127,7 +129,8 @@ class FrameEncoder:
         payload = self._encode(event)
         body = HEADER.pack(MAGIC, len(payload), self._version, seq) + payload
         buffer += body
-        buffer += TRAILER.pack(_extend(RESIDUE, body))
+        self.last_crc = crc = _extend(RESIDUE, body)
+        buffer += TRAILER.pack(crc)
         return len(body) + 4
 
 
@@ -146,6 +149,26 @@ def parse_frame(data: bytes, offset: int) -> Frame:
     if _extend(RESIDUE, data[offset:payload_end]) != TRAILER.unpack_from(data, payload_end)[0]:
         raise BadFrame("CRC mismatch")
     return Frame(seq, version, offset + HEADER_SIZE, payload_end, end)
+
+
+def skip_records(data: bytes, offset: int, seq: int, target: int) -> tuple[int, int] | None:
+    """(offset, seq) of record `target` in `data`, walking frame headers from record `seq` at `offset`;
+    where the data ends first, (len(data), the seq that would come next).
+
+    Neither decodes nor checks CRCs (seeking into a segment costs a fraction of a microsecond per
+    record skipped): the caller parses from the offset found, which checks everything it returns.
+    None when a header is not where it should be or lacks the expected seq, or a frame runs past the
+    end: the caller then parses the whole segment, which names the damage or the torn tail."""
+    unpack = HEADER.unpack_from
+    while seq < target and offset < len(data):
+        if offset + HEADER_SIZE > len(data):
+            return None
+        magic, length, _, record_seq = unpack(data, offset)
+        if magic != MAGIC or record_seq != seq:
+            return None
+        offset += FRAME_OVERHEAD + length
+        seq += 1
+    return (offset, seq) if offset <= len(data) else None
 
 
 def find_next_frame(data: bytes, start: int) -> int | None:
@@ -194,6 +217,7 @@ class SegmentParse(NamedTuple):
     next_seq: int
     end: int  # offset (relative to the parsed bytes) just after the last intact record
     bad: tuple[int, str] | None  # (offset, reason) of a damaged tail with nothing intact after it
+    last_offset: int = -1  # offset in the segment (base included) where the last record starts
 
 
 def parse_segment(
@@ -204,21 +228,32 @@ def parse_segment(
 
     Stops at a damaged frame when no intact frame follows it (`bad`; the caller decides whether that
     is a torn tail or corruption); raises LogCorruptError for anything else that is wrong.
+
+    Python's cyclic garbage collector is paused meanwhile: decoding makes tens of thousands of
+    containers per MiB, each burst of them sets it scanning everything alive, and decoded events
+    hold no cycles to find. Measured on an 8 MiB segment: 85-145 ms with it running, 44 ms paused.
     """
-    items = _parse_fast(name, data, seq, decoder, records, base)
-    if items is not None:
-        return SegmentParse(items, seq + len(items), len(data), None)
-    return _parse_checked(name, data, seq, decoder, records, base)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        fast = _parse_fast(name, data, seq, decoder, records, base)
+        if fast is not None:
+            items, last_offset = fast
+            return SegmentParse(items, seq + len(items), len(data), None, last_offset)
+        return _parse_checked(name, data, seq, decoder, records, base)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _parse_fast(
     name: str, data: bytes, seq: int, decoder: EventDecoder, records: bool, base: int
-) -> list | None:
+) -> tuple[list, int] | None:
     """The common case -- today's schema, every frame intact -- at close to msgspec's own speed.
 
     Decodes first and checks the whole segment's CRC once at the end, which also covers what this
-    loop skips (the magic). Returns None at the first sign of anything else: the careful path then
-    starts over and says what is wrong."""
+    loop skips (the magic). Returns (items, offset of the last record), or None at the first sign of
+    anything else: the careful path then starts over and says what is wrong."""
     items: list = []
     add = items.append
     view = memoryview(data)
@@ -226,9 +261,11 @@ def _parse_fast(
     decode = decoder.decode_current
     current = _events.SCHEMA_VERSION  # read at call time, so tests can pretend to be newer code
     offset = 0
+    last = -1
     try:
         while True:  # ends when fewer than a header's bytes are left: struct.error
             length, version, record_seq = unpack(data, offset)
+            last = offset
             start = offset + HEADER_SIZE
             offset = start + length + 4
             if record_seq != seq or version != current:
@@ -242,7 +279,7 @@ def _parse_fast(
         return None
     if offset != len(data) or _extend(RESIDUE, data) != RESIDUE:
         return None
-    return items
+    return items, (base + last if items else -1)
 
 
 def _parse_checked(
@@ -252,13 +289,14 @@ def _parse_checked(
     items: list = []
     view = memoryview(data)
     offset = 0
+    last = -1
     while offset < len(data):
         try:
             record_seq, version, start, payload_end, end = parse_frame(data, offset)
         except BadFrame as exc:
             if find_next_frame(data, offset + 1) is not None:
                 raise LogCorruptError(name, base + offset, f"{exc.reason}, intact records follow") from None
-            return SegmentParse(items, seq, offset, (offset, exc.reason))
+            return SegmentParse(items, seq, offset, (offset, exc.reason), last)
         _check_seq(name, base + offset, record_seq, seq)
         try:
             event = decoder.decode(version, view[start:payload_end])
@@ -269,9 +307,10 @@ def _parse_checked(
         except SchemaUnreadable as exc:
             raise UnsupportedSchemaError(name, base + offset, str(exc)) from None
         items.append(Record(seq, version, name, base + offset, event) if records else event)
+        last = base + offset
         seq += 1
         offset = end
-    return SegmentParse(items, seq, offset, None)
+    return SegmentParse(items, seq, offset, None, last)
 
 
 def _check_seq(name: str, offset: int, found: int, expected: int) -> None:
@@ -297,7 +336,8 @@ class Problem(msgspec.Struct, frozen=True):
 
 class LogReport(msgspec.Struct, kw_only=True):
     """What a verification found: every problem with its location, and a torn tail (not a problem:
-    opening the log for writing repairs it)."""
+    opening the log for writing repairs it). `index_problems` are about the segment index files
+    (`rewind.stores.logindex`), a cache that readers check before use: the log itself is fine."""
 
     num_segments: int = 0
     num_records: int = 0
@@ -305,10 +345,11 @@ class LogReport(msgspec.Struct, kw_only=True):
     next_seq: int = 0
     problems: list[Problem] = []
     torn_tail: TornTail | None = None
+    index_problems: list[Problem] = []
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.index_problems
 
 
 def audit_segments(segments: Iterable[tuple[str, bytes, bool]], report: LogReport) -> LogReport:

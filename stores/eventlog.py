@@ -1,7 +1,10 @@
-"""The append-only event log of a run: `RUN/events/00000000.log`, `00000001.log`, ...
+"""The writer of the event log of a run, and `EventLog`, the class that opens a log to read or write.
 
-Segments hold framed records (`rewind.stores.codec`) with contiguous seqs from 0. One writer at a
-time (`RUN/events/LOCK`, `rewind.stores.lock`); any number of lock-free readers, which can follow.
+The log is `RUN/events/00000000.log`, `00000001.log`, ...: segments of framed records
+(`rewind.stores.codec`) with contiguous seqs from 0. One writer at a time (`RUN/events/LOCK`,
+`rewind.stores.lock`); any number of lock-free readers, which can follow. Everything a reader does
+lives in `rewind.stores.logread` (`LogReader`, which `EventLog` extends); this module holds what only
+a writer does, so that the lock, the buffers and the durability rules below stay in one place.
 
 Writing: `append(event)` buffers and returns the record's seq; `commit()` makes every buffered record
 durable at once (group commit: the engine commits at step boundaries). Locally a commit appends to
@@ -17,96 +20,66 @@ Opening for writing cuts a torn tail -- damage at the very end of the last segme
 record after it, as a crash mid-write leaves -- with one `TornTailTruncated` warning: the only case
 in which bytes are dropped. Damage anywhere else raises `LogCorruptError` (segment, byte offset) and
 nothing is rewritten. Opening for reading modifies nothing; a torn tail shows in `torn_tail`.
+When the writer seals a segment (moves on to the next) it writes the segment's index file
+(`rewind.stores.logindex`), which lets readers skip segments without decoding them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
 import warnings
-from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from rewind.stores import fsio
-from rewind.stores.codec import (
-    EventDecoder,
-    FrameEncoder,
-    LogCorruptError,
-    LogError,
-    LogReport,
-    Problem,
-    Record,
-    TornTail,
-    audit_segments,
-    parse_segment,
-)
+from rewind.stores.codec import FrameEncoder, LogError
 
-# Re-exported (`X as X`), so that every error of the log can be imported from this module.
+# Re-exported (`X as X`), so that every error of the log, the record type and the read side's public
+# names can still be imported from this module, as they always could.
+from rewind.stores.codec import LogCorruptError as LogCorruptError
+from rewind.stores.codec import Record as Record
 from rewind.stores.codec import UnsupportedSchemaError as UnsupportedSchemaError
 from rewind.stores.fsio import Location
 from rewind.stores.lock import LogLockedError as LogLockedError
 from rewind.stores.lock import StaleLockBroken as StaleLockBroken
 from rewind.stores.lock import WriterLock
+from rewind.stores.logindex import SegmentStats, ensure_index, index_name, summarize, write_index
+from rewind.stores.logread import EVENTS_DIR, LogModeError, LogNotFoundError, LogReader, segment_name
+from rewind.stores.logread import list_segments as list_segments
+from rewind.stores.logread import verify_log as verify_log
 
-DEFAULT_SEGMENT_BYTES = 64 << 20
-EVENTS_DIR = "events"
+# Small enough that decoding one segment takes a fraction of a second (~25 ms/MiB measured), since a
+# reader always scans the last segment and decodes whole segments it cannot skip; large enough that a
+# 1M-step run has a few dozen segments, not hundreds. Logs written with other sizes read the same.
+DEFAULT_SEGMENT_BYTES = 8 << 20
 LOCK_NAME = "LOCK"
-_SEGMENT_SUFFIX = ".log"
-
-
-class LogNotFoundError(LogError):
-    """There is no event log at the given run directory."""
 
 
 class LogWriteError(LogError):
     """A commit could not be made durable (full disk, I/O error), or the writer is unusable."""
 
 
-class LogModeError(LogError):
-    """Writing to a log opened for reading, or using a closed log."""
-
-
 class TornTailTruncated(UserWarning):
     """Opening for writing cut a torn tail (a record a crash left incomplete) off the last segment."""
 
 
-def segment_name(index: int) -> str:
-    return f"{index:08d}{_SEGMENT_SUFFIX}"
+class EventLog(LogReader):
+    """An open event log; use `EventLog.open`. A context manager: leaving it closes the log.
 
-
-def _segment_indices(events: Location) -> list[int]:
-    stems = (name[: -len(_SEGMENT_SUFFIX)] for name in events.list_names() if name.endswith(_SEGMENT_SUFFIX))
-    return sorted(int(stem) for stem in stems if stem.isdigit())
-
-
-def list_segments(events: Location) -> list[int]:
-    """Segment indices in order; a hole in the numbering is corruption (a lost segment)."""
-    indices = _segment_indices(events)
-    for position, index in enumerate(indices):
-        if index != position:
-            raise LogCorruptError(segment_name(position), 0, "segment file is missing")
-    return indices
-
-
-class EventLog:
-    """An open event log; use `EventLog.open`. A context manager: leaving it closes the log."""
+    Reading (`records`, `events`, `segment_summaries`, `superseded_ranges`, `records_in_steps`,
+    `follow`, `torn_tail`) is inherited from `LogReader` and works the same in both modes.
+    """
 
     def __init__(self, run: Location, mode: Literal["r", "w"], segment_bytes: int):
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
-        self.run = run
+        super().__init__(run)
         self.mode = mode
         self.segment_bytes = segment_bytes
-        self.torn_tail: TornTail | None = None
-        self._events_dir = run.join(EVENTS_DIR)
-        self._decoder = EventDecoder()
         self._encoder = FrameEncoder()
         self._lock: WriterLock | None = None
-        self._closed = False
         self._broken = ""  # why the writer cannot go on, after a failed rollback
         self._refuse_writes = mode != "w"  # any reason at all: then `_check_writable` says which
-        self._scanned_seq: int | None = None  # reader: next seq as of the last full read
         # Writer state. Committed: the last segment on storage and its size; `_fd` is open on it.
         self._num_committed = 0
         self._last_index = -1
@@ -118,6 +91,10 @@ class EventLog:
         self._next_seq = 0
         self._tail_index = -1
         self._tail_size: int | None = None  # None: the next record opens a new segment
+        # Running summaries of the segments not sealed yet (the last on storage, and those holding
+        # buffered records), by segment index; `_tail_stats` is the one appends go to.
+        self._unsealed: dict[int, SegmentStats] = {}
+        self._tail_stats: SegmentStats | None = None
 
     @classmethod
     def open(
@@ -126,14 +103,21 @@ class EventLog:
         mode: Literal["r", "w"] = "r",
         *,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        check: Literal["all", "tail"] = "all",
     ) -> EventLog:
         """Open the log of run directory `run_url` (a path or fsspec URL) for reading or writing.
 
         "w" creates the log if needed, takes the writer lock and recovers a torn tail; "r" touches
         nothing and needs no lock, but the log must exist (LogNotFoundError otherwise).
+        `check` (writing only): "all" decodes and checks every record before the first append;
+        "tail" trusts each sealed segment whose index file checks out and decodes only the others
+        and the last, so that opening a long log costs a few small reads per segment. Damage inside
+        a trusted segment is then found by the readers that read it and by `verify_log`, not here.
         """
         if mode not in ("r", "w"):
             raise ValueError(f"mode must be 'r' or 'w', got {mode!r}")
+        if check not in ("all", "tail"):
+            raise ValueError(f"check must be 'all' or 'tail', got {check!r}")
         log = cls(fsio.filesystem(run_url), mode, segment_bytes)
         if mode == "r":
             if not log._events_dir.exists():
@@ -142,7 +126,7 @@ class EventLog:
         log._events_dir.makedirs()
         log._lock = WriterLock.acquire(log._events_dir.join(LOCK_NAME))
         try:
-            log._recover()
+            log._recover(check)
         except BaseException:
             log._lock.release()
             raise
@@ -154,87 +138,17 @@ class EventLog:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- reading ---------------------------------------------------------------------------------
+    # -- counts ----------------------------------------------------------------------------------
 
     @property
     def next_seq(self) -> int:
         """The seq the next appended record gets (writer), or the count of complete records (reader)."""
-        if self.mode == "w":
-            return self._next_seq
-        if self._scanned_seq is None:
-            self._scan(records=False)
-        return self._scanned_seq  # type: ignore[return-value]
+        return self._next_seq if self.mode == "w" else super().next_seq
 
     @property
     def num_committed(self) -> int:
         """Records made durable so far (writer); for a reader the same as next_seq."""
         return self._num_committed if self.mode == "w" else self.next_seq
-
-    def records(self) -> Iterator[Record]:
-        """Every committed record in seq order, read from storage now. Raises LogCorruptError on
-        damage; a torn tail ends the iteration and is reported in `torn_tail`."""
-        for items in self._iter_segments(records=True):
-            yield from items
-
-    def events(self) -> list[Any]:
-        """Every committed event, in order (the fast path: no Record wrappers)."""
-        return self._scan(records=False)
-
-    def _scan(self, *, records: bool) -> list:
-        return [item for items in self._iter_segments(records=records) for item in items]
-
-    def _iter_segments(self, *, records: bool) -> Iterator[list]:
-        self._check_open()
-        indices = list_segments(self._events_dir)
-        seq = 0
-        torn = None
-        for index in indices:
-            name = segment_name(index)
-            data = self._events_dir.join(name).read_bytes()
-            parsed = parse_segment(name, data, seq=seq, decoder=self._decoder, records=records)
-            seq = parsed.next_seq
-            if parsed.bad is not None:
-                offset, reason = parsed.bad
-                if index != indices[-1]:
-                    raise LogCorruptError(name, offset, f"{reason} (in a segment that is not the last)")
-                torn = TornTail(name, offset, len(data) - offset, reason)
-            yield parsed.items
-        self.torn_tail = torn
-        if self.mode == "r":
-            self._scanned_seq = seq
-
-    def follow(self, poll_s: float = 0.2, stop: Callable[[], bool] | None = None) -> Iterator[Record]:
-        """Every record from seq 0 on, then each new one as a writer commits it; no lock needed.
-
-        Polls every `poll_s` seconds once caught up. `stop()` is asked before each pass over the log;
-        after it returns True, the pass still runs (so nothing committed before is missed) and the
-        generator ends once caught up. Without `stop` it runs until the consumer stops iterating.
-        An incomplete record at the end is waited for; damage followed by more data raises.
-        """
-        self._check_open()
-        index, offset, seq = 0, 0, 0
-        while True:
-            stopping = stop is not None and stop()
-            num_before = seq
-            indices = list_segments(self._events_dir)
-            while index < len(indices):
-                has_next = index + 1 < len(indices)  # listed before reading: if so, this one is final
-                name = segment_name(index)
-                data = self._events_dir.join(name).read_bytes(offset)
-                parsed = parse_segment(name, data, seq=seq, decoder=self._decoder, base=offset)
-                yield from parsed.items
-                seq, offset = parsed.next_seq, offset + parsed.end
-                if parsed.bad is not None and has_next:
-                    raise LogCorruptError(
-                        name, offset, f"{parsed.bad[1]} (in a segment that is not the last)"
-                    )
-                if parsed.bad is not None or not has_next:
-                    break
-                index, offset = index + 1, 0
-            if seq == num_before:
-                if stopping:
-                    return
-                time.sleep(poll_s)
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -250,8 +164,10 @@ class EventLog:
             self._tail_index += 1
             tail_size = 0
             self._chunks.append((self._tail_index, start))
+            self._tail_stats = self._unsealed[self._tail_index] = SegmentStats(seq)
         elif not self._chunks:
             self._chunks.append((self._tail_index, start))
+        self._tail_stats.add(seq, event, tail_size, size, self._encoder.last_crc)
         self._tail_size = tail_size + size
         self._next_seq = seq + 1
         return seq
@@ -280,13 +196,17 @@ class EventLog:
                 f"failed: {exc}; {outcome}"
             ) from exc
         self._num_committed = self._next_seq
-        self._last_index = self._tail_index
+        first_sealed, self._last_index = max(self._last_index, 0), self._tail_index
         if self.run.is_local:
             self._last_size = self._tail_size or 0
         else:
             self._tail_size = None  # objects are immutable: the next commit starts a new one
         self._buffer.clear()
         self._chunks.clear()
+        # Segments this commit moved past are sealed: only now, with all their records durable, do
+        # they get their index file (a failed or rolled-back commit leaves none to go stale).
+        for index in range(first_sealed, self._last_index):
+            write_index(self._events_dir, self._unsealed.pop(index).summary(segment_name(index)))
         return num_records
 
     def _commit_local(self, pieces: list[tuple[int, bytearray]]) -> None:
@@ -328,12 +248,17 @@ class EventLog:
             return self._broken
         return "nothing was committed; the records stay buffered and commit() can be retried"
 
-    def _recover(self) -> None:
-        """Writer open: read the whole log (it must be intact) and cut off a torn tail."""
-        seq = 0
-        indices = list_segments(self._events_dir)
-        for items in self._iter_segments(records=False):
-            seq += len(items)
+    def _recover(self, check: Literal["all", "tail"]) -> None:
+        """Writer open: read the log (what `check` says must be intact), cut off a torn tail, and give
+        every sealed segment its index file where it has none (or a wrong one)."""
+        if check == "tail":
+            summaries = [summary for summary, _ in self._summaries()]
+        else:
+            summaries = [
+                summarize(segment_name(index), parsed.next_seq - len(parsed.items), parsed, data)
+                for index, data, parsed in self._read_segments(records=False)
+            ]
+        seq = summaries[-1].next_seq if summaries else 0
         torn = self.torn_tail
         if torn is not None:
             segment = self._events_dir.join(torn.segment)
@@ -344,11 +269,17 @@ class EventLog:
                 TornTailTruncated,
                 stacklevel=3,
             )
+        for summary in summaries[:-1]:
+            ensure_index(self._events_dir, summary)
         self._num_committed = self._next_seq = seq
-        self._last_index = self._tail_index = indices[-1] if indices else -1
-        if self.run.is_local and indices:
-            self._last_size = self._events_dir.join(segment_name(self._last_index)).size()
-            self._tail_size = self._last_size
+        self._last_index = self._tail_index = len(summaries) - 1
+        if summaries:
+            last = summaries[-1]
+            # Only a sealed segment has an index; one left next to the last would go stale on append.
+            self._events_dir.join(index_name(last.segment)).remove()
+            self._tail_stats = self._unsealed[self._last_index] = SegmentStats.continuing(last)
+            if self.run.is_local:
+                self._last_size = self._tail_size = last.num_bytes
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -366,10 +297,6 @@ class EventLog:
         if self._lock is not None:
             self._lock.release()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LogModeError(f"event log {self.run.url} is closed")
-
     def _check_writable(self) -> None:
         self._check_open()
         if self.mode != "w":
@@ -382,19 +309,3 @@ def read_events(run_url: str | os.PathLike[str]) -> list[Any]:
     """Every committed event of a run, read-only (a torn tail is left alone)."""
     with EventLog.open(run_url) as log:
         return log.events()
-
-
-def verify_log(run_url: str | os.PathLike[str]) -> LogReport:
-    """Check framing, CRCs, sequence contiguity and decodability of every record, reporting every
-    problem (segment, offset) instead of stopping at the first. Read-only."""
-    events_dir = fsio.filesystem(run_url).join(EVENTS_DIR)
-    if not events_dir.exists():
-        raise LogNotFoundError(f"no event log at {run_url} (no {EVENTS_DIR}/ directory)")
-    indices = _segment_indices(events_dir)
-    present = set(indices)
-    missing = [i for i in range(indices[-1] if indices else 0) if i not in present]
-    report = LogReport(problems=[Problem(segment_name(i), 0, "segment file is missing") for i in missing])
-    segments = (
-        (segment_name(i), events_dir.join(segment_name(i)).read_bytes(), i == indices[-1]) for i in indices
-    )
-    return audit_segments(segments, report)

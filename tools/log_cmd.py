@@ -52,8 +52,8 @@ def describe(seq: int, event: Event) -> str:
     step, tokens = data.pop("step"), data.pop("tokens")
     if name == "RunStarted":
         data = {"config_hash": data["config_hash"][:12], "name": data["config"]["run"]["name"], "parent": data["parent"]}
-    if name == "RunResumed":
-        data.pop("restored")
+    if name == "RunResumed" and data.pop("seed", None) is not None:
+        data["seed"] = "(the parent's state at the fork)"  # `log --json` shows it in full
     if name == "CheckpointCommitted":
         data.pop("files")
         data["manifest_sha256"] = data["manifest_sha256"][:12]
@@ -76,17 +76,11 @@ def _select(records: Iterable, types: set[str], low: int, high: float) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rewind.states.history import effective
-    from rewind.tools.runlog import load_records
-
     types = check_types(args.types)
     low, high = parse_steps(args.steps)
     if args.follow and args.json:
         raise UsageError("--follow prints one JSON object per line; use it without --json, or --json without it")
-    records = load_records(args.run_dir)
-    if args.effective:
-        records = effective(records)
-    selected = _select(records, types, low, high)
+    selected, next_seq = _read_selected(args.run_dir, types, low, high, effective=args.effective)
     if args.json:
         print(json.dumps([record_dict(s, e) for s, e in selected], indent=1, default=str))
         return 0
@@ -94,19 +88,30 @@ def run(args: argparse.Namespace) -> int:
     for seq, event in selected:
         print(describe(seq, event))
     if args.follow:
-        return _follow(args.run_dir, len(records), types, low, high)
+        return _follow(args.run_dir, next_seq, types, low, high)
     return 0
 
 
-def _follow(run_dir: str, num_seen: int, types: set[str], low: int, high: float) -> int:
+def _read_selected(
+    run_dir: str, types: set[str], low: int, high: float, *, effective: bool
+) -> tuple[list, int]:
+    """The selected (seq, event) pairs, and the seq after the last record. Reads only the segments
+    whose step range meets [low, high], besides the first record: the cost is what is printed, not
+    the size of the log. Errors are `open_log`'s (no log: exit 2; empty, damaged, no RunStarted: 1)."""
+    from rewind.tools.runlog import open_log
+
+    with open_log(run_dir) as (log, _):
+        records = log.records_in_steps(low, high, effective=effective)
+        return _select(((r.seq, r.event) for r in records), types, low, high), log.next_seq
+
+
+def _follow(run_dir: str, start_seq: int, types: set[str], low: int, high: float) -> int:
     """Print events as the writer commits them, until the run finishes or stops (Ctrl-C ends it)."""
     from rewind.states.events import RunFinished, RunStopped
     from rewind.stores.eventlog import EventLog
 
     with EventLog.open(run_dir) as log:
-        for record in log.follow(poll_s=0.2):
-            if record.seq < num_seen:
-                continue
+        for record in log.follow(poll_s=0.2, start_seq=start_seq):
             if _select([(record.seq, record.event)], types, low, high):
                 print(describe(record.seq, record.event), flush=True)
             if isinstance(record.event, RunFinished | RunStopped):

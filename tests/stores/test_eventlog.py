@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rewind.states.events import RunFinished, StageEntered
+from rewind.states.events import SCHEMA_VERSION, RunFinished, StageEntered
 from rewind.stores import fsio
 from rewind.stores.codec import FRAME_OVERHEAD, HEADER_SIZE, encode_frame
 from rewind.stores.eventlog import (
@@ -56,7 +56,7 @@ def test_appends_return_contiguous_seqs_and_commit_makes_them_readable(run_url):
         records = list(log.records())
     assert [r.seq for r in records] == list(range(12))
     assert [r.event for r in records] == events
-    assert {r.version for r in records} == {1}
+    assert {r.version for r in records} == {SCHEMA_VERSION}
     assert read_events(run_url) == events
     report = verify_log(run_url)
     assert report.ok and report.torn_tail is None and report.num_records == 12 and report.next_seq == 12

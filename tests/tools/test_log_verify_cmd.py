@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 
-from rewind.states.events import CheckpointCommitted, RunResumed, StepCommitted
+from rewind.states.events import CheckpointCommitted, RunFinished, RunResumed, StepCommitted
 from rewind.states.fold import fold
 from rewind.states.history import effective
+from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import read_records, read_seq_events
+from rewind.stores.synthetic import write_synthetic_run
+from rewind.tools.log_cmd import describe, parse_steps
 from tests.engine.test_loop import (
     OVERRIDES,
     events_of,
@@ -113,6 +117,76 @@ def test_log_effective_drops_the_records_a_resume_superseded(resumed):
     assert not any(d["seq"] in superseded for d in everything)
 
 
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory) -> Path:
+    """A synthetic run over many small segments, resumed three times: `--steps` reads only a few."""
+    run = tmp_path_factory.mktemp("long") / "run"
+    write_synthetic_run(run, 3000, 3, checkpoint_every=200, report_interval=50, segment_bytes=20_000)
+    return run
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--steps", "1499:1502"),
+        ("--steps", "1499:1502", "--effective"),
+        ("--steps", "750:", "--type", "RunResumed"),
+        ("--steps", ":3", "--effective"),
+        ("--type", "CheckpointDeleted", "--effective"),
+    ],
+    ids=["steps", "steps-effective", "type", "first-steps", "whole-log"],
+)
+def test_log_reads_a_long_run_by_seeking_and_prints_what_a_full_read_would(long_run, args):
+    records = read_seq_events(long_run)
+    if "--effective" in args:
+        records = effective(records)
+    low, high = parse_steps(args[1] if args[0] == "--steps" else None)
+    kinds = {args[i + 1] for i, a in enumerate(args) if a == "--type"}
+    expected = [
+        (s, e) for s, e in records if low <= e.step <= high and (not kinds or type(e).__name__ in kinds)
+    ]
+    assert expected
+    code, out, err = run_cli("log", long_run, *args)
+    assert code == 0, err
+    assert out.splitlines()[1:] == [describe(s, e) for s, e in expected]
+    assert [d["seq"] for d in log_json(long_run, *args)] == [s for s, _ in expected]
+
+
+def test_log_follow_prints_each_new_record_once_until_the_run_finishes(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    write_synthetic_run(run, 200, 1, checkpoint_every=50, report_interval=10, segment_bytes=4000)
+    following = threading.Event()
+    real_follow = EventLog.follow
+
+    def follow(self, *args, **kwargs):
+        following.set()
+        yield from real_follow(self, *args, **kwargs)
+
+    def finish() -> None:  # the run goes on once the command is past its first read
+        assert following.wait(30)
+        with EventLog.open(run, "w") as log:
+            for step in range(201, 204):
+                log.append(StepCommitted(step=step, tokens=step * 512, stage=0, lr=0.0, beta=0.0, loss=1.0))
+                log.commit()
+            log.append(RunFinished(step=203, tokens=203 * 512))
+            log.commit()
+
+    monkeypatch.setattr(EventLog, "follow", follow)
+    writer = threading.Thread(target=finish)
+    writer.start()
+    code, out, err = run_cli("log", run, "--follow", "--steps", "150:")
+    writer.join()
+    assert code == 0, err
+    expected = [describe(s, e) for s, e in read_seq_events(run) if e.step >= 150]
+    assert out.splitlines()[1:] == expected and "RunFinished" in expected[-1]
+
+
+def test_log_of_an_empty_log_is_exit_1(tmp_path):
+    (tmp_path / "run" / "events").mkdir(parents=True)
+    code, out, err = run_cli("log", tmp_path / "run")
+    assert code == 1 and not out and "empty" in one_line(err)
+
+
 def test_log_of_a_missing_run(tmp_path):
     code, out, err = run_cli("log", tmp_path / "nothing")
     assert code != 0 and not out
@@ -177,6 +251,21 @@ def test_verify_finds_a_missing_live_checkpoint(damaged):
     assert code == 1
     (problem,) = problems
     assert gone in problem and "not found" in problem
+
+
+def test_verify_names_a_damaged_segment_index_and_log_still_reads_right(long_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(long_run, run)
+    index = run / "events" / "00000003.idx"
+    data = bytearray(index.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    index.write_bytes(bytes(data))
+    code, out, _ = run_cli("verify", run)
+    assert code == 1
+    (problem,) = [line for line in out.splitlines() if line.startswith("PROBLEM log index")]
+    assert problem.startswith("PROBLEM log index: 00000003.idx: damaged index file")
+    assert "fold: ok" in out  # a bad index is no reason to stop checking the log
+    assert log_json(run) == log_json(long_run)
 
 
 def test_verify_reports_a_torn_tail(damaged):

@@ -1,0 +1,289 @@
+"""The read side of the event log: everything a lock-free reader does, and `verify_log`.
+
+A run's log is `RUN/events/00000000.log`, `00000001.log`, ...: segments of framed records
+(`rewind.stores.codec`) with contiguous seqs from 0. `LogReader` reads it while a writer may be
+appending, with no lock and without modifying anything. That is safe because the writer only ever
+appends to the last segment and syncs each segment before it creates the next: damage at the end of
+the last segment is a torn tail (a record being written, or one a crash cut short), reported in
+`torn_tail`; damage anywhere else is corruption and raises `LogCorruptError` (segment, byte offset).
+
+Reading seeks: `records(start_seq)` reads only the segments from the one holding `start_seq` on,
+`records_in_steps(low, high)` only those whose step range meets [low, high], and
+`superseded_ranges()` decodes nothing but the last segment. They find their way with the segment
+summaries of `rewind.stores.logindex`, which the writer caches in an index file per sealed segment.
+
+`rewind.stores.eventlog.EventLog` is the class to use: a `LogReader` that can also be opened for
+writing, and whose recovery on open reuses these reads. They live apart from the writer because
+none of them depends on its lock or buffers, so they can be read (and changed) on their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rewind.stores import fsio
+from rewind.stores.codec import (
+    EventDecoder,
+    LogCorruptError,
+    LogError,
+    LogReport,
+    Problem,
+    Record,
+    SegmentParse,
+    TornTail,
+    audit_segments,
+    parse_segment,
+)
+from rewind.stores.fsio import Location
+from rewind.stores.logindex import (
+    SegmentSummary,
+    check_indexes,
+    load_index,
+    locate,
+    parse_part,
+    summarize,
+    superseded_ranges,
+)
+
+EVENTS_DIR = "events"
+_SEGMENT_SUFFIX = ".log"
+
+
+class LogNotFoundError(LogError):
+    """There is no event log at the given run directory."""
+
+
+class LogModeError(LogError):
+    """Writing to a log opened for reading, or using a closed log."""
+
+
+def segment_name(index: int) -> str:
+    return f"{index:08d}{_SEGMENT_SUFFIX}"
+
+
+def _segment_indices(events: Location) -> list[int]:
+    stems = (name[: -len(_SEGMENT_SUFFIX)] for name in events.list_names() if name.endswith(_SEGMENT_SUFFIX))
+    return sorted(int(stem) for stem in stems if stem.isdigit())
+
+
+def list_segments(events: Location) -> list[int]:
+    """Segment indices in order; a hole in the numbering is corruption (a lost segment)."""
+    indices = _segment_indices(events)
+    for position, index in enumerate(indices):
+        if index != position:
+            raise LogCorruptError(segment_name(position), 0, "segment file is missing")
+    return indices
+
+
+class LogReader:
+    """Lock-free reads of the log of run directory `run`, each from storage as it is now.
+
+    The read side of `rewind.stores.eventlog.EventLog`, which owns the lifecycle (opening, closing);
+    every read raises LogModeError once the log is closed.
+    """
+
+    def __init__(self, run: Location):
+        self.run = run
+        self.torn_tail: TornTail | None = None
+        self._events_dir = run.join(EVENTS_DIR)
+        self._decoder = EventDecoder()
+        self._closed = False
+        # Next seq as of the last full read; a writer keeps its own count and never looks at this.
+        self._scanned_seq: int | None = None
+
+    @property
+    def next_seq(self) -> int:
+        """The count of complete records, as of the last full read (one is made if there was none)."""
+        if self._scanned_seq is None:
+            self._summaries()
+        return self._scanned_seq  # type: ignore[return-value]
+
+    def records(self, start_seq: int = 0, stop_seq: int | None = None) -> Iterator[Record]:
+        """The committed records with start_seq <= seq < stop_seq (to the end by default) in seq
+        order, read from storage now. Reads only the segments that can hold them and decodes from the
+        first one wanted. Raises LogCorruptError on damage in what it reads; a torn tail ends the
+        iteration and is reported in `torn_tail` (when the iteration reaches it)."""
+        for _, _, parsed in self._read_segments(start_seq, stop_seq, records=True):
+            yield from parsed.items
+
+    def events(self) -> list[Any]:
+        """Every committed event, in order (the fast path: no Record wrappers)."""
+        return [event for _, _, parsed in self._read_segments(records=False) for event in parsed.items]
+
+    def segment_summaries(self) -> list[SegmentSummary]:
+        """What each segment holds (seqs, steps, bytes, resumes): from the index file of a sealed
+        segment where it is intact and matches, else by scanning the segment; the last is scanned."""
+        return [summary for summary, _ in self._summaries()]
+
+    def superseded_ranges(self) -> list[tuple[int, int]]:
+        """The non-empty seq ranges [first, last] that resumes superseded, without decoding the log."""
+        return superseded_ranges(self.segment_summaries())
+
+    def records_in_steps(self, low: float, high: float, *, effective: bool = False) -> Iterator[Record]:
+        """The records with low <= step <= high in seq order (only those that still count after
+        resumes, with `effective`), reading only the segments whose step range meets [low, high]."""
+        wanted = functools.partial(SegmentSummary.may_hold_steps, low=low, high=high)
+        summaries = self._summaries(keep=wanted)
+        ranges = superseded_ranges(s for s, _ in summaries) if effective else []
+        for summary, records in summaries:
+            if not wanted(summary):
+                continue
+            if records is None:
+                records = self._read_sealed(summary)
+            here = [(a, b) for a, b in ranges if a < summary.next_seq and b >= summary.first_seq]
+            for record in records:
+                if low <= record.event.step <= high and not any(a <= record.seq <= b for a, b in here):
+                    yield record
+
+    def follow(
+        self, poll_s: float = 0.2, stop: Callable[[], bool] | None = None, *, start_seq: int = 0
+    ) -> Iterator[Record]:
+        """Every record from `start_seq` on, then each new one as a writer commits it; no lock needed.
+
+        Polls every `poll_s` seconds once caught up. `stop()` is asked before each pass over the log;
+        after it returns True, the pass still runs (so nothing committed before is missed) and the
+        generator ends once caught up. Without `stop` it runs until the consumer stops iterating.
+        An incomplete record at the end is waited for; damage followed by more data raises.
+        """
+        self._check_open()
+        names = [segment_name(i) for i in list_segments(self._events_dir)]
+        index, seq = locate(self._events_dir, names, start_seq) if start_seq > 0 else (0, 0)
+        offset = 0
+        while True:
+            stopping = stop is not None and stop()
+            num_before = seq
+            indices = list_segments(self._events_dir)
+            while index < len(indices):
+                has_next = index + 1 < len(indices)  # listed before reading: if so, this one is final
+                name = segment_name(index)
+                data = self._events_dir.join(name).read_bytes(offset)
+                parsed = parse_segment(name, data, seq=seq, decoder=self._decoder, base=offset)
+                yield from (record for record in parsed.items if record.seq >= start_seq)
+                seq, offset = parsed.next_seq, offset + parsed.end
+                if parsed.bad is not None and has_next:
+                    raise LogCorruptError(
+                        name, offset, f"{parsed.bad[1]} (in a segment that is not the last)"
+                    )
+                if parsed.bad is not None or not has_next:
+                    break
+                index, offset = index + 1, 0
+            if seq == num_before:
+                if stopping:
+                    return
+                time.sleep(poll_s)
+
+    def _summaries(self, keep: Callable[[SegmentSummary], bool] | None = None) -> list:
+        """(summary, records) of every segment; records (decoded) only for a segment that had to be
+        scanned and that `keep` wants, else None. Sets `torn_tail`."""
+        self._check_open()
+        indices = list_segments(self._events_dir)
+        found: list[tuple[SegmentSummary, list[Record] | None]] = []
+        seq, torn = 0, None
+        for index in indices:
+            name = segment_name(index)
+            summary = None if index == indices[-1] else load_index(self._events_dir, name, seq)
+            records = None
+            if summary is None:
+                data = self._events_dir.join(name).read_bytes()
+                parsed = parse_segment(name, data, seq=seq, decoder=self._decoder, records=True)
+                torn = self._check_tail(index, indices, data, parsed)
+                summary = summarize(name, seq, parsed, data)
+                records = parsed.items if keep is not None and keep(summary) else None
+            found.append((summary, records))
+            seq = summary.next_seq
+        self.torn_tail = torn
+        self._scanned_seq = seq
+        return found
+
+    def _read_segments(
+        self, start_seq: int = 0, stop_seq: int | None = None, *, records: bool
+    ) -> Iterator[tuple[int, bytes, SegmentParse]]:
+        """(index, bytes, parse) of each segment from the one that holds `start_seq` on, each parse
+        holding its records in [start_seq, stop_seq). Sets `torn_tail` once it reaches the end."""
+        self._check_open()
+        indices = list_segments(self._events_dir)
+        names = [segment_name(index) for index in indices]
+        position, seq = locate(self._events_dir, names, start_seq) if start_seq > 0 else (0, 0)
+        torn = None
+        for index in indices[position:]:
+            if stop_seq is not None and seq >= stop_seq:  # an empty range
+                return
+            data = self._events_dir.join(names[index]).read_bytes()
+            parsed = parse_part(
+                names[index],
+                data,
+                first_seq=seq,
+                start_seq=start_seq,
+                stop_seq=stop_seq,
+                decoder=self._decoder,
+                records=records,
+            )
+            seq = parsed.next_seq
+            if stop_seq is not None and seq >= stop_seq:  # done before the end: nothing to say about it
+                yield index, data, parsed
+                return
+            torn = self._check_tail(index, indices, data, parsed)
+            yield index, data, parsed
+        self.torn_tail = torn
+        self._scanned_seq = seq
+
+    def _read_sealed(self, summary: SegmentSummary) -> list[Record]:
+        """The records of a sealed segment its (checked) index file summarized."""
+        data = self._events_dir.join(summary.segment).read_bytes()
+        parsed = parse_segment(summary.segment, data, seq=summary.first_seq, decoder=self._decoder)
+        if parsed.bad is not None:
+            offset, reason = parsed.bad
+            raise LogCorruptError(summary.segment, offset, f"{reason} (in a segment that is not the last)")
+        return parsed.items
+
+    @staticmethod
+    def _check_tail(index: int, indices: list[int], data: bytes, parsed: SegmentParse) -> TornTail | None:
+        """A damaged end of the last segment is a torn tail; of any other segment, corruption."""
+        if parsed.bad is None:
+            return None
+        offset, reason = parsed.bad
+        name = segment_name(index)
+        if index != indices[-1]:
+            raise LogCorruptError(name, offset, f"{reason} (in a segment that is not the last)")
+        return TornTail(name, offset, len(data) - offset, reason)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LogModeError(f"event log {self.run.url} is closed")
+
+
+def verify_log(run_url: str | os.PathLike[str]) -> LogReport:
+    """Check framing, CRCs, sequence contiguity and decodability of every record, reporting every
+    problem (segment, offset) instead of stopping at the first, and every index file against its
+    segment (`index_problems`). Read-only."""
+    events_dir = fsio.filesystem(run_url).join(EVENTS_DIR)
+    if not events_dir.exists():
+        raise LogNotFoundError(f"no event log at {run_url} (no {EVENTS_DIR}/ directory)")
+    indices = _segment_indices(events_dir)
+    present = set(indices)
+    missing = [i for i in range(indices[-1] if indices else 0) if i not in present]
+    report = LogReport(problems=[Problem(segment_name(i), 0, "segment file is missing") for i in missing])
+    decoder = EventDecoder()
+    summaries: dict[str, SegmentSummary] = {}
+    for index in indices:
+        name = segment_name(index)
+        data = events_dir.join(name).read_bytes()
+        first = report.next_seq
+        try:  # the fast path proves an intact segment at once; only a damaged one needs the audit
+            parsed = parse_segment(name, data, seq=first, decoder=decoder, records=False)
+        except LogError:
+            parsed = None
+        if parsed is None or parsed.bad is not None:
+            audit_segments([(name, data, index == indices[-1])], report)
+            continue
+        report.num_segments += 1
+        report.num_records += len(parsed.items)
+        report.num_bytes += len(data)
+        report.next_seq = parsed.next_seq
+        summaries[name] = summarize(name, first, parsed, data)
+    report.index_problems = check_indexes(events_dir, summaries)
+    return report
