@@ -35,7 +35,7 @@ def export_metrics(run_dir: str) -> int:
     from rewind.stores.metrics import rebuild
 
     records = effective(load_records(run_dir))
-    rebuild(run_dir, [e for _, e in records])
+    rebuild(run_dir, records)
     print(f"rebuilt {run_dir}/metrics.jsonl and {run_dir}/tb/ from {len(records)} effective events")
     return 0
 

@@ -1,4 +1,5 @@
-"""The metrics projection: JSONL lines and TensorBoard scalars from events, rebuilt byte for byte."""
+"""The metrics projection: JSONL lines and TensorBoard scalars from (seq, event) records, rebuilt byte for
+byte. Resuming it in place is tested in test_metrics_resume.py."""
 
 from __future__ import annotations
 
@@ -43,19 +44,37 @@ def synthetic_events() -> list:
     ]
 
 
+def synthetic_records() -> list:
+    """(seq, event) pairs, as the log numbers them."""
+    return list(enumerate(synthetic_events()))
+
+
+# The seq of each line is the index of its event in synthetic_events().
 EXPECTED_LINES = [
     {
         "type": "evaluation",
+        "seq": 1,
         "step": 0,
         "tokens": 0,
         "boundary": -1,
         "scores": {"copy": 0.0},
         "losses": {"copy": 3.0},
     },
-    {"type": "train", "step": 1, "tokens": 64, "stage": 0, "loss": 2.5, "kl": 0.125, "lr": 1e-3, "beta": 0.01}
+    {
+        "type": "train",
+        "seq": 2,
+        "step": 1,
+        "tokens": 64,
+        "stage": 0,
+        "loss": 2.5,
+        "kl": 0.125,
+        "lr": 1e-3,
+        "beta": 0.01,
+    }
     | {"grad_norm": 1.5, "rows": [3, 1], "skipped": False},
     {
         "type": "train",
+        "seq": 3,
         "step": 2,
         "tokens": 128,
         "stage": 0,
@@ -65,9 +84,10 @@ EXPECTED_LINES = [
         "beta": 0.01,
     }
     | {"grad_norm": 1.5, "rows": [3, 1], "skipped": False},
-    {"type": "validation", "step": 2, "tokens": 128, "losses": {"a": 2.125, "b": 2.0}},
+    {"type": "validation", "seq": 4, "step": 2, "tokens": 128, "losses": {"a": 2.125, "b": 2.0}},
     {
         "type": "train",
+        "seq": 7,
         "step": 3,
         "tokens": 192,
         "stage": 1,
@@ -77,7 +97,7 @@ EXPECTED_LINES = [
         "beta": 0.01,
     }
     | {"grad_norm": 1.5, "rows": [3, 1], "skipped": True},
-    {"type": "evaluation", "step": 3, "tokens": 192, "boundary": 0}
+    {"type": "evaluation", "seq": 8, "step": 3, "tokens": 192, "boundary": 0}
     | {"scores": {"add": 0.25, "copy": 0.5}, "losses": {"copy": 1.5}},
 ]
 
@@ -106,34 +126,36 @@ def bit_patterns(found: dict[str, list[tuple[int, float]]]) -> dict[str, list[tu
     }
 
 
-def live(run_dir, events) -> None:
+def live(run_dir, records) -> None:
     with MetricsProjection(run_dir) as projection:
-        for event in events:
-            projection.observe(event)
+        for seq, event in records:
+            projection.observe(seq, event)
 
 
 def test_live_projection_writes_one_line_per_metric_event(tmp_path):
-    live(tmp_path, synthetic_events())
+    live(tmp_path, synthetic_records())
     assert jsonl_records(tmp_path) == EXPECTED_LINES
-    # Key order is part of the format: type, step, tokens first.
-    assert jsonl_bytes(tmp_path).startswith(b'{"type":"evaluation","step":0,"tokens":0,"boundary":-1,')
+    # Key order is part of the format: type, seq, step, tokens first.
+    assert jsonl_bytes(tmp_path).startswith(
+        b'{"type":"evaluation","seq":1,"step":0,"tokens":0,"boundary":-1,'
+    )
 
 
 def test_flush_makes_lines_visible_while_the_projection_stays_open(tmp_path):
     projection = MetricsProjection(tmp_path)
-    events = synthetic_events()
-    for event in events[:3]:
-        projection.observe(event)
+    records = synthetic_records()
+    for seq, event in records[:3]:
+        projection.observe(seq, event)
     projection.flush()
     assert jsonl_records(tmp_path) == EXPECTED_LINES[:2]
-    for event in events[3:]:
-        projection.observe(event)
+    for seq, event in records[3:]:
+        projection.observe(seq, event)
     projection.close()
     assert jsonl_records(tmp_path) == EXPECTED_LINES
 
 
 def test_tensorboard_gets_every_scalar_against_the_step(tmp_path):
-    live(tmp_path, synthetic_events())
+    live(tmp_path, synthetic_records())
     found = scalars(tmp_path)
     f32 = lambda value: float(np.float32(value))  # noqa: E731 - TensorBoard stores float32
     assert sorted(found) == sorted(
@@ -152,25 +174,29 @@ def test_tensorboard_gets_every_scalar_against_the_step(tmp_path):
 
 
 def test_rebuild_gives_the_same_bytes_as_the_live_projection(tmp_path):
-    live(tmp_path / "live", synthetic_events())
-    rebuild(tmp_path / "rebuilt", iter(synthetic_events()))
+    live(tmp_path / "live", synthetic_records())
+    rebuild(tmp_path / "rebuilt", iter(synthetic_records()))
     assert jsonl_bytes(tmp_path / "rebuilt") == jsonl_bytes(tmp_path / "live")
     assert bit_patterns(scalars(tmp_path / "rebuilt")) == bit_patterns(scalars(tmp_path / "live"))
 
 
 def test_rebuild_on_resume_drops_superseded_events_then_keeps_appending(tmp_path):
-    events = synthetic_events()
+    records = synthetic_records()
     projection = MetricsProjection(tmp_path / "run")
-    for event in [*events, step_event(4, 9.0), step_event(5, 9.5)]:  # steps 4-5 will be superseded
-        projection.observe(event)
+    for seq, event in [
+        *records,
+        (9, step_event(4, 9.0)),
+        (10, step_event(5, 9.5)),
+    ]:  # seqs 9-10 will be superseded
+        projection.observe(seq, event)
     projection.flush()
-    projection.rebuild(tmp_path / "run", events)  # the effective stream, as the resumed process sees it
-    continuation = [step_event(4, 1.0), Validated(step=4, tokens=256, losses={"a": 1.0})]
-    for event in continuation:
-        projection.observe(event)
+    projection.rebuild(tmp_path / "run", records)  # the effective stream, as the resumed process sees it
+    continuation = [(12, step_event(4, 1.0)), (13, Validated(step=4, tokens=256, losses={"a": 1.0}))]
+    for seq, event in continuation:
+        projection.observe(seq, event)
     projection.close()
 
-    live(tmp_path / "straight", [*events, *continuation])
+    live(tmp_path / "straight", [*records, *continuation])
     assert jsonl_bytes(tmp_path / "run") == jsonl_bytes(tmp_path / "straight")
     train_lines = [line for line in jsonl_records(tmp_path / "run") if line["type"] == "train"]
     assert [(line["step"], line["loss"]) for line in train_lines][-2:] == [(3, None), (4, 1.0)]
@@ -180,7 +206,10 @@ def test_rebuild_on_resume_drops_superseded_events_then_keeps_appending(tmp_path
 
 
 def test_events_without_metrics_leave_no_files(tmp_path):
-    live(tmp_path, [StageEntered(step=0, tokens=0, stage=0), FadeStarted(step=0, tokens=0, boundary=0)])
+    live(
+        tmp_path,
+        [(0, StageEntered(step=0, tokens=0, stage=0)), (1, FadeStarted(step=0, tokens=0, boundary=0))],
+    )
     assert os.listdir(tmp_path) == []
     assert project(StageEntered(step=0, tokens=0, stage=0)) is None
 
