@@ -1,9 +1,10 @@
 """Typed run configuration: frozen msgspec structs decoded from TOML.
 
 Keys follow the ABCD trainer's names (`training.tokens`, `training.fade.overlap`, ...) so its users
-feel at home. Decoding never stops at the first problem: `check_config` walks the raw TOML against
-the struct types and then checks the cross-field rules, and `ConfigError` carries every problem,
-each naming its dotted field path.
+feel at home. Decoding never stops at the first problem: the raw TOML is walked against the struct
+types (`rewind.states.checking`), then the cross-field rules run (`rewind.states.validation`), and
+`ConfigError` carries every problem, each naming its dotted field path. This module holds the schema,
+parsing, and a config's identity (`config_hash`).
 
 Pure: the caller reads the file (see `rewind.tools.configfile`); this module only parses text.
 """
@@ -18,6 +19,8 @@ from typing import Any, Literal
 import msgspec
 
 from rewind.states.checking import collect_type_problems
+from rewind.states.validation import BUILTIN_DATASETS as BUILTIN_DATASETS
+from rewind.states.validation import check_config
 
 CurveName = Literal["linear", "cosine", "sigmoid"]
 LrScheduleName = Literal["wsds", "wsd", "cosine", "sgdr", "constant"]
@@ -25,11 +28,6 @@ KlKind = Literal["token_kl", "nll_difference"]
 NormName = Literal["rmsnorm", "layernorm"]
 NonFiniteAction = Literal["stop", "skip"]
 DataKind = Literal["tokens", "jsonl"]
-
-# Embedded synthetic datasets the engine generates in code (no download). Their names live here so
-# that a config can be validated without importing torch; the engine's registry asserts it matches.
-BUILTIN_DATASETS: tuple[str, ...] = ("grammar", "reverse", "sort", "add")
-
 
 class Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Base of every config section: immutable, and unknown keys are an error, never ignored."""
@@ -151,8 +149,30 @@ class ConfigError(Exception):
 
 
 def config_hash(config: Config) -> str:
-    """Stable identity of a config: sha256 of its canonical JSON (field order is the struct's)."""
-    return hashlib.sha256(msgspec.json.encode(config)).hexdigest()
+    """Identity of a config: sha256 of its canonical JSON, in which every field left at its default is
+    omitted. So a release that adds a field with a default gives every existing config the same hash,
+    while a release that changes a default changes the hash of exactly the configs that relied on it.
+    Compare hashes computed by the same code (a resume hashes the logged config as decoded now)."""
+    return hashlib.sha256(msgspec.json.encode(canonical(config))).hexdigest()
+
+
+def canonical(value: Any) -> Any:
+    """Builtins for `value` with every struct field that equals its default left out, recursively."""
+    if isinstance(value, msgspec.Struct):
+        kept = {}
+        for info in msgspec.structs.fields(value):
+            item = getattr(value, info.name)
+            if info.default is not msgspec.NODEFAULT and item == info.default:
+                continue
+            if info.default_factory is not msgspec.NODEFAULT and item == info.default_factory():
+                continue
+            kept[info.encode_name] = canonical(item)
+        return kept
+    if isinstance(value, list | tuple):
+        return [canonical(item) for item in value]
+    if isinstance(value, dict):
+        return {key: canonical(item) for key, item in sorted(value.items())}
+    return value
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -262,134 +282,6 @@ def dumps_config(config: Config) -> str:
     from rewind.states.tomlwrite import dumps
 
     return dumps(msgspec.to_builtins(config))
-
-
-def check_config(config: Config) -> list[str]:
-    """Cross-field rules the types cannot express. Returns every problem, in field order."""
-    problems: list[str] = []
-    t, fade, opt, kl, arch = (
-        config.training,
-        config.training.fade,
-        config.optimization,
-        config.optimization.kl,
-        config.architecture,
-    )
-    n = len(t.tokens)
-    add = problems.append
-
-    for name in ("block_size", "vocab_size", "num_layers", "num_heads", "d_model"):
-        if getattr(arch, name) <= 0:
-            add(f"architecture.{name}: must be positive, got {getattr(arch, name)}")
-    if arch.num_heads > 0 and arch.d_model % arch.num_heads:
-        add(f"architecture.d_model: {arch.d_model} is not divisible by num_heads={arch.num_heads}")
-    elif arch.num_heads > 0 and (arch.d_model // arch.num_heads) % 2:
-        add("architecture.d_model: head size must be even for RoPE")
-    if arch.d_ff < 0:
-        add(f"architecture.d_ff: must be >= 0 (0 = 4 * d_model), got {arch.d_ff}")
-    if not 0.0 <= arch.dropout < 1.0:
-        add(f"architecture.dropout: must be in [0, 1), got {arch.dropout}")
-
-    if n == 0:
-        add("training.tokens: expected at least one stage budget, got an empty list")
-    for i, budget in enumerate(t.tokens):
-        if budget <= 0:
-            add(f"training.tokens[{i}]: stage budget must be positive, got {budget}")
-    if t.batch_size <= 0:
-        add(f"training.batch_size: must be positive, got {t.batch_size}")
-    if t.per_device_batch_size == 0 or t.per_device_batch_size < -1:
-        add(f"training.per_device_batch_size: must be -1 (no accumulation) or positive, got {t.per_device_batch_size}")
-    elif t.per_device_batch_size > 0 and t.batch_size > 0 and t.batch_size % t.per_device_batch_size:
-        add(
-            f"training.per_device_batch_size: {t.per_device_batch_size} does not divide "
-            f"batch_size={t.batch_size}"
-        )
-    if t.validation_steps < 0:
-        add(f"training.validation_steps: must be >= 0, got {t.validation_steps}")
-    if t.eval_samples <= 0:
-        add(f"training.eval_samples: must be positive, got {t.eval_samples}")
-
-    if len(t.datasets) != n:
-        add(f"training.datasets: expected {n} entries (one mixture per stage), got {len(t.datasets)}")
-    known = config.dataset_names()
-    for i, mixture in enumerate(t.datasets):
-        if not mixture:
-            add(f"training.datasets[{i}]: a stage needs at least one dataset")
-            continue
-        for j, sampling in enumerate(mixture):
-            if sampling.name not in known:
-                add(
-                    f"training.datasets[{i}][{j}].name: unknown dataset {sampling.name!r} "
-                    f"(known: {', '.join(sorted(known))})"
-                )
-            if sampling.rate <= 0:
-                add(f"training.datasets[{i}][{j}].rate: must be positive, got {sampling.rate}")
-        total = sum(s.rate for s in mixture)
-        if abs(total - 1.0) > 1e-6:
-            add(f"training.datasets[{i}]: rates must sum to 1, got {total:g}")
-    for j, name in enumerate(t.evaluations):
-        if name not in known:
-            add(f"training.evaluations[{j}]: unknown dataset {name!r}")
-
-    if not 0.0 <= fade.overlap <= 1.0:
-        add(f"training.fade.overlap: must be in [0, 1], got {fade.overlap}")
-    if fade.steepness <= 0:
-        add(f"training.fade.steepness: must be positive, got {fade.steepness}")
-    if fade.per_boundary_overlap and len(fade.per_boundary_overlap) != max(n - 1, 0):
-        add(
-            f"training.fade.per_boundary_overlap: expected {max(n - 1, 0)} entries (one per boundary), "
-            f"got {len(fade.per_boundary_overlap)}"
-        )
-    for j, o in enumerate(fade.per_boundary_overlap):
-        if not 0.0 <= o <= 1.0:
-            add(f"training.fade.per_boundary_overlap[{j}]: must be in [0, 1], got {o}")
-
-    if opt.lr <= 0:
-        add(f"optimization.lr: must be positive, got {opt.lr}")
-    for name in ("warmup_pct", "constant_pct", "decay_pct"):
-        if not 0.0 <= getattr(opt, name) <= 1.0:
-            add(f"optimization.{name}: must be in [0, 1], got {getattr(opt, name)}")
-    used = opt.warmup_pct + opt.decay_pct + (opt.constant_pct if opt.schedule == "wsds" else 0.0)
-    if used > 1.0 + 1e-9:
-        add(f"optimization: warmup_pct + decay_pct (+ constant_pct for wsds) must be <= 1, got {used:g}")
-    for name in ("warmup_lr_mult", "decay_lr_mult", "min_lr_ratio"):
-        if not 0.0 <= getattr(opt, name) <= 1.0:
-            add(f"optimization.{name}: must be in [0, 1], got {getattr(opt, name)}")
-    if opt.sgdr_period <= 0:
-        add(f"optimization.sgdr_period: must be positive, got {opt.sgdr_period}")
-    if opt.weight_decay < 0:
-        add(f"optimization.weight_decay: must be >= 0, got {opt.weight_decay}")
-    if opt.grad_clip < 0:
-        add(f"optimization.grad_clip: must be >= 0 (0 = off), got {opt.grad_clip}")
-
-    if kl.betas and len(kl.betas) != n:
-        add(f"optimization.kl.betas: expected {n} entries (one per stage), got {len(kl.betas)}")
-    for i, beta in enumerate(kl.betas):
-        if beta < 0:
-            add(f"optimization.kl.betas[{i}]: must be >= 0, got {beta}")
-    for j, stage in enumerate(kl.reference_update_stages):
-        if not 0 <= stage < max(n, 1):
-            add(f"optimization.kl.reference_update_stages[{j}]: stage {stage} is out of range 0..{n - 1}")
-    if len(set(kl.reference_update_stages)) != len(kl.reference_update_stages):
-        add("optimization.kl.reference_update_stages: stages must not repeat")
-
-    lg = config.logging
-    for name in ("report_interval",):
-        if getattr(lg, name) <= 0:
-            add(f"logging.{name}: must be positive, got {getattr(lg, name)}")
-    for name in ("validation_interval", "checkpoint_interval"):
-        if getattr(lg, name) < 0:
-            add(f"logging.{name}: must be >= 0 (0 = off), got {getattr(lg, name)}")
-    if lg.keep_last_checkpoints < 1:
-        add(f"logging.keep_last_checkpoints: must be >= 1, got {lg.keep_last_checkpoints}")
-
-    for name, source in config.data.items():
-        if name in BUILTIN_DATASETS:
-            add(f"data.{name}: the name is taken by a built-in dataset")
-        if not source.path:
-            add(f"data.{name}.path: must not be empty")
-        if not 0.0 < source.validation_fraction < 1.0:
-            add(f"data.{name}.validation_fraction: must be in (0, 1), got {source.validation_fraction}")
-    return problems
 
 
 def _deep_copy(value: Any) -> Any:

@@ -1,10 +1,9 @@
-"""The checkpoint store: tensors on disk, each file pinned by its sha256.
+"""The checkpoint store: where a checkpoint's files go, how they get there durably, and reading them back.
 
 A checkpoint is a directory `RUN/checkpoints/<step:08d>-<short hash>/`: one safetensors file per group
-given (model, optimizer, reference, adapters) and a `manifest.json` with every file's sha256 and every
-tensor's name, shape, dtype and raw-bytes sha256 (little-endian, as safetensors stores them). The short
-hash is the start of the manifest's own sha256 and the manifest holds no time or uuid, so the same
-tensors and meta at the same step always get the same name.
+given (model, optimizer, reference, adapters) and a `manifest.json` pinning each file by its sha256. What
+those bytes are, and the name they give the checkpoint, is `stores/manifest.py`; this module only writes,
+reads, verifies and deletes them.
 
 A checkpoint exists for rewind only once a CheckpointCommitted event names it, so a write that dies half
 way must leave nothing that passes for one: locally, files go into `checkpoints/.tmp-*`, are fsynced,
@@ -23,73 +22,41 @@ import shutil
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import msgspec
-import safetensors.torch
 import torch
 
 from rewind.stores.fsio import filesystem, fsync_dir, sync_fd, write_all
+from rewind.stores.manifest import FORMAT_VERSION as FORMAT_VERSION
+from rewind.stores.manifest import MANIFEST as MANIFEST
+from rewind.stores.manifest import SUFFIX as SUFFIX
+from rewind.stores.manifest import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from rewind.stores.manifest import CheckpointCorrupt as CheckpointCorrupt
+from rewind.stores.manifest import CheckpointError as CheckpointError
+from rewind.stores.manifest import CheckpointWritten as CheckpointWritten
+from rewind.stores.manifest import FileEntry as FileEntry
+from rewind.stores.manifest import Manifest as Manifest
+from rewind.stores.manifest import TensorEntry as TensorEntry
+from rewind.stores.manifest import (
+    canonical_meta,
+    checked_tensors,
+    decode_manifest,
+    deserialize_group,
+    encode_manifest,
+    hash_problem,
+    logged_file_problems,
+    serialize_group,
+)
+from rewind.stores.manifest import group_file as group_file
 
-FORMAT_VERSION = 1
 GROUPS = ("model", "optimizer", "reference", "adapters")
-MANIFEST = "manifest.json"
 CHECKPOINTS_DIR = "checkpoints"
-SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
 NAME_PATTERN = re.compile(r"\d{8,}-[0-9a-f]{8}")
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-SUPPORTED_DTYPES = frozenset({*_FLOAT_DTYPES, *_INTEGER_DTYPES})
 _CHUNK_BYTES = 1 << 22
 GroupsIn = Mapping[str, Mapping[str, torch.Tensor]]  # group -> tensor name -> tensor
 
 
-class CheckpointError(Exception):
-    """A checkpoint cannot be written or read as asked."""
-
-
 class CheckpointNotFound(CheckpointError):
     """No directory of that name: never written, deleted, or the wrong run."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """What is on disk is not what was written: a missing file or a hash that does not match."""
-
-    def __init__(self, checkpoint: str, file: str, problem: str):
-        super().__init__(f"checkpoint {checkpoint} is corrupt: {file}: {problem}")
-        self.checkpoint = checkpoint
-        self.file = file
-
-
-class TensorEntry(msgspec.Struct, frozen=True, kw_only=True):
-    name: str
-    dtype: str  # torch dtype without the "torch." prefix, e.g. "bfloat16"
-    shape: list[int]
-    sha256: str  # of the tensor's raw (little-endian, row-major) bytes
-
-
-class FileEntry(msgspec.Struct, frozen=True, kw_only=True):
-    name: str
-    num_bytes: int
-    sha256: str
-    tensors: list[TensorEntry]
-
-
-class Manifest(msgspec.Struct, frozen=True, kw_only=True):
-    format_version: int
-    step: int
-    files: list[FileEntry]
-    meta: dict[str, Any] = {}
-
-    def file_hashes(self) -> dict[str, str]:
-        return {entry.name: entry.sha256 for entry in self.files}
-
-
-class CheckpointWritten(msgspec.Struct, frozen=True, kw_only=True):
-    """What the engine puts in its CheckpointCommitted event once `write` returns."""
-
-    name: str
-    manifest_sha256: str
-    files: dict[str, str]
 
 
 class CheckpointStore:
@@ -107,13 +74,13 @@ class CheckpointStore:
             raise CheckpointError(
                 f"checkpoint groups must be some of {', '.join(GROUPS)}; got {sorted(groups)}"
             )
-        canonical_meta = _canonical_meta(meta or {})
+        checked_meta = canonical_meta(meta or {})
         # Files in name order, so the manifest (and hence the name) never depends on dict order.
         # Every tensor is checked before the first byte is written: bad input leaves nothing behind.
-        ordered = [(group, _checked_tensors(group, tensors)) for group, tensors in sorted(groups.items())]
+        ordered = [(group, checked_tensors(group, tensors)) for group, tensors in sorted(groups.items())]
         if self._is_local:
-            return self._write_local(step, ordered, canonical_meta)
-        return self._write_object_store(step, ordered, canonical_meta)
+            return self._write_local(step, ordered, checked_meta)
+        return self._write_object_store(step, ordered, checked_meta)
 
     def _write_local(self, step: int, ordered: list, meta: dict[str, Any]) -> CheckpointWritten:
         _make_dirs_durably(self.root)
@@ -123,10 +90,10 @@ class CheckpointStore:
             entries = []
             for group, tensors in ordered:
                 # One group in memory at a time: a model's optimizer state can be large.
-                data, entry = _serialize(group, tensors)
+                data, entry = serialize_group(group, tensors)
                 _write_file_durably(_join(tmp, entry.name), data)
                 entries.append(entry)
-            manifest_bytes, written = _manifest(step, entries, meta)
+            manifest_bytes, written = encode_manifest(step, entries, meta)
             _write_file_durably(_join(tmp, MANIFEST), manifest_bytes)
             fsync_dir(tmp)
         except Exception:  # e.g. a full disk; a killed process leaves the orphan for remove_orphans
@@ -146,8 +113,8 @@ class CheckpointStore:
     def _write_object_store(self, step: int, ordered: list, meta: dict[str, Any]) -> CheckpointWritten:
         # The name depends on every file's hash, and there is no rename to fix it up afterwards, so
         # all files are serialized in memory before the first byte is written.
-        payloads = [_serialize(group, tensors) for group, tensors in ordered]
-        manifest_bytes, written = _manifest(step, [entry for _, entry in payloads], meta)
+        payloads = [serialize_group(group, tensors) for group, tensors in ordered]
+        manifest_bytes, written = encode_manifest(step, [entry for _, entry in payloads], meta)
         final = _join(self.root, written.name)
         if self._fs.exists(_join(final, MANIFEST)) and not self.verify(written.name, written.files):
             return written
@@ -159,18 +126,7 @@ class CheckpointStore:
 
     def load_manifest(self, name: str) -> Manifest:
         """The manifest, checked against the hash embedded in the checkpoint's name."""
-        data = self._read(name, MANIFEST)
-        digest = hashlib.sha256(data).hexdigest()
-        if not name.endswith("-" + digest[:8]):
-            raise CheckpointCorrupt(name, MANIFEST, f"sha256 {digest[:8]}... does not match the name")
-        try:
-            manifest = msgspec.json.decode(data, type=Manifest)
-        except msgspec.DecodeError as exc:
-            raise CheckpointCorrupt(name, MANIFEST, f"unreadable ({exc})") from None
-        if manifest.format_version > FORMAT_VERSION:
-            version = manifest.format_version
-            raise CheckpointError(f"checkpoint {name} has format {version}, newer than this rewind reads")
-        return manifest
+        return decode_manifest(name, self._read(name, MANIFEST))
 
     def load(
         self,
@@ -181,7 +137,7 @@ class CheckpointStore:
         """Tensors per group, every file verified against the manifest and against `files` (the hashes
         the CheckpointCommitted event recorded) when given. `groups` limits what is read."""
         manifest = self.load_manifest(name)
-        for file, problem in _expected_file_problems(manifest, files):
+        for file, problem in logged_file_problems(manifest, files):
             raise CheckpointCorrupt(name, file, problem)  # the first one says enough
         entries = {entry.name.removesuffix(SUFFIX): entry for entry in manifest.files}
         wanted = list(entries) if groups is None else list(groups)
@@ -190,17 +146,7 @@ class CheckpointStore:
             if group not in entries:
                 raise CheckpointError(f"checkpoint {name} has no {group!r} group (has: {', '.join(entries)})")
             entry = entries[group]
-            data = self._read(name, entry.name)
-            if problem := _hash_problem(hashlib.sha256(data).hexdigest(), entry):
-                raise CheckpointCorrupt(name, entry.name, problem)
-            tensors = safetensors.torch.load(data)
-            # The hash matched, so only a buggy writer could get here; cheap enough to rule out anyway.
-            expected = sorted((t.name, t.dtype, t.shape) for t in entry.tensors)
-            if sorted((k, _dtype_name(t), list(t.shape)) for k, t in tensors.items()) != expected:
-                raise CheckpointCorrupt(
-                    name, entry.name, "tensor names, dtypes or shapes differ from the manifest"
-                )
-            result[group] = tensors
+            result[group] = deserialize_group(name, entry, self._read(name, entry.name))
         return result
 
     def verify(self, name: str, files: Mapping[str, str] | None = None) -> list[str]:
@@ -209,10 +155,10 @@ class CheckpointStore:
             manifest = self.load_manifest(name)
         except CheckpointError as exc:
             return [str(exc)]
-        found = _expected_file_problems(manifest, files)
+        found = logged_file_problems(manifest, files)
         for entry in manifest.files:
             try:
-                problem = _hash_problem(self._hash_file(_join(self.root, name, entry.name)), entry)
+                problem = hash_problem(self._hash_file(_join(self.root, name, entry.name)), entry)
             except FileNotFoundError:
                 problem = "missing"
             if problem:
@@ -275,13 +221,6 @@ class CheckpointStore:
         return digest.hexdigest()
 
 
-def group_file(group: str, tensors: Mapping[str, torch.Tensor]) -> tuple[str, str]:
-    """(file name, sha256) that a checkpoint holding these tensors records for the group: a re-execution
-    can check its live tensors against a CheckpointCommitted event even after retention deleted the files."""
-    _, entry = _serialize(group, _checked_tensors(group, tensors))
-    return entry.name, entry.sha256
-
-
 def _join(*parts: str) -> str:
     # fsspec paths are "/"-separated on every platform and for every protocol.
     return "/".join(part.rstrip("/") if i == 0 else part.strip("/") for i, part in enumerate(parts))
@@ -291,95 +230,6 @@ def _check_name(name: str) -> None:
     # Also keeps "../x" and absolute paths from ever reaching the filesystem.
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise CheckpointError(f"{name!r} is not a checkpoint name (expected <step:08d>-<8 hex digits>)")
-
-
-def _canonical_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """Meta as it will read back (tuples become lists); refused if JSON would change it."""
-    try:
-        canonical = msgspec.json.decode(msgspec.json.encode(dict(meta)))
-    except (TypeError, msgspec.EncodeError) as exc:
-        raise CheckpointError(f"checkpoint meta is not JSON: {exc}") from None
-    # JSON turns NaN/inf into null and int keys into strings: the comparison catches both.
-    if canonical != _as_json(dict(meta)):
-        raise CheckpointError("checkpoint meta does not survive JSON (a NaN/inf float or a non-string key?)")
-    return canonical
-
-
-def _as_json(value: Any) -> Any:
-    # Tuples as lists, the way JSON gives them back; everything else as is.
-    if isinstance(value, list | tuple):
-        return [_as_json(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _as_json(item) for key, item in value.items()}
-    return value
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")  # "bfloat16", as in the manifest
-
-
-def _tensor_sha256(tensor: torch.Tensor) -> str:
-    # Flattened first: a 0-dim tensor cannot be viewed as bytes, a 1-dim one can (even when empty).
-    return hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy()).hexdigest()
-
-
-def _checked_tensors(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    checked: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        where = f"{group}/{key}"
-        if not isinstance(key, str) or not key:
-            raise CheckpointError(f"tensor names must be non-empty strings, got {key!r} in group {group}")
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"{where} is a {type(tensor).__name__}, not a tensor")
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-            raise CheckpointError(f"{where} must be a dense CPU tensor, not {tensor.device} {tensor.layout}")
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            raise CheckpointError(f"{where} has dtype {tensor.dtype}, which checkpoints do not store")
-        if not tensor.is_contiguous():
-            raise CheckpointError(f"{where} is not contiguous (snapshot tensors with .contiguous())")
-        checked[key] = tensor.detach()  # safetensors goes through numpy, which refuses requires_grad
-    return checked
-
-
-def _serialize(group: str, checked: dict[str, torch.Tensor]) -> tuple[bytes, FileEntry]:
-    try:
-        data = safetensors.torch.save(checked)
-    except (ValueError, RuntimeError) as exc:  # e.g. tied tensors sharing storage
-        raise CheckpointError(f"cannot save group {group}: {' '.join(str(exc).split())[:300]}") from None
-    entries = [
-        TensorEntry(name=key, dtype=_dtype_name(t), shape=list(t.shape), sha256=_tensor_sha256(t))
-        for key, t in sorted(checked.items())
-    ]
-    digest = hashlib.sha256(data).hexdigest()
-    return data, FileEntry(name=group + SUFFIX, num_bytes=len(data), sha256=digest, tensors=entries)
-
-
-def _manifest(step: int, entries: list[FileEntry], meta: dict[str, Any]) -> tuple[bytes, CheckpointWritten]:
-    manifest = Manifest(format_version=FORMAT_VERSION, step=step, files=entries, meta=meta)
-    # "deterministic" sorts dict keys (meta), so equal content always gives equal bytes.
-    encoded = msgspec.json.encode(manifest, order="deterministic")
-    data = msgspec.json.format(encoded, indent=2) + b"\n"
-    digest = hashlib.sha256(data).hexdigest()
-    name = f"{step:08d}-{digest[:8]}"
-    return data, CheckpointWritten(name=name, manifest_sha256=digest, files=manifest.file_hashes())
-
-
-def _hash_problem(digest: str, entry: FileEntry) -> str | None:
-    return None if digest == entry.sha256 else f"sha256 {digest} != manifest {entry.sha256}"
-
-
-def _expected_file_problems(manifest: Manifest, files: Mapping[str, str] | None) -> list[tuple[str, str]]:
-    """Differences between the manifest's file hashes and those the log recorded."""
-    if files is None:
-        return []
-    actual = manifest.file_hashes()
-    problems = [(file, "logged but not in the manifest") for file in sorted(set(files) - set(actual))]
-    for file, digest in sorted(actual.items()):
-        if file not in files:
-            problems.append((file, "in the manifest but not named by the log"))
-        elif digest != files[file]:
-            problems.append((file, f"manifest sha256 {digest} != logged {files[file]}"))
-    return problems
 
 
 def _write_file_durably(path: str, data: bytes) -> None:

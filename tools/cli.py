@@ -85,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
 # schedule` never imports the stores (and torch) just to be able to catch their errors.
 _DAMAGE = {
     ("rewind.stores.codec", "LogError"),
-    ("rewind.stores.checkpoints", "CheckpointError"),
+    ("rewind.stores.manifest", "CheckpointError"),
     ("rewind.states.fold", "IllegalTransition"),  # a log that does not fold (tampered, or a buggy writer)
     ("rewind.states.history", "HistoryError"),
 }

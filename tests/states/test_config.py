@@ -11,6 +11,7 @@ from rewind.states.config import (
     ConfigError,
     RunSection,
     apply_overrides,
+    canonical,
     config_hash,
     dumps_config,
     loads_config,
@@ -259,3 +260,28 @@ def test_config_hash_changes_with_any_field():
     changed = loads_config(GOOD, overrides=["run.seed=1"])
     assert config_hash(changed) != config_hash(config)
     assert isinstance(config, Config)
+
+
+def test_config_hash_ignores_fields_left_at_their_default():
+    """A release that adds a field with a default must not change any existing config's identity; a
+    field set explicitly to its default is the same config as one that leaves it out."""
+    assert config_hash(loads_config(GOOD)) == config_hash(loads_config(GOOD, overrides=["architecture.rope_base=10000.0"]))
+
+    class Before(msgspec.Struct, frozen=True, kw_only=True):
+        lr: float = 3e-4
+        layers: list[int] = []
+
+    class After(msgspec.Struct, frozen=True, kw_only=True):  # the next release adds a field
+        lr: float = 3e-4
+        layers: list[int] = []
+        mlp: str = "gelu"
+
+    assert canonical(Before(lr=0.1, layers=[2])) == canonical(After(lr=0.1, layers=[2])) == {"lr": 0.1, "layers": [2]}
+    # A changed default is a changed config for exactly the configs that relied on it.
+    assert canonical(After(mlp="swiglu")) != canonical(Before())
+
+
+@given(configs())
+def test_config_hash_is_the_hash_of_the_canonical_form_and_round_trips(config):
+    assert config_hash(config) == config_hash(loads_config(dumps_config(config)))
+    assert config_hash(msgspec.convert(canonical(config), Config)) == config_hash(config)

@@ -16,13 +16,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.stores import checkpoints
+from rewind.stores import checkpoints, manifest
 from rewind.stores.checkpoints import (
     MANIFEST,
     CheckpointCorrupt,
     CheckpointError,
     CheckpointNotFound,
     CheckpointStore,
+    group_file,
 )
 
 
@@ -127,6 +128,43 @@ def test_manifest_records_each_tensors_shape_dtype_and_raw_bytes_hash(run_dir):
     assert by_name["embed.weight"].sha256 == sha256(groups["model"]["embed.weight"].numpy().tobytes())
     # The manifest holds nothing that varies between writes.
     assert not re.search(r"time|uuid|host|pid", read(store, store.write(1, groups).name, MANIFEST).decode())
+
+
+def test_the_bytes_and_hence_the_names_are_pinned(tmp_path):
+    """Names are content hashes: a changed byte in a safetensors file or in the manifest's JSON renames
+    every checkpoint ever written, and old logs would no longer name what a rewrite produces."""
+    groups = {
+        "model": {
+            "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            "g": torch.arange(3).to(torch.bfloat16),
+            "n": torch.tensor(7),
+        },
+        "optimizer": {"m": torch.full((2,), -0.5, dtype=torch.float64), "mask": torch.tensor([True, False])},
+    }
+    written = CheckpointStore(tmp_path).write(12, groups, {"lr": 0.5, "betas": (0.9, 0.95)})
+    assert written.name == "00000012-9807993f"
+    assert written.manifest_sha256 == "9807993f6ca8e19abc29564f035408132eebf397e853b3e08d27374a951b54db"
+    assert written.files == {
+        "model.safetensors": "064b67ec808e9fc4d3a37e0f1ee5f6a88edcc2d58f3bb46018e71a464a677159",
+        "optimizer.safetensors": "e87cc892692c688061717916aecd2c29ec00cf19f0dd4ebbe50e37d5dd54d80b",
+    }
+    # group_file, which replay checks live tensors with, gives what the store records.
+    assert group_file("model", groups["model"]) == ("model.safetensors", written.files["model.safetensors"])
+
+
+def test_the_manifest_module_is_the_stores_public_api_too():
+    """The store re-exports what moved to stores/manifest.py, as the same objects; the CLI reports its
+    errors as damage (one line, exit 1), not a traceback."""
+    for name in ("FORMAT_VERSION", "MANIFEST", "SUFFIX", "SUPPORTED_DTYPES", "TensorEntry", "FileEntry"):
+        assert getattr(checkpoints, name) is getattr(manifest, name), name
+    for name in ("Manifest", "CheckpointWritten", "CheckpointError", "CheckpointCorrupt", "group_file"):
+        assert getattr(checkpoints, name) is getattr(manifest, name), name
+    from rewind.tools.cli import _is_damage
+
+    for error in (CheckpointError("x"), CheckpointCorrupt("c", "f", "p"), CheckpointNotFound("x")):
+        assert _is_damage(error), error
+    with pytest.raises(checkpoints.CheckpointError, match="model/w is a list"):
+        manifest.checked_tensors("model", {"w": [1.0]})
 
 
 def test_same_content_gives_the_same_name_and_bytes_anywhere(tmp_path):

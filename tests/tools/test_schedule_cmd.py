@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+from rewind.states.checks import schedule_warnings
 from rewind.states.schedule import Schedule
 from rewind.tools.configfile import load_config
 from tests.conftest import EXAMPLES, REPO
@@ -76,6 +77,44 @@ def test_plot_is_written(rewind_cli, tmp_path):
     assert code == 0
     assert out_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out_file.stat().st_size > 20_000  # a real figure, not an empty canvas
+
+
+# Stage 1 of tiny.toml has KL weight 0.2; with no reference until stage 2 and fades over whole stages,
+# the check has two warnings about it.
+SUSPICIOUS = ("--set", "training.fade.overlap=1.0", "--set", "optimization.kl.reference_update_stages=[2]")
+
+
+def test_check_prints_one_line_per_warning_instead_of_the_timeline_and_exits_0(rewind_cli):
+    code, out, err = rewind_cli("schedule", TINY, "--check", *SUSPICIOUS)
+    assert code == 0, err
+    assert out.splitlines() == [
+        "warning: stage 1: KL weight 0.2 > 0 but no reference refresh happens at or before it "
+        "(reference_update_stages = [2])",
+        "warning: stage 1: 12800 of its 12800 tokens (100%) lie inside the fades of boundaries [0, 1], "
+        "more than 75%",
+        "2 warning(s)",
+    ]
+    code, out, _ = rewind_cli("schedule", ABCD, "--check")
+    assert (code, out) == (0, "no warnings\n")
+
+
+def test_check_json_is_the_warnings_of_the_config(rewind_cli):
+    code, out, _ = rewind_cli("schedule", TINY, "--check", "--json", *SUSPICIOUS)
+    assert code == 0
+    config = load_config(TINY, ["training.fade.overlap=1.0", "optimization.kl.reference_update_stages=[2]"])
+    assert json.loads(out) == {"warnings": schedule_warnings(config)}
+    assert len(json.loads(out)["warnings"]) == 2
+    code, out, _ = rewind_cli("schedule", ABCD, "--check", "--json")
+    assert (code, json.loads(out)) == (0, {"warnings": []})
+
+
+def test_check_help_says_what_warnings_do_to_the_exit_status(rewind_cli):
+    code, out, _ = rewind_cli("schedule", "--help")
+    assert code == 0
+    check_help = " ".join(out.split("--check", 1)[1].split())
+    assert "the exit status is 0 with or without them (2 for a bad config)" in check_help
+    code, _, err = rewind_cli("schedule", TINY, "--check", "--set", "training.fade.overlap=7")
+    assert code == 2 and "training.fade.overlap" in err
 
 
 def test_bad_config_reports_every_problem_with_exit_2(rewind_cli, tmp_path):
