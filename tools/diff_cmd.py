@@ -2,8 +2,9 @@
 they part, and by how much their metrics differ after it.
 
 Exit 0 when the runs do not diverge, 1 when they do (like diff(1)), 2 for bad input. The comparison
-itself is pure and lives in `rewind.states.diffing`; this module reads the two logs (lock-free, so a
-live run can be compared while it trains) and prints. Floats are equal bit for bit unless `--rtol`.
+itself is pure and lives in `rewind.states.diffing`; this module streams the two logs into it
+(lock-free, so a live run can be compared while it trains; never held whole, so two million-step logs
+compare in bounded memory) and prints. Floats are equal bit for bit unless `--rtol`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from typing import Any
 
 from rewind.states.diffing import DiffReport, EvaluationPair, Metrics, Relation, RunEnd
 from rewind.states.events import ForkOrigin
-from rewind.tools.errors import UsageError
-from rewind.tools.runlog import load_records
+from rewind.tools.errors import CommandError, UsageError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,18 +50,24 @@ def same_run(named: str, run_dir: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from rewind.states.diffing import diff_runs
+    from rewind.states.diffing import UnorderedSteps, diff_streams
+    from rewind.tools.streamlog import effective_records
 
     if not (math.isfinite(args.rtol) and args.rtol >= 0.0):
         raise UsageError(f"--rtol {args.rtol}: must be a finite number >= 0")
-    records_a, records_b = load_records(args.run_a), load_records(args.run_b)
-    parent_a, parent_b = records_a[0][1].parent, records_b[0][1].parent
+    (_, started_a), records_a = effective_records(args.run_a)
+    (_, started_b), records_b = effective_records(args.run_b)
+    parent_a, parent_b = started_a.parent, started_b.parent
     child = ""
     if parent_b is not None and same_run(parent_b.run, args.run_a):
         child = "b"
     elif parent_a is not None and same_run(parent_a.run, args.run_b):
         child = "a"
-    report = diff_runs(records_a, records_b, rtol=args.rtol, child=child)
+    try:
+        report = diff_streams(records_a, records_b, rtol=args.rtol, child=child)
+    except UnorderedSteps as exc:  # no run writes such a log; one put together by hand might
+        run_dir = args.run_a if exc.side == "a" else args.run_b
+        raise CommandError(f"{run_dir}: the effective records go back a step: {exc}", exit_code=1) from None
     if args.json:
         print(json.dumps({"run_a": args.run_a, "run_b": args.run_b, **msgspec.to_builtins(report)}, indent=1))
     else:

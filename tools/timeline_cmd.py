@@ -2,24 +2,18 @@
 boundary evaluation that closes it), then every control marker in token order; `--plot` draws it.
 
 Curves and the table come from the effective records (what still counts after resumes); resumes,
-stops and non-finite losses from the raw log, because they are what happened to the run.
+stops and non-finite losses from the raw log, because they are what happened to the run. The log is
+read once, as a stream (`tools.timeline_scan` keeps what the summary and the plot need), so a
+million-step run takes seconds and a bounded amount of memory.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import Counter
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
-from rewind.tools.runlog import load_records
 from rewind.tools.state_cmd import fold_events, print_json, status_text
 
-# Stage start/end losses are means over this fraction of the stage's steps (1 to LOSS_WINDOW_MAX), so one
-# noisy step does not decide them.
-LOSS_WINDOW_FRACTION = 0.1
-LOSS_WINDOW_MAX = 100
 MAX_CHECKPOINT_STEPS_SHOWN = 12
 
 
@@ -33,109 +27,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-@dataclass(frozen=True)
-class History:
-    """A run's log read once: raw and effective records, the final state and the config in force."""
+def read_timeline(run_dir: str, *, with_plot: bool = False) -> Any:
+    """The run's `Timeline` (tools.timeline_scan): its log read once, after a first pass for the
+    superseded ranges (see stores.runs.superseded_ranges), and folded on the way; never held."""
+    from rewind.tools.streamlog import marked_records
+    from rewind.tools.timeline_scan import Timeline
 
-    run_dir: str
-    records: list  # (seq, event), raw
-    kept: list  # (seq, event), effective
-    state: Any
-    config: Any
-    schedule: Any
+    records = marked_records(run_dir)
+    timeline = Timeline(run_dir, with_plot=with_plot)
 
-    # Records grouped by event type once: a million-step log is then walked a few times, not per query.
-    @cached_property
-    def _effective_by_type(self) -> dict[type, list]:
-        return _by_type(self.kept)
+    def events() -> Any:
+        for seq, event, superseded in records:
+            timeline.add(seq, event, superseded)
+            yield event
 
-    @cached_property
-    def _raw_by_type(self) -> dict[type, list]:
-        return _by_type(self.records)
-
-    @cached_property
-    def _superseded_by_type(self) -> dict[type, list]:
-        kept_seqs = {s for s, _ in self.kept}
-        return _by_type((s, e) for s, e in self.records if s not in kept_seqs)
-
-    def effective_records(self, *kinds: type) -> list:
-        """(seq, event) of the effective records of these types, in log order."""
-        return sorted(r for kind in kinds for r in self._effective_by_type.get(kind, []))
-
-    def raw_records(self, *kinds: type) -> list:
-        return sorted(r for kind in kinds for r in self._raw_by_type.get(kind, []))
-
-    def effective_of(self, kind: type) -> list:
-        return [e for _, e in self._effective_by_type.get(kind, [])]
-
-    def raw_of(self, kind: type) -> list:
-        return [e for _, e in self._raw_by_type.get(kind, [])]
-
-    def superseded_records(self, kind: type) -> list:
-        return self._superseded_by_type.get(kind, [])
-
-
-def _by_type(records) -> dict[type, list]:
-    grouped: dict[type, list] = {}
-    for seq, event in records:
-        grouped.setdefault(type(event), []).append((seq, event))
-    return grouped
-
-
-def load_history(run_dir: str) -> History:
-    from rewind.states.history import config_in_force, effective
-    from rewind.states.schedule import Schedule
-
-    records = load_records(run_dir)
-    state = fold_events(run_dir, (e for _, e in records))
-    config = config_in_force(records)
-    return History(run_dir, records, effective(records), state, config, Schedule(config))
+    return timeline.finish(fold_events(run_dir, events()))
 
 
 # --- the summary ------------------------------------------------------------------------------------
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def stage_rows(history: History) -> list[dict]:
-    import math
-
-    from rewind.states.events import Evaluated, StepCommitted, Validated
-
-    steps = history.effective_of(StepCommitted)
-    stage_of_step = {e.step: e.stage for e in steps}
-    validated: dict[int, dict[str, float]] = {}
-    for v in history.effective_of(Validated):
-        validated.setdefault(stage_of_step.get(v.step, 0), {}).update(v.losses)
-    evaluated = {e.boundary: e.scores for e in history.effective_of(Evaluated)}
-    tps = history.schedule.tokens_per_step
+def stage_rows(timeline) -> list[dict]:
+    evaluated = {e.boundary: e.scores for e in timeline.evaluations}
+    tps = timeline.schedule.tokens_per_step
     rows = []
-    for stage in range(history.schedule.num_stages):
-        mine = [e for e in steps if e.stage == stage]
-        losses = [e.loss for e in mine if math.isfinite(e.loss)]
-        window = min(LOSS_WINDOW_MAX, max(1, round(len(losses) * LOSS_WINDOW_FRACTION)))
+    for stage in range(timeline.schedule.num_stages):
+        steps = timeline.stage_steps(stage)
+        first, last = steps.first, steps.last
         rows.append(
             {
                 "stage": stage,
-                "datasets": {s.name: s.rate for s in history.config.training.datasets[stage]},
-                "num_steps": len(mine),
-                "first_step": mine[0].step if mine else None,
-                "last_step": mine[-1].step if mine else None,
-                "tokens_start": mine[0].tokens - tps if mine else None,
-                "tokens_end": mine[-1].tokens if mine else None,
-                "loss_start": _mean(losses[:window]),
-                "loss_end": _mean(losses[-window:]),
-                "loss_min": min(losses) if losses else None,
-                "validation": validated.get(stage, {}),
+                "datasets": {s.name: s.rate for s in timeline.config.training.datasets[stage]},
+                "num_steps": steps.num_steps,
+                "first_step": first.step if first else None,
+                "last_step": last.step if last else None,
+                "tokens_start": first.tokens - tps if first else None,
+                "tokens_end": last.tokens if last else None,
+                **steps.losses(),  # loss_start, loss_end, loss_min
+                "validation": timeline.validated.get(stage, {}),
                 "evaluation": evaluated.get(stage),
             }
         )
     return rows
 
 
-def markers(history: History) -> list[dict]:
+def markers(timeline) -> list[dict]:
     """Control markers in token order (then log order). Checkpoints are summarised separately."""
     from rewind.states.config import config_differences
     from rewind.states.events import (
@@ -145,11 +81,9 @@ def markers(history: History) -> list[dict]:
         NonFiniteLoss,
         ReferenceRefreshed,
         RunResumed,
-        RunStarted,
         RunStopped,
         StackAppended,
         StageEntered,
-        StepCommitted,
     )
 
     found: list[dict] = []
@@ -159,10 +93,9 @@ def markers(history: History) -> list[dict]:
             {"kind": kind, "seq": seq, "step": event.step, "tokens": event.tokens, "text": text, **fields}
         )
 
-    configs = {e.config_hash: e.config for _, e in history.raw_records(RunStarted, ConfigChanged)}
-    datasets = history.config.training.datasets
-    control = (StageEntered, FadeStarted, FadeEnded, ReferenceRefreshed, StackAppended, ConfigChanged)
-    for seq, e in history.effective_records(*control):
+    configs = timeline.configs
+    datasets = timeline.config.training.datasets
+    for seq, e in timeline.control:
         match e:
             case StageEntered(stage=stage):
                 mixture = ", ".join(s.name for s in datasets[stage]) if stage < len(datasets) else ""
@@ -189,11 +122,10 @@ def markers(history: History) -> list[dict]:
                     f"config changed (fork): {shown or e.config_hash[:12]}",
                     changes=changes,
                 )
-    redone = history.superseded_records(StepCommitted)
-    for seq, e in history.raw_records(RunResumed, RunStopped, NonFiniteLoss):
+    for seq, e in timeline.raw_markers:
         match e:
             case RunResumed(superseded_first_seq=first, superseded_last_seq=last):
-                steps = [step.step for s, step in redone if first <= s <= last]
+                steps = [step for s, step in timeline.redone if first <= s <= last]
                 lost = f"records {first}..{last} superseded" if last >= first else "nothing superseded"
                 if steps:
                     lost += f" (steps {min(steps)}..{max(steps)} recomputed)"
@@ -214,26 +146,22 @@ def markers(history: History) -> list[dict]:
     return sorted(found, key=lambda m: (m["tokens"], m["seq"]))
 
 
-def checkpoint_summary(history: History) -> dict:
-    from rewind.states.events import CheckpointCommitted
-
-    written = history.effective_of(CheckpointCommitted)
+def checkpoint_summary(timeline) -> dict:
     return {
-        "num_written": len(written),
-        "reasons": dict(Counter(c.reason for c in written)),
-        "steps": [c.step for c in written],
-        "live": [c.checkpoint for c in history.state.live_checkpoints],
+        "num_written": len(timeline.checkpoint_steps),
+        "reasons": dict(timeline.checkpoint_reasons),
+        "steps": list(timeline.checkpoint_steps),
+        "live": [c.checkpoint for c in timeline.state.live_checkpoints],
     }
 
 
-def summarize(history: History) -> dict:
-    from rewind.states.events import Evaluated, RunResumed
-
-    state, schedule = history.state, history.schedule
-    before = [e.scores for e in history.effective_of(Evaluated) if e.boundary == -1]
+def summarize(timeline) -> dict:
+    """The whole summary of a `Timeline` (what `--json` prints and `render` lays out)."""
+    state, schedule = timeline.state, timeline.schedule
+    before = [e.scores for e in timeline.evaluations if e.boundary == -1]
     return {
-        "run": history.config.run.name,
-        "run_dir": str(history.run_dir),
+        "run": timeline.config.run.name,
+        "run_dir": str(timeline.run_dir),
         "status": status_text(state),
         "finished": state.finished,
         "step": state.step,
@@ -241,11 +169,11 @@ def summarize(history: History) -> dict:
         "tokens": state.tokens,
         "total_tokens": schedule.num_steps * schedule.tokens_per_step,
         "tokens_per_step": schedule.tokens_per_step,
-        "num_resumes": len(history.raw_of(RunResumed)),
+        "num_resumes": timeline.num_resumes,
         "evaluation_before_training": before[-1] if before else None,
-        "stages": stage_rows(history),
-        "markers": markers(history),
-        "checkpoints": checkpoint_summary(history),
+        "stages": stage_rows(timeline),
+        "markers": markers(timeline),
+        "checkpoints": checkpoint_summary(timeline),
     }
 
 
@@ -340,8 +268,8 @@ def _checkpoint_line(checkpoints: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    history = load_history(args.run_dir)
-    summary = summarize(history)
+    timeline = read_timeline(args.run_dir, with_plot=bool(args.plot))
+    summary = summarize(timeline)
     if args.json:
         print_json(summary if not args.plot else {**summary, "plot": str(args.plot)})
     else:
@@ -349,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from rewind.tools.timeline_plot import plot_timeline
 
-        plot_timeline(history, args.plot)
+        plot_timeline(timeline, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0

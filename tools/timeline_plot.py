@@ -7,9 +7,10 @@
 (d) the realised data mixture per stage (StepCommitted rows / batch) as a stacked area.
 
 Every panel carries the stage context (boundaries, fade windows, reference refreshes) and the run's
-markers (stack appends, resumes, checkpoints, non-finite losses). Long runs are reduced to at most
-MAX_POINTS buckets per curve with numpy (min/max envelopes for the raw loss), so a million steps plot
-in seconds.
+markers (stack appends, resumes, checkpoints, non-finite losses). It draws from a `Timeline`
+(tools.timeline_scan), whose long series were reduced to bounded buckets while the log streamed past
+(tools.timeline_buckets); here they come down to at most MAX_POINTS per curve (min/max envelopes for
+the raw loss), so a million steps plot in seconds and in little memory.
 """
 
 from __future__ import annotations
@@ -21,15 +22,12 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, ScalarFormatter
 
 from rewind.states.events import (
-    CheckpointCommitted,
     Evaluated,
     NonFiniteLoss,
     ReferenceRefreshed,
     RunResumed,
     RunStopped,
     StackAppended,
-    StepCommitted,
-    Validated,
 )
 from rewind.tools.plots import (
     MAX_POINTS,
@@ -40,7 +38,8 @@ from rewind.tools.plots import (
     stage_colour,
 )
 from rewind.tools.state_cmd import status_text
-from rewind.tools.timeline_cmd import History
+from rewind.tools.timeline_buckets import StepBuckets, bucket_edges, windowed_mean
+from rewind.tools.timeline_scan import Timeline
 
 RESUME_COLOUR = "#222222"
 BETA_COLOUR = "#C00000"
@@ -55,52 +54,39 @@ LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.085, 1.0), "fontsize": 8, "f
 LOG_SCALE_RATIO = 2.5
 
 
-def bucket_edges(num_points: int, max_points: int = MAX_POINTS) -> np.ndarray:
-    """Start indices of at most max_points contiguous buckets covering range(num_points)."""
-    num_buckets = min(num_points, max_points)
-    return np.unique(np.linspace(0, num_points, num_buckets + 1).astype(np.int64)[:-1])
+class StepColumns:
+    """The effective steps as at most MAX_POINTS buckets (single steps for a short run), as columns:
+    x = tokens after each bucket's first step, start = before it."""
 
+    def __init__(self, buckets: StepBuckets, num_stages: int, tokens_per_step: int):
+        self.num_steps = buckets.num_steps
+        edges = bucket_edges(len(buckets.size))
+        self.reduced = len(edges) < self.num_steps
+        self.last_tokens, self.last_beta = buckets.last_tokens, buckets.last_beta
 
-def bucket_mean(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """Mean of the finite values of each bucket (NaN where a bucket has none). values: (n,) or (n, k)."""
-    finite = np.isfinite(values)
-    sums = np.add.reduceat(np.where(finite, values, 0.0), edges, axis=0)
-    counts = np.add.reduceat(finite.astype(np.float64), edges, axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return sums / counts
+        def first(column: list, dtype=np.float64) -> np.ndarray:
+            return np.array(column, dtype=dtype)[edges]
 
+        def summed(column: list) -> np.ndarray:
+            values = np.array(column, dtype=np.float64)
+            return np.add.reduceat(values, edges, axis=0) if len(edges) else values
 
-def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
-    """Centred moving average over the finite values (skipped steps carry NaN losses)."""
-    finite = np.isfinite(values)
-    sums = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
-    counts = np.concatenate([[0], np.cumsum(finite)])
-    index = np.arange(len(values))
-    low = np.clip(index - window // 2, 0, len(values))
-    high = np.clip(index + window // 2 + 1, 0, len(values))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (sums[high] - sums[low]) / (counts[high] - counts[low])
-
-
-class StepArrays:
-    """The effective StepCommitted stream as columns: x = tokens after the step, start = before it."""
-
-    def __init__(self, steps: list[StepCommitted], num_stages: int, tokens_per_step: int):
-        self.tokens = np.array([e.tokens for e in steps], dtype=np.float64)
+        self.tokens = first(buckets.tokens)
         self.start = self.tokens - tokens_per_step
-        self.loss = np.array([e.loss for e in steps], dtype=np.float64)
-        self.stage = np.array([e.stage for e in steps], dtype=np.int64)
-        self.lr = np.array([e.lr for e in steps], dtype=np.float64)
-        self.beta = np.array([e.beta for e in steps], dtype=np.float64)
-        rows = np.zeros((len(steps), num_stages))
-        if steps and all(len(e.rows) == num_stages for e in steps):
-            rows[:] = [e.rows for e in steps]
-        else:
-            for i, e in enumerate(steps):  # a fork may have added stages: older rows are shorter
-                rows[i, : len(e.rows)] = e.rows
-        totals = rows.sum(axis=1, keepdims=True)
-        self.mixture = np.divide(rows, totals, out=np.zeros_like(rows), where=totals > 0)
-        self.edges = bucket_edges(len(steps))
+        self.stage = first(buckets.stage, np.int64)
+        self.lr, self.beta, self.loss = first(buckets.lr), first(buckets.beta), first(buckets.first_loss)
+        loss_min, loss_max = np.array(buckets.loss_min), np.array(buckets.loss_max)
+        self.low = np.fmin.reduceat(loss_min, edges) if len(edges) else loss_min
+        self.high = np.fmax.reduceat(loss_max, edges) if len(edges) else loss_max
+        shares = buckets.share_matrix(num_stages)
+        shares = np.add.reduceat(shares, edges, axis=0) if len(edges) else shares
+        self.mixture = shares / summed(buckets.size)[:, None]
+        # About 40 windows across the run, however long; over the stored buckets, so exactly the
+        # per-step moving average while they are single steps.
+        window = max(1, round(max(self.num_steps, 1) / 40 / buckets.width))
+        sums = np.array(buckets.loss_sum, dtype=np.float64)
+        counts = np.array(buckets.loss_count, dtype=np.float64)
+        self.smooth = windowed_mean(sums, counts, window)[edges]
 
 
 def _stage_runs(stages: np.ndarray) -> list[tuple[int, int, int]]:
@@ -112,61 +98,48 @@ def _stage_runs(stages: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(stages[a]), a, b) for a, b in itertools.pairwise(bounds)]
 
 
-def _stage_label(history: History, stage: int) -> str:
-    datasets = history.config.training.datasets
+def _stage_label(timeline: Timeline, stage: int) -> str:
+    datasets = timeline.config.training.datasets
     names = " + ".join(s.name for s in datasets[stage]) if stage < len(datasets) else ""
     return f"stage {stage}: {names}"
 
 
-def _draw_loss(ax, history: History, steps: StepArrays, styles: dict) -> None:
-    num_steps = len(steps.loss)
-    if num_steps:
-        window = max(1, round(num_steps / 40))  # about 40 windows across the run, however long
-        smooth = rolling_mean(steps.loss, window)
-        edges = steps.edges
-        reduced = len(edges) < num_steps
-        x = steps.tokens[edges]
-        stages = steps.stage[edges]
-        if reduced:  # the envelope of each bucket stands in for its raw steps
-            low = np.fmin.reduceat(steps.loss, edges)
-            high = np.fmax.reduceat(steps.loss, edges)
+def _draw_loss(ax, timeline: Timeline, steps: StepColumns, styles: dict) -> None:
+    if steps.num_steps:
+        x = steps.tokens
         labelled: set[int] = set()
-        for stage, a, b in _stage_runs(stages):
+        for stage, a, b in _stage_runs(steps.stage):
             colour = stage_colour(stage)
             end = min(b + 1, len(x))  # overlap one point so the coloured pieces join
-            if reduced:
-                ax.fill_between(x[a:end], low[a:end], high[a:end], color=colour, alpha=0.18, linewidth=0)
+            if steps.reduced:  # the envelope of each bucket stands in for its raw steps
+                ax.fill_between(
+                    x[a:end], steps.low[a:end], steps.high[a:end], color=colour, alpha=0.18, linewidth=0
+                )
             else:
-                ax.plot(x[a:end], steps.loss[edges][a:end], color=colour, alpha=0.3, linewidth=0.8)
-            label = _stage_label(history, stage) if stage not in labelled else None
+                ax.plot(x[a:end], steps.loss[a:end], color=colour, alpha=0.3, linewidth=0.8)
+            label = _stage_label(timeline, stage) if stage not in labelled else None
             labelled.add(stage)
-            ax.plot(x[a:end], smooth[edges][a:end], color=colour, linewidth=2.0, label=label)
-    superseded = [e for _, e in history.superseded_records(StepCommitted)]
-    if superseded:
-        xs = np.array([e.tokens for e in superseded], dtype=np.float64)
-        ys = np.array([e.loss for e in superseded], dtype=np.float64)
-        keep = bucket_edges(len(xs))
-        ax.plot(xs[keep], ys[keep], **SUPERSEDED, zorder=3, label="superseded, recomputed after resume")
-    validations = history.effective_of(Validated)
-    for name in [n for n in styles if any(n in v.losses for v in validations)]:
-        points = [(v.tokens, v.losses[name]) for v in validations if name in v.losses]
-        keep = bucket_edges(len(points))
+            ax.plot(x[a:end], steps.smooth[a:end], color=colour, linewidth=2.0, label=label)
+    if timeline.superseded_points.num_points:
+        xs, ys = timeline.superseded_points.points()
+        ax.plot(xs, ys, **SUPERSEDED, zorder=3, label="superseded, recomputed after resume")
+    for name in [n for n in styles if n in timeline.validation_points]:
+        xs, ys = timeline.validation_points[name].points()
         colour, marker = styles[name]
-        xs, ys = [points[i][0] for i in keep], [points[i][1] for i in keep]
         ax.plot(xs, ys, color=colour, marker=marker, markersize=4, linewidth=0.8, label=f"validation: {name}")
     low_y, high_y = ax.dataLim.intervaly
-    if num_steps and low_y > 0 and high_y / low_y > LOG_SCALE_RATIO:
+    if steps.num_steps and low_y > 0 and high_y / low_y > LOG_SCALE_RATIO:
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter("")
     ax.set_ylabel("training loss" + (" (log)" if ax.get_yscale() == "log" else ""))
-    if num_steps == 0:
+    if steps.num_steps == 0:
         ax.text(0.5, 0.5, "no steps committed yet", transform=ax.transAxes, ha="center", color="0.4")
 
 
-def _draw_evaluations(ax, history: History, styles: dict) -> None:
-    evaluations = history.effective_of(Evaluated)
+def _draw_evaluations(ax, timeline: Timeline, styles: dict) -> None:
+    evaluations = timeline.effective_of(Evaluated)
     tasks = [t for t in styles if any(t in e.scores for e in evaluations)]
     for task in tasks:
         points = [(e.tokens, e.scores[task]) for e in evaluations if task in e.scores]
@@ -174,22 +147,21 @@ def _draw_evaluations(ax, history: History, styles: dict) -> None:
         xs, ys = [p[0] for p in points], [p[1] for p in points]
         ax.plot(xs, ys, color=colour, marker=marker, markersize=5, linewidth=1.2, label=task)
     if not tasks:
-        why = "no evaluation tasks configured" if not history.config.training.evaluations else "none yet"
+        why = "no evaluation tasks configured" if not timeline.config.training.evaluations else "none yet"
         ax.text(0.5, 0.5, f"boundary evaluations: {why}", transform=ax.transAxes, ha="center", color="0.4")
     best = max((s for e in evaluations for s in e.scores.values()), default=0.0)
     ax.set_ylim(0, best * 1.15 if best > 0 else 1.0)  # headroom for the markers of the best score
     ax.set_ylabel("evaluation score\n(at stage ends)")
 
 
-def _draw_lr_beta(ax, history: History, steps: StepArrays) -> list:
+def _draw_lr_beta(ax, timeline: Timeline, steps: StepColumns) -> list:
     """LR and beta as trained; the planned rest of the run dashed. Returns the twin axis."""
-    schedule, state = history.schedule, history.state
-    edges = steps.edges
-    ax.plot(steps.start[edges], steps.lr[edges], color="black", linewidth=1.3, label="learning rate")
+    schedule, state = timeline.schedule, timeline.state
+    ax.plot(steps.start, steps.lr, color="black", linewidth=1.3, label="learning rate")
     twin = ax.twinx()
-    if len(edges):  # beta holds for the whole last step: draw it to that step's end
-        x = np.append(steps.start[edges], steps.tokens[-1])
-        beta = np.append(steps.beta[edges], steps.beta[-1])
+    if steps.num_steps:  # beta holds for the whole last step: draw it to that step's end
+        x = np.append(steps.start, steps.last_tokens)
+        beta = np.append(steps.beta, steps.last_beta)
         twin.step(x, beta, where="post", color=BETA_COLOUR, linewidth=1.3, label="KL beta")
     if not state.finished and state.step < schedule.num_steps:
         rest = np.unique(np.linspace(state.step, schedule.num_steps - 1, MAX_POINTS).astype(np.int64))
@@ -205,14 +177,13 @@ def _draw_lr_beta(ax, history: History, steps: StepArrays) -> list:
     return twin
 
 
-def _draw_mixture(ax, steps: StepArrays) -> None:
+def _draw_mixture(ax, steps: StepColumns) -> None:
     ax.set_ylim(0, 1)
     ax.set_ylabel("realised data\nmixture")
-    if len(steps.mixture) == 0:
+    if steps.num_steps == 0:
         return
-    shares = bucket_mean(steps.mixture, steps.edges)
-    shares = np.vstack([shares, shares[-1:]])  # the last step's mixture holds to its end
-    x = np.append(steps.start[steps.edges], steps.tokens[-1])
+    shares = np.vstack([steps.mixture, steps.mixture[-1:]])  # the last step's mixture holds to its end
+    x = np.append(steps.start, steps.last_tokens)
     num_stages = shares.shape[1]
     colours, labels = (
         [stage_colour(i) for i in range(num_stages)],
@@ -221,10 +192,10 @@ def _draw_mixture(ax, steps: StepArrays) -> None:
     ax.stackplot(x, shares.T, colors=colours, alpha=0.85, labels=labels)
 
 
-def _draw_markers(ax, history: History, *, label: bool) -> None:
+def _draw_markers(ax, timeline: Timeline, *, label: bool) -> None:
     """Stack appends, resumes, checkpoint ticks and non-finite losses on one panel."""
     at_bottom = ax.get_xaxis_transform()  # x in data, y in axes fraction
-    for i, e in enumerate(history.effective_of(StackAppended)):
+    for i, e in enumerate(timeline.effective_of(StackAppended)):
         first = label and i == 0
         ax.axvline(
             e.tokens,
@@ -233,7 +204,7 @@ def _draw_markers(ax, history: History, *, label: bool) -> None:
             linewidth=1.2,
             label="stack appended" if first else None,
         )
-    resumes = history.raw_of(RunResumed)
+    resumes = timeline.raw_of(RunResumed)
     for i, e in enumerate(resumes):
         ax.axvline(
             e.tokens,
@@ -245,16 +216,16 @@ def _draw_markers(ax, history: History, *, label: bool) -> None:
         if label and len(resumes) <= MAX_RESUME_LABELS:
             text = f" resume @ step {e.step:,}"
             ax.text(e.tokens, 0.98, text, transform=at_bottom, rotation=90, va="top", ha="right", fontsize=7)
-    checkpoints = np.array([e.tokens for e in history.effective_of(CheckpointCommitted)], dtype=np.float64)
+    checkpoints = np.array(timeline.checkpoint_tokens, dtype=np.float64)
     if len(checkpoints):
-        total = max(history.schedule.num_steps * history.schedule.tokens_per_step, 1)
+        total = max(timeline.schedule.num_steps * timeline.schedule.tokens_per_step, 1)
         _, first = np.unique(
             np.round(checkpoints / total * MAX_POINTS), return_index=True
         )  # a tick per pixel
         ticks = {"linestyle": "none", "marker": "|", "markersize": 8, "markeredgewidth": 1.3, "color": "0.3"}
         y = np.full(len(first), 0.035)
         ax.plot(checkpoints[first], y, **ticks, transform=at_bottom, label="checkpoint" if label else None)
-    bad = [e.tokens for e in history.raw_of(NonFiniteLoss)]
+    bad = [e.tokens for e in timeline.raw_of(NonFiniteLoss)]
     if bad:
         cross = {"linestyle": "none", "marker": "x", "markersize": 7, "color": "#D00000"}
         ax.plot(
@@ -262,8 +233,8 @@ def _draw_markers(ax, history: History, *, label: bool) -> None:
         )
 
 
-def _draw_stops(ax, history: History) -> None:
-    stops = [e.tokens for e in history.raw_of(RunStopped)]
+def _draw_stops(ax, timeline: Timeline) -> None:
+    stops = [e.tokens for e in timeline.raw_of(RunStopped)]
     if stops:
         triangle = {
             "linestyle": "none",
@@ -275,34 +246,37 @@ def _draw_stops(ax, history: History) -> None:
         ax.plot(stops, [1.0] * len(stops), **triangle, transform=ax.get_xaxis_transform(), label="stopped")
 
 
-def plot_timeline(history: History, out: str | Path) -> Path:
+def plot_timeline(timeline: Timeline, out: str | Path) -> Path:
+    """Draw a Timeline read `with_plot` (its bounded series) into `out`."""
+    if timeline.steps is None:
+        raise ValueError("the timeline was read without with_plot: it has no series to draw")
     plt = _pyplot()
-    schedule, state, config = history.schedule, history.state, history.config
+    schedule, state, config = timeline.schedule, timeline.state, timeline.config
     tps = schedule.tokens_per_step
-    steps = StepArrays(history.effective_of(StepCommitted), schedule.num_stages, tps)
-    refreshes = history.effective_of(ReferenceRefreshed)  # all that draw_stage_context looks at
+    steps = StepColumns(timeline.steps, schedule.num_stages, tps)
+    refreshes = timeline.effective_of(ReferenceRefreshed)  # all that draw_stage_context looks at
     names = [s.name for mixture in config.training.datasets for s in mixture] + [*config.training.evaluations]
-    names += [n for e in history.effective_of(Validated) for n in e.losses]
-    names += [n for e in history.effective_of(Evaluated) for n in e.scores]
+    names += list(timeline.validation_points)
+    names += [n for e in timeline.evaluations for n in e.scores]
     mixtures = [{s.name: s.rate for s in mixture} for mixture in config.training.datasets]
     styles = dataset_styles(names, mixtures)
 
     panels = {"height_ratios": [2.6, 1.5, 1.1, 1.0], "hspace": 0.08}
     fig, axes = plt.subplots(4, 1, figsize=(12, 10.5), sharex=True, gridspec_kw=panels)
     ax_loss, ax_eval, ax_lr, ax_mix = axes
-    _draw_loss(ax_loss, history, steps, styles)
-    _draw_evaluations(ax_eval, history, styles)
-    twin = _draw_lr_beta(ax_lr, history, steps)
+    _draw_loss(ax_loss, timeline, steps, styles)
+    _draw_evaluations(ax_eval, timeline, styles)
+    twin = _draw_lr_beta(ax_lr, timeline, steps)
     _draw_mixture(ax_mix, steps)
     total = schedule.num_steps * tps
     for i, ax in enumerate(axes):
         draw_stage_context(ax, schedule, refreshes, label=i == 0)
-        _draw_markers(ax, history, label=i == 0)
+        _draw_markers(ax, timeline, label=i == 0)
         if not state.finished and state.tokens < total:
             hatched = {"facecolor": "none", "edgecolor": "0.85", "hatch": "//", "linewidth": 0, "zorder": 0}
             ax.axvspan(state.tokens, total, **hatched, label="not trained yet" if i == 0 else None)
         ax.grid(axis="y", color="0.92", linewidth=0.8)
-    _draw_stops(ax_loss, history)
+    _draw_stops(ax_loss, timeline)
 
     handles, labels = ax_lr.get_legend_handles_labels()
     twin_handles, twin_labels = twin.get_legend_handles_labels()
@@ -316,7 +290,7 @@ def plot_timeline(history: History, out: str | Path) -> Path:
     top = ax_loss.secondary_xaxis("top", functions=(lambda t: t / tps, lambda s: s * tps))
     top.xaxis.set_major_locator(MaxNLocator(integer=True))
     top.set_xlabel("optimizer steps", fontsize=9)
-    num_resumes = len(history.raw_of(RunResumed))
+    num_resumes = timeline.num_resumes
     ax_loss.set_title(
         f"{config.run.name} — {status_text(state)}\n"
         f"step {state.step:,} of {schedule.num_steps:,}, {state.tokens:,} tokens, "

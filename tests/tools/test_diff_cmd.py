@@ -3,6 +3,7 @@ step after the change, forks are aligned at their fork step, and bad input ends 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -15,6 +16,7 @@ import pytest
 
 from rewind.states.compare import first_difference
 from rewind.states.config import Config, config_hash
+from rewind.states.diffing import diff_streams
 from rewind.states.events import (
     CheckpointCommitted,
     ConfigChanged,
@@ -26,7 +28,6 @@ from rewind.states.events import (
     NonFiniteLoss,
     ReferenceRefreshed,
     RunFinished,
-    RunResumed,
     RunStarted,
     StackAppended,
     StageEntered,
@@ -36,8 +37,10 @@ from rewind.states.events import (
 from rewind.states.fold import fold
 from rewind.states.history import anchor_end, effective
 from rewind.stores.eventlog import EventLog
-from rewind.stores.runs import read_seq_events
+from rewind.stores.runs import iter_effective, read_seq_events
 from tests.engine.test_loop import OVERRIDES, one_line, run_cli, train_args
+from tests.states import diff_reference
+from tests.states.test_diffing import resumed_event
 
 replace = msgspec.structs.replace
 CONTENT = (
@@ -114,13 +117,14 @@ def write_fork(
             RunStarted(step=0, tokens=0, config=config, config_hash=config_hash(config), parent=origin)
         )
         log.append(
-            RunResumed(
+            resumed_event(
+                restored,
+                fork=True,
                 step=at_step,
                 tokens=restored.tokens,
                 checkpoint=checkpoint,
                 superseded_first_seq=1,
                 superseded_last_seq=0,
-                restored=restored,
                 config_hash=started.config_hash,
             )
         )
@@ -216,7 +220,11 @@ def test_the_readable_report_of_the_perturbed_run(straight, perturbed):
     )
     order.append(after)
     assert order == sorted(order)
-    assert "  run.seed: 7 -> 99" in lines and "  B from step 6 (seq 13): run.seed: 7 -> 99" in lines
+    # The change is shown with the seq the engine logged it at (13 in rewind 0.1's layout).
+    ((change_seq, _),) = [(s, e) for s, e in read_seq_events(perturbed) if isinstance(e, ConfigChanged)]
+    assert (
+        "  run.seed: 7 -> 99" in lines and f"  B from step 6 (seq {change_seq}): run.seed: 7 -> 99" in lines
+    )
     value_line = next(line for line in lines[order[-2] :] if line.split()[:1] == [found["field"]])
     assert value_line.split()[1:] == [repr(found["value_a"]), repr(found["value_b"])]  # full precision
     loss_line = next(line for line in lines[after:] if line.split()[:1] == ["loss"])
@@ -314,6 +322,29 @@ def test_a_live_run_is_read_while_its_writer_holds_the_log(straight, tmp_path):
         code, out, err = run_cli("diff", straight, child)
         assert log.num_committed > 2
     assert code == 0, out + err
+
+
+# --- streamed ------------------------------------------------------------------------------------------
+
+
+def test_the_streamed_diff_is_the_list_based_one_on_real_and_golden_runs(
+    straight, resumed, perturbed, stopped
+):
+    """The report `rewind diff` streams from two logs is the one the list-based diff (kept as the
+    oracle) computes from the same logs read whole, for every pair of these runs."""
+    golden = Path(__file__).parent / "golden" / "runs"
+    runs = [
+        straight,
+        resumed,
+        perturbed,
+        stopped,
+        *(golden / name for name in ("straight", "crashed", "perturbed")),
+    ]
+    for a, b in itertools.product(runs, repeat=2):
+        for rtol in (0.0, 1e-5):
+            streamed = diff_streams(iter_effective(a), iter_effective(b), rtol=rtol)
+            listed = diff_reference.diff_runs(read_seq_events(a), read_seq_events(b), rtol=rtol)
+            assert msgspec.msgpack.encode(streamed) == msgspec.msgpack.encode(listed), (a, b, rtol)
 
 
 # --- bad input ------------------------------------------------------------------------------------------

@@ -34,8 +34,9 @@ from rewind.states.history import effective
 from rewind.states.schedule import Schedule
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import LogNotFoundError, read_seq_events
-from rewind.tools.timeline_cmd import LOSS_WINDOW_FRACTION, LOSS_WINDOW_MAX, History
-from rewind.tools.timeline_plot import bucket_edges, bucket_mean, plot_timeline, rolling_mean
+from rewind.tools.timeline_buckets import bucket_edges, bucket_mean, rolling_mean
+from rewind.tools.timeline_plot import plot_timeline
+from rewind.tools.timeline_scan import LOSS_WINDOW_FRACTION, LOSS_WINDOW_MAX, Timeline
 from tests.engine.test_loop import TINY, config_of, events_of, one_line, run_cli
 from tests.tools.test_state_cmd import FORK_LR, forked_run, stopped_run, superseded_run
 
@@ -265,9 +266,11 @@ def test_a_long_run_plots_from_buckets(straight, tmp_path):
     state = msgspec.structs.replace(
         fold([records[0][1]]), step=schedule.num_steps, tokens=schedule.num_steps * tps, finished=True
     )
-    history = History("synthetic", records, records, state, config, schedule)
     started_at = time.perf_counter()
-    path = plot_timeline(history, tmp_path / "long.png")
+    timeline = Timeline("synthetic", with_plot=True)
+    for seq, event in records:
+        timeline.add(seq, event, superseded=False)
+    path = plot_timeline(timeline.finish(state), tmp_path / "long.png")
     assert time.perf_counter() - started_at < 60  # seconds; drawn point by point it would take minutes
     assert_png(path)
 

@@ -1,0 +1,172 @@
+"""Bounded summaries of a run's long series for `rewind timeline --plot`, filled one record at a time.
+
+A plot has room for about MAX_POINTS points across; a long run logs a million steps. So the series
+are reduced while the log streams past, never held whole:
+- `StepBuckets`: the effective StepCommitted stream as at most 2 x MAX_POINTS buckets of consecutive
+  steps, all of one width (a power of two: when they are full, neighbours merge and the width
+  doubles). Each keeps what the panels draw: the first step's tokens, stage, LR, beta and loss, the
+  finite losses' sum and count, the losses' min and max (NaN ignored), and the row shares per stage.
+- `PointSampler`: every k-th point of a series, k doubling as it grows: at most 2 x MAX_POINTS points,
+  evenly spread (validation losses, superseded steps).
+At drawing time `bucket_edges` brings either down to MAX_POINTS, as the plot did over whole arrays
+before it streamed; up to 2 x MAX_POINTS steps nothing has been merged, so such runs plot as then.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rewind.states.events import StepCommitted
+from rewind.tools.plots import MAX_POINTS
+
+
+def bucket_edges(num_points: int, max_points: int = MAX_POINTS) -> np.ndarray:
+    """Start indices of at most max_points contiguous buckets covering range(num_points)."""
+    num_buckets = min(num_points, max_points)
+    return np.unique(np.linspace(0, num_points, num_buckets + 1).astype(np.int64)[:-1])
+
+
+def bucket_mean(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Mean of the finite values of each bucket (NaN where a bucket has none). values: (n,) or (n, k)."""
+    finite = np.isfinite(values)
+    sums = np.add.reduceat(np.where(finite, values, 0.0), edges, axis=0)
+    counts = np.add.reduceat(finite.astype(np.float64), edges, axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return sums / counts
+
+
+def windowed_mean(sums: np.ndarray, counts: np.ndarray, window: int) -> np.ndarray:
+    """Centred moving average of series given as per-position sums and counts (of finite values)."""
+    total = np.concatenate([[0.0], np.cumsum(sums)])
+    number = np.concatenate([[0.0], np.cumsum(counts)])
+    index = np.arange(len(sums))
+    low = np.clip(index - window // 2, 0, len(sums))
+    high = np.clip(index + window // 2 + 1, 0, len(sums))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (total[high] - total[low]) / (number[high] - number[low])
+
+
+def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Centred moving average over the finite values (skipped steps carry NaN losses)."""
+    finite = np.isfinite(values)
+    return windowed_mean(np.where(finite, values, 0.0), finite.astype(np.float64), window)
+
+
+def _fmin(a: float, b: float) -> float:
+    return b if math.isnan(a) else a if math.isnan(b) else min(a, b)
+
+
+def _fmax(a: float, b: float) -> float:
+    return b if math.isnan(a) else a if math.isnan(b) else max(a, b)
+
+
+class StepBuckets:
+    """The effective StepCommitted stream, reduced as it arrives (see the module's docstring)."""
+
+    def __init__(self, max_points: int = MAX_POINTS):
+        self.capacity = 2 * max_points
+        self.width = 1  # steps per bucket; only the last bucket may hold fewer
+        self.num_steps = 0
+        self.last_tokens = 0
+        self.last_beta = 0.0
+        # One entry per bucket in each column.
+        self.tokens: list[int] = []
+        self.stage: list[int] = []
+        self.lr: list[float] = []
+        self.beta: list[float] = []
+        self.first_loss: list[float] = []
+        self.loss_sum: list[float] = []
+        self.loss_count: list[int] = []
+        self.loss_min: list[float] = []
+        self.loss_max: list[float] = []
+        self.shares: list[list[float]] = []  # per stage: the sum over the bucket's steps of rows / batch
+        self.size: list[int] = []
+
+    def add(self, e: StepCommitted) -> None:
+        loss, rows = e.loss, e.rows
+        finite = math.isfinite(loss)
+        total = sum(rows)
+        if self.num_steps % self.width == 0:  # the step opens a new bucket
+            if len(self.size) == self.capacity:
+                self._merge_pairs()
+            self.tokens.append(e.tokens)
+            self.stage.append(e.stage)
+            self.lr.append(e.lr)
+            self.beta.append(e.beta)
+            self.first_loss.append(loss)
+            self.loss_sum.append(loss if finite else 0.0)
+            self.loss_count.append(int(finite))
+            self.loss_min.append(loss)
+            self.loss_max.append(loss)
+            self.shares.append([r / total for r in rows] if total > 0 else [0.0] * len(rows))
+            self.size.append(1)
+        else:  # this runs for almost every step of a long run: in place, no lists made
+            if finite:
+                self.loss_sum[-1] += loss
+                self.loss_count[-1] += 1
+            low, high = self.loss_min[-1], self.loss_max[-1]
+            if loss < low or low != low:  # as numpy's fmin: a NaN gives way to any number
+                self.loss_min[-1] = loss
+            if loss > high or high != high:
+                self.loss_max[-1] = loss
+            shares = self.shares[-1]
+            if len(shares) < len(rows):  # a fork added stages
+                shares.extend([0.0] * (len(rows) - len(shares)))
+            if total > 0:
+                for i, r in enumerate(rows):
+                    shares[i] += r / total
+            self.size[-1] += 1
+        self.num_steps += 1
+        self.last_tokens, self.last_beta = e.tokens, e.beta
+
+    def _merge_pairs(self) -> None:
+        """Two neighbouring buckets become one: half as many buckets, twice as wide (all are full)."""
+        for column in (self.tokens, self.stage, self.lr, self.beta, self.first_loss):
+            column[:] = column[::2]
+        for column in (self.loss_sum, self.loss_count, self.size):
+            column[:] = [a + b for a, b in zip(column[::2], column[1::2], strict=True)]
+        self.loss_min[:] = [_fmin(a, b) for a, b in zip(self.loss_min[::2], self.loss_min[1::2], strict=True)]
+        self.loss_max[:] = [_fmax(a, b) for a, b in zip(self.loss_max[::2], self.loss_max[1::2], strict=True)]
+        self.shares[:] = [_add(a, b) for a, b in zip(self.shares[::2], self.shares[1::2], strict=True)]
+        self.width *= 2
+
+    def share_matrix(self, num_stages: int) -> np.ndarray:
+        """(buckets, stages) summed row shares; a fork may have added stages, so older rows are shorter."""
+        matrix = np.zeros((len(self.shares), max([num_stages, *map(len, self.shares)])))
+        for i, shares in enumerate(self.shares):
+            matrix[i, : len(shares)] = shares
+        return matrix[:, :num_stages]
+
+
+def _add(a: list[float], b: list[float]) -> list[float]:
+    if len(a) < len(b):
+        a, b = b, a
+    return [x + y for x, y in zip(a, b, strict=False)] + a[len(b) :]
+
+
+class PointSampler:
+    """Every `stride`-th point (x, y) of a series, the stride doubling whenever 2 x max_points are kept."""
+
+    def __init__(self, max_points: int = MAX_POINTS):
+        self.capacity = 2 * max_points
+        self.stride = 1
+        self.num_points = 0
+        self.xs: list[float] = []
+        self.ys: list[float] = []
+
+    def add(self, x: float, y: float) -> None:
+        if self.num_points % self.stride == 0:
+            if len(self.xs) == self.capacity:
+                self.xs, self.ys = self.xs[::2], self.ys[::2]
+                self.stride *= 2
+            if self.num_points % self.stride == 0:
+                self.xs.append(x)
+                self.ys.append(y)
+        self.num_points += 1
+
+    def points(self, max_points: int = MAX_POINTS) -> tuple[list[float], list[float]]:
+        """At most max_points of the kept points, evenly spread (all of them for a short series)."""
+        keep = bucket_edges(len(self.xs), max_points)
+        return [self.xs[i] for i in keep], [self.ys[i] for i in keep]
