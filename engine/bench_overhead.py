@@ -2,8 +2,12 @@
 
 The same model, data and optimizer are run twice: by a bare PyTorch loop over batches assembled in
 advance (no log, no cursors, no metrics), and by rewind's own loop (`drive`) in a fresh run
-directory. Both call the same `train_step`, so the difference is rewind's bookkeeping alone. The
-ratio of median step times is the figure; the goal is <= 1.03 on CPU.
+directory. Both call the same `train_step`, so the difference is rewind's bookkeeping alone.
+
+Two figures: `ratio`, of median step times (what a typical step pays: cursors, decide, encoding and
+appending the event, the metrics projection), and `total_ratio`, of the summed step times, which
+also counts what lands on one step in `report_interval` (the group commit's fdatasync, the metrics
+flush). The goal is <= 1.02 for both on CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 
 from rewind.engine.cursors import split_rows
 from rewind.engine.datasets import DatasetRegistry
-from rewind.engine.loop import build_model, drive
+from rewind.engine.loop import drive
+from rewind.engine.parts import build_model
 from rewind.engine.session import open_run
 from rewind.engine.step import build_optimizer, train_step
 from rewind.states.config import loads_config
@@ -75,15 +80,13 @@ def _bare_step_times(config, num_steps: int) -> list[float]:
 def _rewind_step_times(config, num_steps: int) -> list[float]:
     stamps: list[float] = []
     with tempfile.TemporaryDirectory(prefix="rewind-bench-") as run_dir:
-        parts, state, _ = open_run(config, run_dir)
+        run, state, _ = open_run(config, run_dir)
         try:
             began = time.perf_counter()
             stamps.append(began)
-            drive(parts, state, max_steps=num_steps, progress=lambda _state: stamps.append(time.perf_counter()))
+            drive(run, state, max_steps=num_steps, progress=lambda _state: stamps.append(time.perf_counter()))
         finally:
-            if parts.metrics is not None:
-                parts.metrics.close()
-            parts.log.close()
+            run.journal.close()
     # The first interval also holds the run's start-up control events; drop it like the bare warm-up.
     return [b - a for a, b in itertools.pairwise(stamps)]
 
@@ -102,6 +105,7 @@ def run_overhead_bench(quick: bool = False, num_rounds: int = 3) -> dict:
         "bare_step_ms": bare_median * 1e3,
         "rewind_step_ms": ours_median * 1e3,
         "ratio": ours_median / bare_median,
-        "goal": "<= 1.03",
+        "total_ratio": sum(ours) / sum(bare),
+        "goal": "<= 1.02",
         "threads": torch.get_num_threads(),
     }

@@ -18,6 +18,7 @@ is read from its one cursor, shared by all stages that mix it in.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
@@ -31,11 +32,39 @@ from rewind.states.config import Config, Sampling
 NUM_FEISTEL_ROUNDS = 6  # >= 4 rounds make a Feistel network a strong pseudo-random permutation
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64 finaliser constants
 _MIX_2 = np.uint64(0x94D049BB133111EB)
+_MASK_64 = (1 << 64) - 1
+# Below this many positions a draw runs on Python ints: numpy's per-call overhead on arrays of a few
+# elements cost ~1% of a small model's step. Both paths compute the same bits (tested).
+_SCALAR_MAX_COUNT = 64
 
 
-def _round_keys(seed: int, name: str, epoch: int) -> list[np.uint64]:
+@functools.lru_cache(maxsize=1024)
+def _round_keys(seed: int, name: str, epoch: int) -> tuple[int, ...]:
+    """The Feistel round keys of one epoch of one dataset: a pure function, so cached."""
     epoch_seed = derive_seed(seed, "shuffle", name, epoch)
-    return [np.uint64(derive_seed(epoch_seed, "round", r)) for r in range(NUM_FEISTEL_ROUNDS)]
+    return tuple(derive_seed(epoch_seed, "round", r) for r in range(NUM_FEISTEL_ROUNDS))
+
+
+def _round_function_int(half: int, key: int) -> int:
+    """`_round_function` on one Python int (masking to 64 bits where uint64 arithmetic wraps)."""
+    z = half ^ key
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return z ^ (z >> 31)
+
+
+def _permute_int(within: int, num_samples: int, keys: tuple[int, ...]) -> int:
+    """`_permute` for one position."""
+    half_bits = max(1, ((num_samples - 1).bit_length() + 1) // 2)
+    mask = (1 << half_bits) - 1
+    value = within
+    while True:
+        left, right = value >> half_bits, value & mask
+        for key in keys:
+            left, right = right, left ^ (_round_function_int(right, key) & mask)
+        value = (left << half_bits) | right
+        if value < num_samples:
+            return value
 
 
 def _round_function(half: np.ndarray, key: np.uint64) -> np.ndarray:
@@ -47,17 +76,17 @@ def _round_function(half: np.ndarray, key: np.uint64) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def _feistel(values: np.ndarray, half_bits: int, keys: list[np.uint64]) -> np.ndarray:
+def _feistel(values: np.ndarray, half_bits: int, keys: Sequence[int]) -> np.ndarray:
     """A bijection on [0, 4**half_bits): each round swaps the halves and mixes one into the other."""
     shift = np.uint64(half_bits)
     mask = np.uint64((1 << half_bits) - 1)
     left, right = values >> shift, values & mask
     for key in keys:
-        left, right = right, left ^ (_round_function(right, key) & mask)
+        left, right = right, left ^ (_round_function(right, np.uint64(key)) & mask)
     return (left << shift) | right
 
 
-def _permute(within: np.ndarray, num_samples: int, keys: list[np.uint64]) -> np.ndarray:
+def _permute(within: np.ndarray, num_samples: int, keys: Sequence[int]) -> np.ndarray:
     # Half width so that 4**half_bits >= num_samples: the domain is at most 4x larger than needed,
     # so cycle-walking takes fewer than 4 Feistel passes on average.
     half_bits = max(1, ((num_samples - 1).bit_length() + 1) // 2)
@@ -78,10 +107,16 @@ def sample_indices(seed: int, name: str, num_samples: int, start: int, count: in
         raise ValueError(f"dataset {name!r}: cannot draw from an empty split")
     if start < 0 or count < 0:
         raise ValueError(f"cursor positions must be >= 0, got start={start}, count={count}")
-    positions = np.arange(start, start + count, dtype=np.int64)
-    epochs, within = np.divmod(positions, num_samples)
     if num_samples == 1:
         return np.zeros(count, dtype=np.int64)
+    if count <= _SCALAR_MAX_COUNT:
+        rows = []
+        for position in range(start, start + count):
+            epoch, within_epoch = divmod(position, num_samples)
+            rows.append(_permute_int(within_epoch, num_samples, _round_keys(seed, name, epoch)))
+        return np.array(rows, dtype=np.int64)
+    positions = np.arange(start, start + count, dtype=np.int64)
+    epochs, within = np.divmod(positions, num_samples)
     indices = np.empty(count, dtype=np.int64)
     # A batch spans at most a couple of epochs unless the split is tiny; each gets its own keys.
     for epoch in np.unique(epochs).tolist():

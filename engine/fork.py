@@ -4,7 +4,7 @@ The child is an ordinary run directory that owns copies of the checkpoints it st
 parent can go on (or be deleted) without breaking it. Its log begins
 
     RunStarted(config=child's, parent=ForkOrigin(run, step, checkpoint, config_hash))
-    RunResumed(checkpoint=C, restored=<the parent's control state at C>)      (absent when forking at step 0)
+    RunResumed(checkpoint=C, seed=<the parent's control state at C>)          (absent when forking at step 0)
     ConfigChanged(config=child's)                                            (only if the config differs)
 
 which is the same shape an in-place `rewind train --fork` leaves, so resuming, replaying and diffing a
@@ -18,26 +18,14 @@ from pathlib import Path
 
 import msgspec
 
-from rewind.engine.loop import Parts, load_checkpoint
-from rewind.engine.session import (
-    REWIND_VERSION,
-    RunError,
-    continuation_problem,
-    make_parts,
-    open_datasets,
-    prepare_directory,
-)
+from rewind.engine.journal import Journal
+from rewind.engine.loop import Run, record
+from rewind.engine.parts import RunError, build_parts, fresh_parts, open_datasets
+from rewind.engine.session import REWIND_VERSION, continuation_problem, metrics_for, prepare_directory
 from rewind.states.config import Config, config_hash
-from rewind.states.events import (
-    CheckpointCommitted,
-    CheckpointDeleted,
-    ConfigChanged,
-    ForkOrigin,
-    RunResumed,
-    RunStarted,
-)
-from rewind.states.fold import IllegalTransition, fold
-from rewind.states.history import SeqEvent, anchor_end, config_in_force, is_superseded, superseded_ranges
+from rewind.states.events import ConfigChanged, ForkOrigin, RunResumed, RunStarted
+from rewind.states.fold import IllegalTransition, fold, seed_of
+from rewind.states.history import SeqEvent, config_in_force, effective, restore_points
 from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog
@@ -58,26 +46,20 @@ class ForkPoint:
 
 
 def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) -> ForkPoint:
-    """The last checkpoint at or before `at_step` that is effective, not deleted and intact on disk.
-
-    A checkpoint is anchored by its CheckpointCommitted record or by a RunResumed that restarted from
-    it (the first checkpoint of a fork is only ever named by the latter)."""
-    ranges = superseded_ranges(records)
-    deleted = {e.checkpoint for s, e in records if isinstance(e, CheckpointDeleted) and not is_superseded(s, ranges)}
-    for i in range(len(records) - 1, 0, -1):
-        seq, event = records[i]
-        if not (isinstance(event, CheckpointCommitted | RunResumed) and event.checkpoint and event.step <= at_step):
+    """The last restore point at or before `at_step` whose checkpoint is live and intact on disk (an
+    older one is still a faithful starting point when a newer one is damaged), or the run's start."""
+    records = effective(records)  # the points index into these
+    points = restore_points(records)
+    live = {c.checkpoint for c in fold(e for _, e in records).live_checkpoints}
+    for point in reversed(points):
+        ref = point.state.last_checkpoint
+        if not point.checkpoint or point.state.step > at_step or ref is None:
             continue
-        if is_superseded(seq, ranges) or event.checkpoint in deleted:
-            continue
-        end = anchor_end(records, i)  # with the config change that may follow a resume
-        state = fold(e for _, e in records[:end])
-        ref = state.last_checkpoint
-        if ref is None or ref.checkpoint != event.checkpoint or store.verify(ref.checkpoint, ref.files):
-            continue  # damaged or missing on disk: an older one is still a faithful starting point
-        # Ranges only ever supersede what follows a restore point, so none reaches back past this
-        # effective anchor: the prefix's own effective records are the full log's.
-        return ForkPoint(event.checkpoint, event.step, state, config_in_force(records[:end]))
+        if ref.checkpoint not in live:
+            continue  # deleted by retention since
+        if store.verify(ref.checkpoint, ref.files):
+            continue  # damaged or missing on disk
+        return ForkPoint(point.checkpoint, point.state.step, point.state, config_in_force(records[: point.index]))
     started = records[0][1]
     assert isinstance(started, RunStarted)
     if started.parent is not None and started.parent.checkpoint:
@@ -88,10 +70,8 @@ def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) ->
         )
     # The start as it stands now: a crash before the first checkpoint restarts from scratch, maybe
     # under a changed config (RunResumed(checkpoint="") then ConfigChanged).
-    starts = [i for i, (s, e) in enumerate(records) if isinstance(e, RunResumed) and not e.checkpoint]
-    starts = [i for i in starts if not is_superseded(records[i][0], ranges)] or [0]
-    end = anchor_end(records, starts[-1])
-    return ForkPoint("", 0, fold(e for _, e in records[:end]), config_in_force(records[:end]))
+    start = [p for p in points if not p.checkpoint][-1]
+    return ForkPoint("", 0, start.state, config_in_force(records[: start.index]))
 
 
 def _run_identity(run_dir: str) -> str:
@@ -110,8 +90,8 @@ def _copy_checkpoint(parent: CheckpointStore, child: CheckpointStore, ref) -> No
 
 def open_fork(
     parent_dir: str, at_step: int, config_of_child, child_dir: str, *, metrics: bool = True
-) -> tuple[Parts, State, ForkPoint]:
-    """Create the child run and return it ready to drive (log open and locked in parts.log).
+) -> tuple[Run, State, ForkPoint]:
+    """Create the child run and return it ready to drive (log open and locked in run.journal).
 
     `config_of_child(parent_config) -> Config` makes the child's config from the parent's config in
     force at the fork point (e.g. by applying --set overrides); it may raise ConfigError."""
@@ -142,7 +122,6 @@ def open_fork(
         state = point.state
         copied = {point.checkpoint} | ({state.reference.checkpoint} if state.reference else set())
         live = [c for c in state.live_checkpoints if c.checkpoint in copied]
-        restored = replace(state, live_checkpoints=live, resumes=[], parent_run=origin.run, stopped_reason="")
         preamble.append(
             RunResumed(
                 step=state.step,
@@ -150,11 +129,11 @@ def open_fork(
                 checkpoint=point.checkpoint,
                 superseded_first_seq=1,
                 superseded_last_seq=0,
-                restored=restored,
                 config_hash=state.config_hash,
+                seed=seed_of(replace(state, live_checkpoints=live)),
             )
         )
-        if child_hash != state.config_hash:
+        if config_hash(point.config) != child_hash:
             preamble.append(
                 ConfigChanged(
                     step=state.step, tokens=state.tokens, config=config, config_hash=child_hash,
@@ -179,16 +158,17 @@ def open_fork(
                 _copy_checkpoint(parent_store, child_store, ref)
         except CheckpointError as exc:
             raise RunError(f"{parent_dir}: cannot copy its checkpoint: {exc}", 1) from None
-        for event in preamble:
-            log.append(event)
-        log.commit()
-        parts = make_parts(config, child_dir, log, metrics, datasets)
-        if point.checkpoint:
-            load_checkpoint(parts, state)
-        if parts.metrics is not None:
-            parts.metrics.rebuild(child_dir, preamble)
-        return parts, state, point
+        if point.checkpoint:  # the parent's live objects at the fork point, from the copies
+            parts = build_parts(point.config, child_dir, fold(preamble[:2]))
+        else:
+            parts = fresh_parts(config, child_dir, datasets)
+        run = Run(parts, Journal(log, metrics_for(child_dir, metrics), config.logging.report_interval))
+        if run.journal.metrics is not None:
+            run.journal.metrics.resume(-1, 0)
+        state = State()
+        for event in preamble:  # a config change rebuilds the live objects for the child's config
+            state = record(run, state, event)
+        return run, state, point
     except BaseException:
         log.close()
         raise
-

@@ -1,73 +1,59 @@
-"""The training loop: ask `states` what is due, perform it, append the events, apply them.
+"""The training loop: ask `states` what is due, perform it, record the event, apply its effect.
 
-    while not finished:
-        for each control event due before step k (decide):   perform its side effect, append, apply
-        run step k (schedule's rows, LR, KL weight; cursors' batch)
-        append StepCommitted, apply
-        after-step duties (duties_after_step): Validated, Evaluated, CheckpointCommitted (+ retention)
-        commit the log (group commit at the step boundary)
+    while (intent := decide(state, schedule)) is not None:
+        event(s) = perform(intent)        the step's losses, a validation, a checkpoint written, ...
+        state = journal.record(state, e)  append (+ commit when the durability rule says so), apply
+        parts = apply_effect(parts, e)    what the transition does to the live objects (effects.py)
 
-A run directory with a log is resumed: the log is folded, the last committed checkpoint loaded, and a
-RunResumed event supersedes whatever the dead process wrote after that checkpoint. Every input to a
-step (weights, optimizer moments, reference, cursors, LR, rows) is then identical to what it was the
-first time, so the resumed run is bit for bit the run that never stopped.
+`decide` (rewind.states.plan) is pure: everything the loop does is a function of the folded state, so a
+run resumed from any checkpoint asks for exactly what the run that never stopped did next. A resumed
+process gets here with live objects built from the folded state (parts.build_parts), and then every
+input to a step (weights, optimizer moments, reference, cursors, LR, rows) is what it was the first
+time: the resumed run is bit for bit the run that never stopped.
 """
 
 from __future__ import annotations
 
-import copy
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import msgspec
-import torch
-from torch import nn
-
-from rewind.engine import snapshot
+from rewind.engine.checkpointing import write_checkpoint
 from rewind.engine.cursors import assemble_batch
-from rewind.engine.datasets import DatasetRegistry
+from rewind.engine.effects import apply_effect
 from rewind.engine.evaluation import evaluate, validate
-from rewind.engine.model import GPT
+from rewind.engine.journal import Journal
+from rewind.engine.parts import Parts
 from rewind.engine.step import train_step
-from rewind.states.config import Config
 from rewind.states.events import (
-    CheckpointCommitted,
     CheckpointDeleted,
     Evaluated,
     Event,
     NonFiniteLoss,
-    ReferenceRefreshed,
-    RunFinished,
     RunStopped,
     StepCommitted,
     Validated,
 )
-from rewind.states.fold import apply
-from rewind.states.plan import checkpoints_to_delete, decide, duties_after_step, reference_checkpoint
-from rewind.states.schedule import Schedule
-from rewind.states.state import State, control_summary
-from rewind.stores.checkpoints import CheckpointStore
-from rewind.stores.eventlog import EventLog
-from rewind.stores.metrics import MetricsProjection
-
-replace = msgspec.structs.replace
+from rewind.states.plan import (
+    DeleteCheckpoints,
+    Evaluate,
+    Intent,
+    RunStep,
+    TakeCheckpoint,
+    Validate,
+    control_event,
+    decide,
+)
+from rewind.states.state import CheckpointReason, State
+from rewind.stores.folding import save_snapshot
 
 
 @dataclass
-class Parts:
-    """The live objects of a run. The control state is not here: it is `fold(events)`."""
+class Run:
+    """A run being driven: its live objects and the journal that records what happens to them."""
 
-    config: Config
-    schedule: Schedule
-    model: GPT
-    optimizer: torch.optim.Optimizer
-    datasets: DatasetRegistry
-    log: EventLog
-    store: CheckpointStore
-    metrics: MetricsProjection | None
-    reference: nn.Module | None = None
-    param_names: dict[nn.Parameter, str] = field(default_factory=dict)
+    parts: Parts
+    journal: Journal
 
 
 @dataclass(frozen=True)
@@ -102,95 +88,27 @@ class StopRequest:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def build_model(config: Config) -> GPT:
-    return GPT(config.architecture, seed=config.run.seed)
-
-
-def frozen_copy(model: nn.Module) -> nn.Module:
-    reference = copy.deepcopy(model)
-    reference.eval()
-    for parameter in reference.parameters():
-        parameter.requires_grad_(False)
-    return reference
-
-
-def emit(parts: Parts, state: State, event: Event) -> State:
-    """Append an event to the log (buffered until the next commit) and apply it."""
-    new_state = apply(state, event)
-    parts.log.append(event)
-    if parts.metrics is not None:
-        parts.metrics.observe(event)
+def record(run: Run, state: State, event: Event) -> State:
+    """Record an event and give it its effect on the live objects: the only way a run changes state
+    (an illegal event raises in the journal, before anything is written or changed)."""
+    new_state = run.journal.record(state, event)
+    run.parts = apply_effect(run.parts, state, event)
     return new_state
 
 
-def checkpoint_groups(parts: Parts) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """The tensors a checkpoint holds, per group, and the optimizer's layout metadata."""
-    groups = {"model": snapshot.model_tensors(parts.model)}
-    optimizer_tensors, optimizer_meta = snapshot.optimizer_tensors(parts.optimizer, parts.param_names)
-    groups["optimizer"] = optimizer_tensors
-    if parts.reference is not None:
-        groups["reference"] = snapshot.model_tensors(parts.reference)
-    return groups, optimizer_meta
-
-
-def save_checkpoint(parts: Parts, state: State, reason: str) -> State:
-    """Write, sync and rename the checkpoint, then announce it; then apply the retention policy."""
-    groups, optimizer_meta = checkpoint_groups(parts)
-    meta = {
-        "optimizer": optimizer_meta,
-        "stack_sizes": parts.model.stack_sizes,
-        # The control state the tensors belong to; `rewind verify` checks it against the fold.
-        "control": control_summary(state),
-    }
-    written = parts.store.write(state.step, groups, meta)
-    state = emit(
-        parts,
-        state,
-        CheckpointCommitted(
-            step=state.step,
-            tokens=state.tokens,
-            checkpoint=written.name,
-            manifest_sha256=written.manifest_sha256,
-            files=written.files,
-            reason=reason,
-        ),
-    )
-    parts.log.commit()  # a checkpoint counts once this record is durable, not before
-    doomed = checkpoints_to_delete(state, parts.config.logging.keep_last_checkpoints)
-    for name in doomed:
-        state = emit(parts, state, CheckpointDeleted(step=state.step, tokens=state.tokens, checkpoint=name))
-    if doomed:
-        parts.log.commit()
-        for name in doomed:  # deleted only once the deletion is on record: a crash leaves an orphan
-            parts.store.delete(name)
+def checkpoint(run: Run, state: State, reason: CheckpointReason) -> State:
+    state = record(run, state, write_checkpoint(run.parts, state, reason))
+    # The record is committed (journal); cache the fold up to it, so opening the run costs its tail.
+    save_snapshot(run.parts.run_dir, state, "CheckpointCommitted", run.parts.config)
     return state
 
 
-def load_checkpoint(parts: Parts, state: State) -> None:
-    ref = state.last_checkpoint
-    assert ref is not None
-    groups = parts.store.load(ref.checkpoint, ref.files)
-    snapshot.load_model_tensors(parts.model, groups["model"])
-    meta = parts.store.load_manifest(ref.checkpoint).meta
-    snapshot.load_optimizer_tensors(parts.optimizer, parts.param_names, groups["optimizer"], meta["optimizer"])
-    if "reference" in groups:
-        reference = build_model(parts.config)
-        snapshot.load_model_tensors(reference, groups["reference"])
-        parts.reference = frozen_copy(reference)
-
-
-def perform_control_events(parts: Parts, state: State, step: int) -> State:
-    while (event := decide(state, parts.schedule, step)) is not None:
-        if isinstance(event, ReferenceRefreshed):
-            held = reference_checkpoint(state)
-            if held is None:  # e.g. a refresh before the first step: take a checkpoint to point at
-                state = save_checkpoint(parts, state, "reference")
-                held = state.last_checkpoint
-            event = replace(event, checkpoint=held.checkpoint)
-            parts.reference = frozen_copy(parts.model)
-        state = emit(parts, state, event)
-        if isinstance(event, RunFinished):
-            break
+def delete_checkpoints(run: Run, state: State, names: tuple[str, ...]) -> State:
+    at = {"step": state.step, "tokens": state.tokens}
+    for name in names:
+        state = record(run, state, CheckpointDeleted(**at, checkpoint=name))
+    for name in names:  # the files go only once the deletions are on record: a crash leaves an orphan
+        run.parts.store.delete(name)
     return state
 
 
@@ -227,45 +145,43 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
     )
 
 
-def run_one_step(parts: Parts, state: State) -> tuple[State, bool]:
+def run_one_step(run: Run, state: State) -> tuple[State, bool]:
     """Run the step with index state.step; returns (state, keep_going)."""
-    config = parts.config
-    committed = execute_step(parts, state)
+    committed = execute_step(run.parts, state)
     if committed.skipped:
-        action = config.training.on_nonfinite
-        state = emit(parts, state, NonFiniteLoss(step=state.step, tokens=state.tokens, loss=committed.loss, action=action))
+        action = run.parts.config.training.on_nonfinite
+        state = record(run, state, NonFiniteLoss(step=state.step, tokens=state.tokens, loss=committed.loss, action=action))
         if action == "stop":
             return state, False
-    state = emit(parts, state, committed)
-    duties = duties_after_step(state, parts.schedule)
-    if duties.validate:
-        losses = validate(parts.model, parts.datasets, config, state.step)
-        state = emit(parts, state, Validated(step=state.step, tokens=state.tokens, losses=losses))
-    if duties.evaluate_boundary is not None:
-        scores, losses = evaluate(parts.model, parts.datasets, config)
-        state = emit(
-            parts,
-            state,
-            Evaluated(
-                step=state.step, tokens=state.tokens, boundary=duties.evaluate_boundary, scores=scores, losses=losses
-            ),
-        )
-    if duties.checkpoint_reason is not None:
-        state = save_checkpoint(parts, state, duties.checkpoint_reason)
-    return state, True
+    return record(run, state, committed), True
 
 
-def stop(parts: Parts, state: State, reason: str) -> State:
+def perform(run: Run, state: State, intent: Intent) -> State:
+    """Do what `intent` asks (all but the step itself) and record the event(s) it makes."""
+    parts, at = run.parts, {"step": state.step, "tokens": state.tokens}
+    match intent:
+        case Validate():
+            return record(run, state, Validated(**at, losses=validate(parts.model, parts.datasets, parts.config, state.step)))
+        case Evaluate(boundary=boundary):
+            scores, losses = evaluate(parts.model, parts.datasets, parts.config)
+            return record(run, state, Evaluated(**at, boundary=boundary, scores=scores, losses=losses))
+        case TakeCheckpoint(reason=reason):
+            return checkpoint(run, state, reason)
+        case DeleteCheckpoints(names=names):
+            return delete_checkpoints(run, state, names)
+    held = state.last_checkpoint.checkpoint if state.last_checkpoint is not None else ""
+    return record(run, state, control_event(intent, state.step, state.tokens, held))  # type: ignore[arg-type]
+
+
+def stop(run: Run, state: State, reason: str) -> State:
     """A clean, resumable stop: checkpoint the last complete step unless one exists, say why."""
     if state.last_checkpoint is None or state.last_checkpoint.step != state.step:
-        state = save_checkpoint(parts, state, "stop")
-    state = emit(parts, state, RunStopped(step=state.step, tokens=state.tokens, reason=reason))
-    parts.log.commit()
-    return state
+        state = checkpoint(run, state, "stop")
+    return record(run, state, RunStopped(step=state.step, tokens=state.tokens, reason=reason))
 
 
 def drive(
-    parts: Parts,
+    run: Run,
     state: State,
     *,
     max_steps: int | None = None,
@@ -275,18 +191,18 @@ def drive(
     `max_steps` steps in this process."""
     steps_here = 0
     with StopRequest() as stop_request:
-        while True:
-            state = perform_control_events(parts, state, state.step)
-            if state.finished:
-                parts.log.commit()
-                return Outcome("finished", state)
+        while (intent := decide(state, run.parts.schedule)) is not None:
+            if not isinstance(intent, RunStep):
+                state = perform(run, state, intent)
+                continue
+            run.journal.at_step_boundary(state)
             if stop_request.requested:
-                state = stop(parts, state, "interrupted (Ctrl-C)")
+                state = stop(run, state, "interrupted (Ctrl-C)")
                 return Outcome("interrupted", state, f"stopped after step {state.step}; run the same command to resume")
             if max_steps is not None and steps_here >= max_steps:
-                state = stop(parts, state, f"step limit of {max_steps} for this process")
+                state = stop(run, state, f"step limit of {max_steps} for this process")
                 return Outcome("stopped", state, f"stopped after step {state.step} (--max-steps)")
-            state, keep_going = run_one_step(parts, state)
+            state, keep_going = run_one_step(run, state)
             if not keep_going:
                 last = state.last_checkpoint
                 message = (
@@ -294,16 +210,9 @@ def drive(
                     f"({last.checkpoint if last else 'none'}, step {last.step if last else 0}). "
                     'Fork it with a changed config (--fork), or set training.on_nonfinite = "skip"'
                 )
-                state = emit(parts, state, RunStopped(step=state.step, tokens=state.tokens, reason="non-finite loss"))
-                parts.log.commit()
+                state = record(run, state, RunStopped(step=state.step, tokens=state.tokens, reason="non-finite loss"))
                 return Outcome("nonfinite", state, message)
             steps_here += 1
-            if state.step % parts.config.logging.report_interval == 0:
-                # Group commit: step records become durable report_interval at a time. That loses
-                # nothing a resume needs (it restarts from the last checkpoint, whose record is
-                # committed on the spot) and keeps fsync off the per-step path.
-                parts.log.commit()
-                if parts.metrics is not None:
-                    parts.metrics.flush()
             if progress is not None:
                 progress(state)
+    return Outcome("finished", state)

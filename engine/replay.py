@@ -16,31 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from rewind.engine import snapshot
-from rewind.engine.loop import (
-    Parts,
-    build_model,
-    checkpoint_groups,
-    execute_step,
-    frozen_copy,
-    load_checkpoint,
-)
-from rewind.engine.session import make_parts, open_datasets
+from rewind.engine.checkpointing import tensor_hashes
+from rewind.engine.effects import apply_effect
+from rewind.engine.loop import execute_step
+from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts
 from rewind.states.compare import FieldDifference, first_difference
-from rewind.states.config import Config
-from rewind.states.events import (
-    CheckpointCommitted,
-    CheckpointDeleted,
-    ConfigChanged,
-    ReferenceRefreshed,
-    RunResumed,
-    RunStarted,
-    StackAppended,
-    StepCommitted,
-)
+from rewind.states.events import CheckpointCommitted, CheckpointDeleted, RunStarted, StepCommitted
 from rewind.states.fold import apply, fold
-from rewind.states.history import SeqEvent, anchor_end, config_in_force, effective
-from rewind.stores.checkpoints import group_file
+from rewind.states.history import RestorePoint, SeqEvent, config_in_force, effective, restore_points
+from rewind.stores.checkpoints import CheckpointError
 
 
 class ReplayError(Exception):
@@ -69,34 +53,19 @@ class ReplayReport:
     mismatch: Mismatch | None = None
 
 
-@dataclass(frozen=True)
-class Window:
-    """Where a replay starts (index into the effective records, just after the anchor and the records
-    that belong to it) and the checkpoint it loads ("" = fresh weights from the seed)."""
-
-    begin: int
-    checkpoint: str
-    step: int
-
-
-def checkpoint_anchors(records: Sequence[SeqEvent]) -> list[Window]:
-    """Every point of the effective history a replay can start from, in order. The run's start is one
+def choose_window(records: Sequence[SeqEvent], checkpoint: str | None) -> RestorePoint:
+    """The restore point named by `checkpoint` (a name, or the step of one), or the earliest whose files
+    still exist (retention deletes old ones; the run's start needs none). The run's start counts only
     when its first weights came from the seed (not for a fork, whose first weights are a checkpoint)."""
     parent = records[0][1].parent if isinstance(records[0][1], RunStarted) else None
     from_seed = parent is None or not parent.checkpoint
-    windows = [Window(1, "", 0)] if from_seed and any(isinstance(e, StepCommitted) for _, e in records) else []
-    for i, (_, event) in enumerate(records):
-        anchors = isinstance(event, CheckpointCommitted | RunResumed) and event.checkpoint
-        if anchors and not any(w.checkpoint == event.checkpoint for w in windows):
-            windows.append(Window(anchor_end(records, i), event.checkpoint, event.step))
-    return windows
-
-
-def choose_window(records: Sequence[SeqEvent], checkpoint: str | None) -> Window:
-    """The anchor named by `checkpoint` (a name, or the step of one), or the earliest whose checkpoint
-    files still exist (retention deletes old ones; the run's start needs none)."""
+    has_steps = any(isinstance(e, StepCommitted) for _, e in records)
+    windows: list[RestorePoint] = []
+    for point in restore_points(records):
+        seen = any(w.checkpoint == point.checkpoint for w in windows)
+        if not seen and (point.checkpoint or (from_seed and has_steps and point.state.step == 0)):
+            windows.append(point)
     deleted_names = {e.checkpoint: e.step for _, e in records if isinstance(e, CheckpointDeleted)}
-    windows = checkpoint_anchors(records)
     usable = [w for w in windows if w.checkpoint not in deleted_names]
     if not usable:
         raise ReplayError("the run has no steps to replay yet, or no checkpoint to start from", 1)
@@ -105,7 +74,7 @@ def choose_window(records: Sequence[SeqEvent], checkpoint: str | None) -> Window
     if checkpoint in ("start", "0") and windows[0].checkpoint == "":
         return windows[0]
     for window in windows:
-        by_step = checkpoint.isdigit() and window.checkpoint and window.step == int(checkpoint)
+        by_step = checkpoint.isdigit() and window.checkpoint and window.state.step == int(checkpoint)
         if window.checkpoint == checkpoint or by_step:
             if window.checkpoint in deleted_names:
                 raise ReplayError(
@@ -117,7 +86,7 @@ def choose_window(records: Sequence[SeqEvent], checkpoint: str | None) -> Window
     raise ReplayError(f"--from-checkpoint {checkpoint}: no checkpoint of that name or step (known: {_names(usable)})")
 
 
-def _names(windows: list[Window]) -> str:
+def _names(windows: list[RestorePoint]) -> str:
     return ", ".join(w.checkpoint or "the start (step 0)" for w in windows)
 
 
@@ -136,25 +105,22 @@ def replay(
     window = choose_window(records, from_checkpoint)
     last_step = fold(e for _, e in records).step
     end_step = last_step if to_step is None else to_step
-    if not window.step < end_step <= last_step:
+    if not window.state.step < end_step <= last_step:
         raise ReplayError(
-            f"--to-step {end_step}: must be after the start (step {window.step}) and at most the last step logged "
-            f"({last_step})"
+            f"--to-step {end_step}: must be after the start (step {window.state.step}) and at most the last step "
+            f"logged ({last_step})"
         )
-    state = fold(e for _, e in records[: window.begin])
-    parts = _parts(run_dir, config_in_force(records[: window.begin]))
-    if window.checkpoint:
-        try:
-            load_checkpoint(parts, state)
-        except Exception as exc:  # missing or damaged files: say which, never a traceback
-            raise ReplayError(f"cannot load checkpoint {window.checkpoint}: {exc}", 1) from None
-    report = ReplayReport(start_checkpoint=window.checkpoint, start_step=window.step, to_step=end_step)
-    fresh = not window.checkpoint  # weights straight from the seed: no step has touched them yet
-    for seq, logged in records[window.begin :]:
+    state = window.state
+    config = config_in_force(records[: window.index])
+    try:
+        parts = build_parts(config, run_dir, state) if window.checkpoint else fresh_parts(config, run_dir)
+    except CheckpointError as exc:  # missing or damaged files: say which, never a traceback
+        raise ReplayError(f"cannot load checkpoint {window.checkpoint}: {exc}", 1) from None
+    report = ReplayReport(start_checkpoint=window.checkpoint, start_step=window.state.step, to_step=end_step)
+    for seq, logged in records[window.index :]:
         if logged.step > end_step:
             break
         if isinstance(logged, StepCommitted):
-            fresh = False
             recomputed = execute_step(parts, state)
             report.num_steps += 1
             difference = first_difference(logged, recomputed, rtol=rtol)
@@ -171,47 +137,17 @@ def replay(
                 report.mismatch = Mismatch(logged.step, seq, "CheckpointCommitted", difference)
                 return report
             report.checkpoints_matched.append(logged.checkpoint)
-        elif isinstance(logged, ReferenceRefreshed):
-            parts.reference = frozen_copy(parts.model)
-        elif isinstance(logged, RunResumed) and not logged.checkpoint:
-            fresh = True  # a restart from scratch: the seed's weights again
-            parts = _rebuild(run_dir, parts, parts.config, fresh=True)
-        elif isinstance(logged, ConfigChanged):
-            parts = _rebuild(run_dir, parts, logged.config, fresh=fresh)
-        elif isinstance(logged, StackAppended):
-            raise ReplayError(f"step {logged.step}: replaying model growth (StackAppended) is not supported yet", 1)
+        try:  # what the transition did to the live objects the first time (effects.py)
+            parts = apply_effect(parts, state, logged)
+        except RunError as exc:
+            raise ReplayError(str(exc), exc.exit_code) from None
         state = apply(state, logged)
     return report
 
 
-def _parts(run_dir: str, config: Config) -> Parts:
-    # No log and no metrics: replay never writes to the run.
-    return make_parts(config, run_dir, None, False, open_datasets(config))  # type: ignore[arg-type]
-
-
-def _rebuild(run_dir: str, parts: Parts, config: Config, *, fresh: bool) -> Parts:
-    """What a resume does: model, optimizer and reference built for `config` (dropout, seed and the
-    optimizer's settings come from it), then loaded with the tensors the run had unless it restarts
-    from scratch. The tensors are the checkpoint's: the replay checked them against its hashes."""
-    rebuilt = _parts(run_dir, config)
-    if fresh:
-        return rebuilt
-    snapshot.load_model_tensors(rebuilt.model, snapshot.model_tensors(parts.model))
-    moments, layout = snapshot.optimizer_tensors(parts.optimizer, parts.param_names)
-    snapshot.load_optimizer_tensors(rebuilt.optimizer, rebuilt.param_names, moments, layout)
-    if parts.reference is not None:
-        reference = build_model(config)
-        snapshot.load_model_tensors(reference, snapshot.model_tensors(parts.reference))
-        rebuilt.reference = frozen_copy(reference)
-    return rebuilt
-
-
 def _tensor_difference(parts: Parts, logged: CheckpointCommitted) -> FieldDifference | None:
-    groups, _ = checkpoint_groups(parts)
-    recomputed = dict(group_file(group, tensors) for group, tensors in groups.items())
+    recomputed = tensor_hashes(parts, logged.files)
     for name in sorted(logged.files.keys() | recomputed.keys()):
         if logged.files.get(name) != recomputed.get(name):  # a group on one side only shows as None
             return FieldDifference(field=f"files.{name}", a=logged.files.get(name), b=recomputed.get(name))
     return None
-
-

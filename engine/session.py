@@ -1,39 +1,39 @@
-"""Opening a run directory: start a new run, or resume one by replaying its log.
+"""Opening a run directory: start a new run, or resume one from its log.
 
-Resume never guesses: the log is folded, the restore point is the last committed checkpoint that is
-still effective, and a RunResumed event records what was superseded. A config whose hash differs from
-the run's is refused unless the caller forks (then a ConfigChanged event records the new config).
+Resume never guesses: the log is folded, the restore point is the fold's own anchor (the last committed
+checkpoint that is still effective, or the start), and a RunResumed event records what it supersedes.
+The live objects are built from the folded state before anything is written. A config that differs
+from the run's is refused unless the caller forks in place (then a ConfigChanged records the new one).
 """
 
 from __future__ import annotations
 
 import os
+from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from rewind.engine.datasets import DatasetError, DatasetRegistry
-from rewind.engine.loop import Parts, build_model, load_checkpoint
-from rewind.engine.step import build_optimizer
+from rewind.engine.datasets import DatasetRegistry
+from rewind.engine.journal import Journal
+from rewind.engine.loop import Run, record
+from rewind.engine.parts import RunError, build_parts, fresh_parts, open_datasets
 from rewind.states.config import Config, config_differences, config_hash
-from rewind.states.events import ConfigChanged, RunResumed, RunStarted
-from rewind.states.fold import apply, fold
-from rewind.states.history import config_in_force, effective, restore_point
+from rewind.states.events import ConfigChanged, RunResumed, RunStarted, event_tag
+from rewind.states.fold import IllegalTransition, apply
+from rewind.states.history import point_of, skip_ranges
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
-from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.eventlog import EventLog
+from rewind.stores.folding import fold_log, save_snapshot
 from rewind.stores.metrics import MetricsProjection
 
-REWIND_VERSION = "0.1.0"
+__all__ = ["REWIND_VERSION", "RunError", "adopt_threads", "open_datasets", "open_run"]
 
-
-class RunError(Exception):
-    """A run cannot be started or resumed as asked. exit_code: 2 usage/config, 1 state of the run."""
-
-    def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
-        self.exit_code = exit_code
+try:
+    REWIND_VERSION = metadata.version("rewind")
+except metadata.PackageNotFoundError:  # running from a checkout that was never installed
+    REWIND_VERSION = "0+unknown"
 
 
 def prepare_directory(run_dir: str) -> None:
@@ -77,60 +77,51 @@ def continuation_problem(old: Config, new: Config) -> str:
     return f"{', '.join(changed)} cannot change when continuing from a checkpoint: the weights have other shapes"
 
 
+def config_mismatch(run_dir: str, logged: Config, new: Config) -> str:
+    """"" when `new` is the run's config; else the refusal, naming what differs. Identity is computed
+    by this code from both configs (never a hash an older release wrote), so a release that adds a
+    field with a default does not strand a run."""
+    if config_hash(logged) == config_hash(new):
+        return ""
+    changes = config_differences(logged, new)
+    shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+    return (
+        f"{run_dir}: the config differs from the run's ({shown or 'no field differs in value'}); "
+        "pass --fork to continue under the new config"
+    )
+
+
+def metrics_for(run_dir: str, enabled: bool) -> MetricsProjection | None:
+    return MetricsProjection(run_dir) if enabled and "://" not in run_dir else None
+
+
 def open_run(
     config: Config, run_dir: str, *, fork: bool = False, metrics: bool = True, datasets: DatasetRegistry | None = None
-) -> tuple[Parts, State, str]:
-    """Returns (parts, state, how) with how in {"started", "resumed", "finished"}. The log stays open
-    (and locked) in parts.log; the caller closes it."""
+) -> tuple[Run, State, str]:
+    """Returns (run, state, how) with how in {"started", "resumed", "finished"}. The log stays open
+    (and locked) in run.journal; the caller closes it."""
     prepare_directory(run_dir)
     datasets = open_datasets(config, datasets)
-    log = EventLog.open(run_dir, "w")
+    # "tail": the writer trusts sealed segments whose index checks out, so a resume reads the tail;
+    # damage further back is found by whoever reads it (`rewind verify` reads everything).
+    log = EventLog.open(run_dir, "w", check="tail")
     try:
-        records = [(r.seq, r.event) for r in log.records()]
-        if records:
-            return _resume(config, run_dir, log, records, fork=fork, metrics=metrics, datasets=datasets)
-        return _start(config, run_dir, log, metrics=metrics, datasets=datasets)
+        journal = Journal(log, None, config.logging.report_interval)
+        if log.next_seq:
+            return _resume(config, run_dir, journal, fork=fork, metrics=metrics, datasets=datasets)
+        return _start(config, run_dir, journal, metrics=metrics, datasets=datasets)
     except BaseException:
         log.close()
         raise
 
 
-def open_datasets(config: Config, datasets: DatasetRegistry | None = None) -> DatasetRegistry:
-    """Open every dataset the config names now, so a bad one fails before any log is touched."""
-    try:
-        datasets = datasets or DatasetRegistry(config)
-        for mixture in config.training.datasets:
-            for sampling in mixture:
-                datasets[sampling.name]
-        for name in config.training.evaluations:
-            datasets[name]
-    except DatasetError as exc:
-        raise RunError(str(exc)) from None
-    return datasets
-
-
-def make_parts(config: Config, run_dir: str, log: EventLog, metrics: bool, datasets: DatasetRegistry) -> Parts:
-    model = build_model(config)
-    optimizer = build_optimizer(model, config)
-    return Parts(
-        config=config,
-        schedule=Schedule(config),
-        model=model,
-        optimizer=optimizer,
-        datasets=datasets,
-        log=log,
-        store=CheckpointStore(run_dir),
-        metrics=MetricsProjection(run_dir) if metrics and "://" not in run_dir else None,
-        param_names={p: n for n, p in model.named_parameters()},
-    )
-
-
-def _start(config: Config, run_dir: str, log: EventLog, *, metrics: bool, datasets) -> tuple[Parts, State, str]:
+def _start(config: Config, run_dir: str, journal: Journal, *, metrics: bool, datasets) -> tuple[Run, State, str]:
     schedule = Schedule(config)
     if schedule.num_steps == 0:
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
+    run = Run(fresh_parts(config, run_dir, datasets), journal)  # built before the first record
     started = RunStarted(
         step=0,
         tokens=0,
@@ -139,62 +130,74 @@ def _start(config: Config, run_dir: str, log: EventLog, *, metrics: bool, datase
         rewind_version=REWIND_VERSION,
         num_threads=torch.get_num_threads(),
     )
-    state = apply(State(), started)
-    log.append(started)
-    log.commit()
-    parts = make_parts(config, run_dir, log, metrics, datasets)
-    if parts.metrics is not None:
-        parts.metrics.rebuild(run_dir, [started])
-    return parts, state, "started"
+    journal.metrics = metrics_for(run_dir, metrics)
+    if journal.metrics is not None:
+        journal.metrics.resume(-1, 0)  # a directory left by a start that died before its first record
+    return run, record(run, State(), started), "started"
 
 
-def _resume(config, run_dir, log, records, *, fork: bool, metrics: bool, datasets) -> tuple[Parts, State, str]:
-    current = fold(e for _, e in records)
-    logged_config = config_in_force(records)
+def _resume(config, run_dir, journal: Journal, *, fork: bool, metrics: bool, datasets) -> tuple[Run, State, str]:
+    folded = fold_log(journal.log, run_dir)  # from the newest snapshot that agrees with the log
+    current, logged_config = folded.state, folded.config
+    if not current.started:
+        raise RunError(f"{run_dir}: the event log does not start with RunStarted", 1)
     if current.finished:
-        return make_parts(logged_config, run_dir, log, metrics, datasets), current, "finished"
-    new_hash = config_hash(config)
-    if new_hash != current.config_hash and not fork:
-        changes = config_differences(logged_config, config)
-        shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
-        raise RunError(
-            f"{run_dir}: the config differs from the run's ({shown}); pass --fork to continue under the new config"
-        )
-    point = restore_point(records)
-    last_seq = records[-1][0]
+        return Run(fresh_parts(logged_config, run_dir, datasets), journal), current, "finished"
+    refusal = config_mismatch(run_dir, logged_config, config)
+    if refusal and not fork:
+        raise RunError(refusal)
+    point = point_of(current)
+    if refusal and point.checkpoint and (problem := continuation_problem(logged_config, config)):
+        raise RunError(f"{run_dir}: {problem}")
+    run = Run(build_parts(logged_config, run_dir, point.state, datasets if not refusal else None), journal)
     resumed = RunResumed(
         step=point.state.step,
         tokens=point.state.tokens,
         checkpoint=point.checkpoint,
         superseded_first_seq=point.seq + 1,
-        superseded_last_seq=last_seq,
-        restored=point.state,
+        superseded_last_seq=folded.end_seq,
         config_hash=point.state.config_hash,
     )
-    state = apply(current, resumed)
-    log.append(resumed)
-    if new_hash != state.config_hash:
-        if point.checkpoint and (problem := continuation_problem(logged_config, config)):
-            raise RunError(f"{run_dir}: {problem}")
+    change = None
+    if refusal:
+        state_after = apply(current, resumed)
         change = ConfigChanged(
-            step=state.step, tokens=state.tokens, config=config, config_hash=new_hash, previous_hash=state.config_hash
+            step=state_after.step,
+            tokens=state_after.tokens,
+            config=config,
+            config_hash=config_hash(config),
+            previous_hash=state_after.config_hash,
         )
-        try:
-            state = apply(state, change)
-        except Exception as exc:  # IllegalTransition: the new config cannot continue this run
+        try:  # every check before the first record
+            apply(state_after, change)
+        except IllegalTransition as exc:
             raise RunError(f"{run_dir}: cannot fork in place: {exc}") from None
-        log.append(change)
-        logged_config = config
-    log.commit()
-    parts = make_parts(logged_config, run_dir, log, metrics, datasets)
+    journal.metrics = metrics_for(run_dir, metrics)
+    if journal.metrics is not None:
+        _catch_up_metrics(journal.metrics, journal.log, folded, point.seq, point.state.step)
+    state = record(run, current, resumed)
+    if change is not None:
+        state = record(run, state, change)  # its effect rebuilds the live objects for the new config
+    save_snapshot(run_dir, state, event_tag(change or resumed), run.parts.config)
+    journal.report_interval = run.parts.config.logging.report_interval
     # With the resume on record and the lock held, checkpoint directories no live event names are
     # garbage by construction: half-written ones, ones written after the restore point (never
     # acknowledged, since the restore point is the last committed checkpoint), retention deletions
     # the dead process did not finish.
-    parts.store.remove_orphans(c.checkpoint for c in state.live_checkpoints)
-    if point.checkpoint:
-        load_checkpoint(parts, state)
-    if parts.metrics is not None:
-        all_records = [(r.seq, r.event) for r in log.records()]
-        parts.metrics.rebuild(run_dir, [e for _, e in effective(all_records)])
-    return parts, state, "resumed"
+    run.parts.store.remove_orphans(c.checkpoint for c in state.live_checkpoints)
+    return run, state, "resumed"
+
+
+def _catch_up_metrics(projection: MetricsProjection, log: EventLog, folded, through_seq: int, step: int) -> None:
+    """Keep the projection of what the restore point keeps, and add what a crash kept from it: the
+    records after the last one projected, which are in the tail unless the projection lags far."""
+    kept = projection.resume(through_seq, step + 1)
+    start = -1 if kept is None else kept
+    if start >= folded.snapshot_seq:
+        missing = iter(folded.tail)
+    else:
+        missing = ((r.seq, r.event) for r in log.records(start_seq=start + 1, stop_seq=through_seq + 1))
+    for seq, event in skip_ranges(missing, log.superseded_ranges()):
+        if start < seq <= through_seq:
+            projection.observe(seq, event)
+    projection.flush()

@@ -5,23 +5,32 @@ Conventions shared by every event:
   training tokens consumed by then (= step * tokens_per_step). So `StepCommitted(step=1)` closes the
   first optimizer step (schedule index k = 0), and `StageEntered(step=k)` fires before the step with
   index k runs.
-- The tag (`type` in JSON) is the class name, past tense. New fields get defaults so old logs stay
-  readable; anything else needs an upcaster in `rewind.stores.codec`.
-- No tensors: weights live in checkpoints that events name by id.
+- The tag (`type` on the wire) is written out on each class, never derived from the class name, so a
+  class can be renamed without stranding a log. Fields with a fixed set of values are `Literal`s that
+  msgspec checks on decode. New fields get defaults so old logs stay readable; anything else bumps
+  SCHEMA_VERSION and registers an upcaster (`rewind.stores.upcasters`).
+- No tensors: weights live in checkpoints that events name by id. No derived state either: what the
+  fold can compute from the log (a resume's restored state, a config's identity) is computed, not
+  stored, so it cannot disagree with the log. `config_hash` fields are labels the writer gives a config
+  (for people and for matching ConfigChanged records); identity is always recomputed from the config.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from rewind.states.config import Config
-from rewind.states.state import State
+from rewind.states.state import CheckpointReason, ForkSeed, StackPosition, TrunkMode
 
 # Bumped whenever an event changes incompatibly; the log frames carry it and the codec upcasts.
-SCHEMA_VERSION = 1
+# 1: rewind 0.1 (RunResumed carried the whole restored State). 2: RunResumed carries no state; a fork's
+# first RunResumed carries a ForkSeed.
+SCHEMA_VERSION = 2
 
 
-class Event(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
     step: int
     tokens: int
 
@@ -35,7 +44,7 @@ class ForkOrigin(msgspec.Struct, frozen=True, kw_only=True):
     config_hash: str
 
 
-class RunStarted(Event, frozen=True, kw_only=True):
+class RunStarted(Event, frozen=True, kw_only=True, tag="RunStarted"):
     config: Config
     config_hash: str
     rewind_version: str = "0"
@@ -45,34 +54,34 @@ class RunStarted(Event, frozen=True, kw_only=True):
     num_threads: int = 0
 
 
-class StageEntered(Event, frozen=True, kw_only=True):
+class StageEntered(Event, frozen=True, kw_only=True, tag="StageEntered"):
     stage: int
 
 
-class FadeStarted(Event, frozen=True, kw_only=True):
+class FadeStarted(Event, frozen=True, kw_only=True, tag="FadeStarted"):
     boundary: int  # between stage `boundary` and `boundary + 1`
 
 
-class FadeEnded(Event, frozen=True, kw_only=True):
+class FadeEnded(Event, frozen=True, kw_only=True, tag="FadeEnded"):
     boundary: int
 
 
-class ReferenceRefreshed(Event, frozen=True, kw_only=True):
+class ReferenceRefreshed(Event, frozen=True, kw_only=True, tag="ReferenceRefreshed"):
     stage: int
     # The checkpoint whose model weights are the frozen reference from now on. Empty in a dry-run.
     checkpoint: str = ""
 
 
-class StackAppended(Event, frozen=True, kw_only=True):
+class StackAppended(Event, frozen=True, kw_only=True, tag="StackAppended"):
     """Room for progressive growth: a stack of blocks joined the model (appended or prepended)."""
 
     stack: int
     num_blocks: int
-    position: str = "append"  # "append" | "prepend"
-    trunk: str = "trainable"  # "trainable" | "frozen" | "lora" | "qlora"
+    position: StackPosition = "append"
+    trunk: TrunkMode = "trainable"
 
 
-class StepCommitted(Event, frozen=True, kw_only=True):
+class StepCommitted(Event, frozen=True, kw_only=True, tag="StepCommitted"):
     stage: int
     lr: float
     beta: float
@@ -84,11 +93,11 @@ class StepCommitted(Event, frozen=True, kw_only=True):
     skipped: bool = False  # non-finite loss with on_nonfinite = "skip": no update was applied
 
 
-class Validated(Event, frozen=True, kw_only=True):
+class Validated(Event, frozen=True, kw_only=True, tag="Validated"):
     losses: dict[str, float]  # validation loss per dataset
 
 
-class Evaluated(Event, frozen=True, kw_only=True):
+class Evaluated(Event, frozen=True, kw_only=True, tag="Evaluated"):
     """Task scores at a stage boundary (or the end): answer-token accuracy per task."""
 
     boundary: int  # -1 = before training, n - 1 = end of the run
@@ -96,41 +105,43 @@ class Evaluated(Event, frozen=True, kw_only=True):
     losses: dict[str, float] = {}
 
 
-class CheckpointCommitted(Event, frozen=True, kw_only=True):
+class CheckpointCommitted(Event, frozen=True, kw_only=True, tag="CheckpointCommitted"):
     checkpoint: str  # "<step:08d>-<short hash>", a directory under RUN/checkpoints/
     manifest_sha256: str
     files: dict[str, str] = {}  # file name -> sha256 of its bytes
-    reason: str = "interval"  # "interval" | "boundary" | "reference" | "final" | "stop"
+    reason: CheckpointReason = "interval"
 
 
-class CheckpointDeleted(Event, frozen=True, kw_only=True):
+class CheckpointDeleted(Event, frozen=True, kw_only=True, tag="CheckpointDeleted"):
     checkpoint: str
 
 
-class NonFiniteLoss(Event, frozen=True, kw_only=True):
+class NonFiniteLoss(Event, frozen=True, kw_only=True, tag="NonFiniteLoss"):
     loss: float
-    action: str  # "stop" | "skip"
+    action: Literal["stop", "skip"]
 
 
-class RunStopped(Event, frozen=True, kw_only=True):
+class RunStopped(Event, frozen=True, kw_only=True, tag="RunStopped"):
     """The process stopped before the end on purpose (Ctrl-C, non-finite loss): resumable."""
 
     reason: str
 
 
-class RunResumed(Event, frozen=True, kw_only=True):
+class RunResumed(Event, frozen=True, kw_only=True, tag="RunResumed"):
     """A new process took over from `checkpoint`. Log records with seq in [first, last] are superseded:
-    they stay in the log (it is append-only) but no longer count. `restored` is the control state as of
-    that checkpoint, so folding never has to look back."""
+    they stay in the log (it is append-only) but no longer count. The state it restores is the fold's
+    own restore anchor (`State.anchor`), checked to name the same checkpoint and to end just before
+    `first`. Only a fork's first RunResumed carries a `seed`: the parent's state, which the child's log
+    cannot derive."""
 
     checkpoint: str
     superseded_first_seq: int
     superseded_last_seq: int  # < first when nothing was superseded
-    restored: State
-    config_hash: str = ""
+    config_hash: str = ""  # label of the config in force at the restore point
+    seed: ForkSeed | None = None
 
 
-class ConfigChanged(Event, frozen=True, kw_only=True):
+class ConfigChanged(Event, frozen=True, kw_only=True, tag="ConfigChanged"):
     """`rewind train --fork`: the run goes on under a new config from its restore point. Tokens per
     step must not change (step k always starts at token k * tps)."""
 
@@ -139,7 +150,7 @@ class ConfigChanged(Event, frozen=True, kw_only=True):
     previous_hash: str
 
 
-class RunFinished(Event, frozen=True, kw_only=True):
+class RunFinished(Event, frozen=True, kw_only=True, tag="RunFinished"):
     pass
 
 
@@ -162,10 +173,18 @@ AnyEvent = (
     | RunFinished
 )
 
-EVENT_TYPES: dict[str, type[Event]] = {t.__name__: t for t in AnyEvent.__args__}  # type: ignore[attr-defined]
+EVENT_TYPES: dict[str, type[Event]] = {
+    t.__struct_config__.tag: t  # type: ignore[attr-defined]
+    for t in AnyEvent.__args__  # type: ignore[attr-defined]
+}
+
+
+def event_tag(event: Event) -> str:
+    """The event's wire tag ("StepCommitted"), which tools show and filter by."""
+    return type(event).__struct_config__.tag  # type: ignore[attr-defined]
 
 
 def event_to_dict(event: Event) -> dict:
     """JSON-ready dict with `type` first, then `step`, `tokens` and the fields."""
     data = msgspec.to_builtins(event)
-    return {"type": type(event).__name__, **{k: v for k, v in data.items() if k != "type"}}
+    return {"type": event_tag(event), **{k: v for k, v in data.items() if k != "type"}}

@@ -3,6 +3,11 @@
 Each case checks that the transition is legal from the current state and raises `IllegalTransition`
 (naming the event and the reason) otherwise, so a log that was tampered with, reordered or written
 by a buggy engine is caught at fold time instead of silently producing a different run.
+
+Resumes are derived, not trusted: the state keeps its restore anchor (the state just after the last
+RunStarted, CheckpointCommitted or RunResumed and the records that belong to it), and a RunResumed
+must name that anchor's checkpoint and supersede exactly the records after it. A fork's first
+RunResumed is the one exception: its seed comes from the parent's log and is range-checked here.
 """
 
 from __future__ import annotations
@@ -31,7 +36,15 @@ from rewind.states.events import (
     Validated,
 )
 from rewind.states.schedule import Schedule
-from rewind.states.state import CheckpointRef, Reference, Stack, State, Superseded
+from rewind.states.state import (
+    CheckpointRef,
+    ForkSeed,
+    Reference,
+    Stack,
+    State,
+    Superseded,
+    anchor_checkpoint,
+)
 
 replace = msgspec.structs.replace
 
@@ -50,7 +63,23 @@ def _require(condition: bool, event: Event, reason: str) -> None:
         raise IllegalTransition(event, reason)
 
 
+# Records that belong to the restore anchor just before them: a resume keeps them (see State.anchor).
+_ANCHOR_FOLLOWERS = (CheckpointDeleted, ConfigChanged)
+
+
 def apply(state: State, event: Event) -> State:
+    """The state after `event`, with the seq count and the restore anchor kept up to date."""
+    new = _transition(state, event)
+    if isinstance(event, RunStarted | CheckpointCommitted | RunResumed):
+        opened = replace(new, next_seq=new.next_seq + 1, anchor_open=True, anchor=None)
+        return replace(opened, anchor=opened)
+    if state.anchor_open and isinstance(event, _ANCHOR_FOLLOWERS):
+        extended = replace(new, next_seq=state.next_seq + 1, anchor=None)
+        return replace(extended, anchor=extended)
+    return replace(new, next_seq=state.next_seq + 1, anchor_open=False, anchor=state.anchor)
+
+
+def _transition(state: State, event: Event) -> State:
     if not state.started:
         _require(isinstance(event, RunStarted), event, "the first event of a run must be RunStarted")
     elif state.finished:
@@ -115,7 +144,10 @@ def apply(state: State, event: Event) -> State:
                 last_loss=event.loss,
                 num_skipped_steps=state.num_skipped_steps + int(event.skipped),
             )
-        case Validated() | NonFiniteLoss():
+        case Validated():
+            _require(event.step == state.step, event, f"expected step {state.step}")
+            return replace(state, last_validated_step=event.step)
+        case NonFiniteLoss():
             _require(event.step == state.step, event, f"expected step {state.step}")
             return state
         case Evaluated(boundary=boundary):
@@ -143,17 +175,8 @@ def apply(state: State, event: Event) -> State:
             return replace(state, live_checkpoints=live)
         case RunStopped(reason=reason):
             return replace(state, stopped_reason=reason)
-        case RunResumed(restored=restored):
-            _require(restored.started, event, "the restored state is not of a started run")
-            resume = Superseded(
-                first_seq=event.superseded_first_seq,
-                last_seq=event.superseded_last_seq,
-                checkpoint=event.checkpoint,
-                step=event.step,
-            )
-            # Checkpoints committed after the restore point stay on disk (the log is append-only), but
-            # resuming from the last committed one means there are none: keep the restored view.
-            return replace(restored, resumes=[*state.resumes, resume], stopped_reason="")
+        case RunResumed():
+            return _resumed(state, event)
         case ConfigChanged(config=config, config_hash=new_hash):
             schedule = Schedule(config)
             _require(
@@ -190,6 +213,121 @@ def apply(state: State, event: Event) -> State:
             _require(not state.pending_refreshes, event, "a reference refresh is still due")
             return replace(state, finished=True)
     raise IllegalTransition(event, "unknown event type")
+
+
+def _resumed(state: State, event: RunResumed) -> State:
+    anchor = state.anchor
+    first, last = event.superseded_first_seq, event.superseded_last_seq
+    if event.seed is not None and (anchor is None or anchor_checkpoint(anchor) != event.checkpoint):
+        return _seeded(state, event, event.seed)
+    _require(anchor is not None, event, "no restore point to resume from")
+    assert anchor is not None
+    _require(
+        anchor_checkpoint(anchor) == event.checkpoint,
+        event,
+        f"resumes from {event.checkpoint or 'the start'}, but the log's restore point is "
+        f"{anchor_checkpoint(anchor) or 'the start'}",
+    )
+    _require(event.step == anchor.step, event, f"the restore point is at step {anchor.step}")
+    _require(first == anchor.next_seq, event, f"the records after the restore point start at seq {anchor.next_seq}")
+    # Folding every record, the superseded ones were applied and this record's seq is last + 1;
+    # folding only the effective ones, they were skipped and this record's seq is `first`.
+    _require(
+        last >= first - 1 and state.next_seq in (first, last + 1),
+        event,
+        f"supersedes records {first}..{last}, but it is record {state.next_seq}",
+    )
+    if event.seed is not None:  # written by rewind 0.1, which stored the state: it must agree
+        _require(_agrees(anchor, event.seed), event, "the state it records differs from the log's restore point")
+    resume = Superseded(first_seq=first, last_seq=last, checkpoint=event.checkpoint, step=event.step)
+    # Checkpoints committed after the restore point stay on disk (the log is append-only), but
+    # resuming from the last committed one means there are none: the anchor's view is the truth.
+    return replace(anchor, resumes=[*state.resumes, resume], stopped_reason="", next_seq=max(first, last + 1))
+
+
+def _agrees(anchor: State, seed: ForkSeed) -> bool:
+    return (anchor.stage, anchor.num_stages_entered, anchor.cursors, anchor.reference) == (
+        seed.stage,
+        seed.num_stages_entered,
+        seed.cursors,
+        seed.reference,
+    )
+
+
+def _seeded(state: State, event: RunResumed, seed: ForkSeed) -> State:
+    """A fork's start: the parent's state at the fork checkpoint, checked against the child's config."""
+    _require(bool(state.parent_run), event, "only a fork's log may seed its state")
+    _require(state.step == 0 and not state.resumes, event, "a fork is seeded before its first step")
+    _require(event.superseded_last_seq < event.superseded_first_seq, event, "a fork's seed supersedes nothing")
+    tokens_per_step = seed.tokens_per_step or state.tokens_per_step
+    num_stages = seed.num_stages or state.num_stages
+    _require(event.step >= 0 and event.tokens == event.step * tokens_per_step, event, "step and tokens disagree")
+    _require(0 <= seed.num_stages_entered <= num_stages, event, f"the run has {num_stages} stages")
+    _require(-1 <= seed.stage < max(seed.num_stages_entered, 1), event, f"stage {seed.stage} was not entered")
+    _require(all(v >= 0 for v in seed.cursors.values()), event, "data cursors must be >= 0")
+    _require(seed.num_skipped_steps >= 0, event, "skipped steps must be >= 0")
+    names = [c.checkpoint for c in seed.live_checkpoints]
+    _require(event.checkpoint in names, event, f"the seed does not hold checkpoint {event.checkpoint}")
+    _require(all(c.step <= event.step for c in seed.live_checkpoints), event, "a seeded checkpoint is after the fork")
+    last = next(c for c in seed.live_checkpoints if c.checkpoint == event.checkpoint)
+    _require(last.step == event.step, event, f"checkpoint {event.checkpoint} is not at step {event.step}")
+    _require(seed.reference is None or seed.reference.checkpoint in names, event, "the seed's reference is not held")
+    resume = Superseded(
+        first_seq=event.superseded_first_seq,
+        last_seq=event.superseded_last_seq,
+        checkpoint=event.checkpoint,
+        step=event.step,
+    )
+    return replace(
+        state,
+        config_hash=seed.config_hash or state.config_hash,
+        tokens_per_step=tokens_per_step,
+        num_stages=num_stages,
+        num_steps=seed.num_steps or state.num_steps,
+        reference_update_stages=seed.reference_update_stages or state.reference_update_stages,
+        step=event.step,
+        tokens=event.tokens,
+        stage=seed.stage,
+        num_stages_entered=seed.num_stages_entered,
+        fades_started=seed.fades_started,
+        fades_ended=seed.fades_ended,
+        pending_refreshes=seed.pending_refreshes,
+        reference=seed.reference,
+        stacks=seed.stacks,
+        cursors=seed.cursors,
+        last_loss=seed.last_loss,
+        num_skipped_steps=seed.num_skipped_steps,
+        last_checkpoint=last,
+        live_checkpoints=seed.live_checkpoints,
+        last_evaluated_boundary=seed.last_evaluated_boundary,
+        last_validated_step=seed.last_validated_step,
+        resumes=[resume],
+        stopped_reason="",
+    )
+
+
+def seed_of(state: State) -> ForkSeed:
+    """The seed a fork of a run at `state` (its last checkpoint) starts from."""
+    return ForkSeed(
+        config_hash=state.config_hash,
+        tokens_per_step=state.tokens_per_step,
+        num_stages=state.num_stages,
+        num_steps=state.num_steps,
+        reference_update_stages=state.reference_update_stages,
+        stage=state.stage,
+        num_stages_entered=state.num_stages_entered,
+        fades_started=state.fades_started,
+        fades_ended=state.fades_ended,
+        pending_refreshes=state.pending_refreshes,
+        reference=state.reference,
+        stacks=state.stacks,
+        cursors=state.cursors,
+        last_loss=state.last_loss,
+        num_skipped_steps=state.num_skipped_steps,
+        live_checkpoints=state.live_checkpoints,
+        last_evaluated_boundary=state.last_evaluated_boundary,
+        last_validated_step=state.last_validated_step,
+    )
 
 
 def fold(events: Iterable[Event], state: State | None = None) -> State:

@@ -8,7 +8,7 @@ superseded records left out, is what metrics, diffs and the exactness test compa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from rewind.states.config import Config
@@ -20,8 +20,8 @@ from rewind.states.events import (
     RunResumed,
     RunStarted,
 )
-from rewind.states.fold import fold
-from rewind.states.state import State
+from rewind.states.fold import apply, fold
+from rewind.states.state import State, anchor_checkpoint
 
 SeqEvent = tuple[int, Event]
 
@@ -38,12 +38,43 @@ def superseded_ranges(records: Iterable[SeqEvent]) -> list[tuple[int, int]]:
     ]
 
 
+def merged_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges sorted and merged where they overlap or touch, so one pass can skip them."""
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted(ranges):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    return merged
+
+
 def effective(records: Sequence[SeqEvent]) -> list[SeqEvent]:
-    """The records that still count: everything not inside a superseded range."""
-    ranges = superseded_ranges(records)
-    if not ranges:
-        return list(records)
-    return [(seq, e) for seq, e in records if not any(a <= seq <= b for a, b in ranges)]
+    """The records that still count: everything not inside a superseded range (one merge pass over
+    records in seq order and the sorted ranges, whatever the number of resumes)."""
+    return list(skip_ranges(records, superseded_ranges(records)))
+
+
+class SupersededFilter:
+    """Is record `seq` superseded? Asked for seqs in ascending order, it answers from ranges merged and
+    sorted once, with a cursor: constant time per record, however many resumes the run had."""
+
+    def __init__(self, ranges: Iterable[tuple[int, int]]):
+        self._ranges = merged_ranges(r for r in ranges if r[1] >= r[0])
+        self._index = 0
+
+    def __call__(self, seq: int) -> bool:
+        ranges, index = self._ranges, self._index
+        while index < len(ranges) and ranges[index][1] < seq:
+            index += 1
+        self._index = index
+        return index < len(ranges) and ranges[index][0] <= seq
+
+
+def skip_ranges(records: Iterable[SeqEvent], ranges: Iterable[tuple[int, int]]) -> Iterator[SeqEvent]:
+    """`records` (in seq order) without those inside `ranges`; streams."""
+    superseded = SupersededFilter(ranges)
+    return ((seq, event) for seq, event in records if not superseded(seq))
 
 
 def is_superseded(seq: int, ranges: Sequence[tuple[int, int]]) -> bool:
@@ -52,43 +83,53 @@ def is_superseded(seq: int, ranges: Sequence[tuple[int, int]]) -> bool:
 
 @dataclass(frozen=True)
 class RestorePoint:
-    """Where a resume starts: the checkpoint (empty = from scratch), the state as of it, and the seq of
-    the record it follows (everything after is superseded)."""
+    """Where a resume (or a fork, or a replay) can start: the checkpoint ("" = from scratch), the state
+    as of it, the seq of the last record that belongs to it (everything after is superseded on resume)
+    and the index just past it in the effective records it was found in."""
 
     checkpoint: str
     seq: int
     state: State
+    index: int = 0
 
 
-def restore_point(records: Sequence[SeqEvent]) -> RestorePoint:
-    """The last committed, still-effective checkpoint, or the run's start when there is none.
-
-    A checkpoint is anchored by its CheckpointCommitted record, or by a later RunResumed that restarted
-    from it (a resume, or the start of a fork); the last effective anchor wins. Records that belong to
-    the anchor stay with it: retention deletions after a checkpoint (their files may already be gone)
-    and config changes after a resume (the run goes on under the new config even if the process dies
-    before its next checkpoint)."""
+def restore_point(records: Sequence[SeqEvent], state: State | None = None) -> RestorePoint:
+    """Where a resume restarts: the fold's own restore anchor (the last committed, still-effective
+    checkpoint, or the run's start). `state` is the fold of `records` when the caller has it."""
     if not records or not isinstance(records[0][1], RunStarted):
         raise HistoryError("the log does not start with RunStarted")
-    target = fold(e for _, e in records).last_checkpoint
-    name = target.checkpoint if target is not None else ""
-    ranges = superseded_ranges(records)
-    for i in range(len(records) - 1, -1, -1):
-        seq, event = records[i]
-        anchored = (
-            (isinstance(event, CheckpointCommitted) and event.checkpoint == name)
-            or (isinstance(event, RunResumed) and event.checkpoint == name)
-            or (isinstance(event, RunStarted) and not name)
-        )
-        if anchored and not is_superseded(seq, ranges):
-            end = anchor_end(records, i)
-            return RestorePoint(name, records[end - 1][0], fold(e for _, e in records[:end]))
-    raise HistoryError(f"no effective record anchors checkpoint {name!r}")
+    return point_of(state if state is not None else fold(e for _, e in records))
+
+
+def point_of(state: State) -> RestorePoint:
+    """The restore point a folded state holds (see State.anchor)."""
+    anchor = state.anchor
+    if anchor is None:
+        raise HistoryError("the log has no restore point (it does not start with RunStarted)")
+    return RestorePoint(anchor_checkpoint(anchor), anchor.next_seq - 1, anchor)
+
+
+def restore_points(records: Sequence[SeqEvent]) -> list[RestorePoint]:
+    """Every restore point of the effective history, in order, each with the whole group of records
+    that belongs to it (so its state is the one a resume from it would continue with). The one search
+    for anchors that resume, fork and replay share. A point's `index` is into `effective(records)`."""
+    points: list[RestorePoint] = []
+    state = State()
+    for index, (seq, event) in enumerate(effective(records)):
+        state = apply(state, event)
+        if not state.anchor_open:
+            continue
+        point = RestorePoint(anchor_checkpoint(state), seq, state, index + 1)
+        if isinstance(event, RunStarted | CheckpointCommitted | RunResumed) or not points:
+            points.append(point)
+        else:
+            points[-1] = point  # a record that belongs to the anchor just before it
+    return points
 
 
 def anchor_end(records: Sequence[SeqEvent], i: int) -> int:
-    """The index just past the anchor at `i` and the records that belong to it (see restore_point).
-    Resume, fork and replay all start there, so they agree on the config and state in force."""
+    """The index just past the anchor at `i` and the records that belong to it (what `apply` keeps in
+    State.anchor): for tests and tools that cut a log at an anchor by hand."""
     end = i + 1
     while end < len(records) and isinstance(records[end][1], CheckpointDeleted | ConfigChanged):
         end += 1

@@ -1,10 +1,15 @@
-"""What is due: the pure decisions the engine asks for before and after every step.
+"""What is due: the pure decisions the engine asks for, one at a time.
 
-`decide(state, schedule, step)` returns the next control event due before the step with index `step`
-runs, or None. It looks only at the folded state (what already happened) and the schedule, never at
-history, so a run resumed from any cut point produces exactly the events a one-pass run would have.
-`plan` iterates it over a whole run, jumping between the steps where something can change, which is
-what makes a million-step dry-run take well under a second.
+`decide(state, schedule)` returns the next `Intent` of a run: a duty left over from the step just
+committed (validate, evaluate, checkpoint, retention), a control transition due before the next step
+(reference refresh, fade, stage entry, the end), or the next step itself. It looks only at the folded
+state and the schedule, never at history, so a run resumed from any cut point produces exactly the
+events a one-pass run would have. The engine performs an intent and turns it into its event, adding
+what only it can know (what it measured, the checkpoint it wrote); `control_event` does that for the
+intents that measure nothing.
+
+`plan` iterates the control part over a whole run, jumping between the steps where something can
+change, which is what makes a million-step dry-run take well under a second.
 """
 
 from __future__ import annotations
@@ -24,33 +29,162 @@ from rewind.states.events import (
 )
 from rewind.states.fold import apply
 from rewind.states.schedule import Schedule
-from rewind.states.state import CheckpointRef, State
+from rewind.states.state import CheckpointReason, State
 
 
-def decide(state: State, schedule: Schedule, step: int) -> Event | None:
-    tokens = schedule.tokens_of(step)
+@dataclass(frozen=True, slots=True)
+class EnterStage:
+    stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartFade:
+    boundary: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndFade:
+    boundary: int
+
+
+@dataclass(frozen=True, slots=True)
+class RefreshReference:
+    """The reference becomes the current weights, which a committed checkpoint at this step holds
+    (decide asks for that checkpoint first)."""
+
+    stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRun:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RunStep:
+    index: int  # the step with this index runs (state.step steps are done)
+
+
+@dataclass(frozen=True, slots=True)
+class Validate:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluate:
+    boundary: int  # n - 1 = the end of the run
+
+
+@dataclass(frozen=True, slots=True)
+class TakeCheckpoint:
+    reason: CheckpointReason
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteCheckpoints:
+    names: tuple[str, ...]  # retention: oldest first
+
+
+ControlIntent = EnterStage | StartFade | EndFade | RefreshReference | FinishRun
+Intent = ControlIntent | RunStep | Validate | Evaluate | TakeCheckpoint | DeleteCheckpoints
+
+
+def decide(state: State, schedule: Schedule) -> Intent | None:
+    """The next thing the run must do, or None once it has finished."""
+    if not state.started or state.finished:
+        return None
+    duty = pending_duty(state, schedule)
+    if duty is not None:
+        return duty
+    control = control_intent(state, schedule, state.step)
+    if isinstance(control, RefreshReference) and not _checkpoint_at(state, state.step):
+        return TakeCheckpoint("reference")  # the reference is named by a committed checkpoint
+    if control is not None:
+        return control
+    return RunStep(state.step)
+
+
+def pending_duty(state: State, schedule: Schedule) -> Intent | None:
+    """What is left to do after the step that brought the run to `state.step` (none before step 1)."""
+    done = state.step
+    if done == 0:
+        return None
+    logging = schedule.config.logging
+    if logging.validation_interval and done % logging.validation_interval == 0 and state.last_validated_step < done:
+        return Validate()
+    boundary = boundary_ending_at(schedule, done)
+    if boundary is not None and boundary > state.last_evaluated_boundary:
+        return Evaluate(boundary)
+    reason = checkpoint_reason(schedule, done, boundary)
+    if reason is not None and not _checkpoint_at(state, done):
+        return TakeCheckpoint(reason)
+    doomed = checkpoints_to_delete(state, logging.keep_last_checkpoints)
+    return DeleteCheckpoints(tuple(doomed)) if doomed else None
+
+
+def boundary_ending_at(schedule: Schedule, done: int) -> int | None:
+    """The stage boundary (n - 1 = the end of the run) whose last step is step `done`, if any."""
+    if done >= schedule.num_steps:
+        return schedule.num_stages - 1
+    ended = [i for i in range(schedule.num_stages - 1) if schedule.entry_steps[i + 1] == done]
+    return ended[-1] if ended else None
+
+
+def checkpoint_reason(schedule: Schedule, done: int, boundary: int | None) -> CheckpointReason | None:
+    if done >= schedule.num_steps:
+        return "final"
+    if boundary is not None:
+        return "boundary"
+    interval = schedule.config.logging.checkpoint_interval
+    return "interval" if interval and done % interval == 0 else None
+
+
+def _checkpoint_at(state: State, step: int) -> bool:
+    last = state.last_checkpoint
+    return last is not None and last.step == step
+
+
+def control_intent(state: State, schedule: Schedule, step: int) -> ControlIntent | None:
+    """The next control transition due before the step with index `step`, or None."""
     if not state.started or state.finished:
         return None
     if state.pending_refreshes:
-        return ReferenceRefreshed(step=step, tokens=tokens, stage=state.pending_refreshes[0])
+        return RefreshReference(state.pending_refreshes[0])
     for ramp in schedule.fades:
         started = ramp.boundary in state.fades_started
         if not started and schedule.fade_start_step(ramp) <= step:
-            return FadeStarted(step=step, tokens=tokens, boundary=ramp.boundary)
+            return StartFade(ramp.boundary)
         if started and ramp.boundary not in state.fades_ended and schedule.fade_end_step(ramp) <= step:
-            return FadeEnded(step=step, tokens=tokens, boundary=ramp.boundary)
+            return EndFade(ramp.boundary)
     upcoming = state.num_stages_entered
     if upcoming < schedule.num_stages and (step >= schedule.num_steps or schedule.entry_steps[upcoming] <= step):
-        return StageEntered(step=step, tokens=tokens, stage=upcoming)
+        return EnterStage(upcoming)
     if step >= schedule.num_steps:
-        return RunFinished(step=step, tokens=tokens)
+        return FinishRun()
     return None
 
 
+def control_event(intent: ControlIntent, step: int, tokens: int, checkpoint: str = "") -> Event:
+    """The event that records a control intent (`checkpoint`: the one a refreshed reference is)."""
+    match intent:
+        case EnterStage(stage=stage):
+            return StageEntered(step=step, tokens=tokens, stage=stage)
+        case StartFade(boundary=boundary):
+            return FadeStarted(step=step, tokens=tokens, boundary=boundary)
+        case EndFade(boundary=boundary):
+            return FadeEnded(step=step, tokens=tokens, boundary=boundary)
+        case RefreshReference(stage=stage):
+            return ReferenceRefreshed(step=step, tokens=tokens, stage=stage, checkpoint=checkpoint)
+        case FinishRun():
+            return RunFinished(step=step, tokens=tokens)
+    raise TypeError(f"not a control intent: {intent!r}")
+
+
 def due_events(state: State, schedule: Schedule, step: int) -> tuple[State, list[Event]]:
-    """Every control event due before step `step`, and the state after applying them."""
+    """Every control event due before step `step` in a dry-run (no checkpoints), and the state after."""
     events: list[Event] = []
-    while (event := decide(state, schedule, step)) is not None:
+    while (intent := control_intent(state, schedule, step)) is not None:
+        event = control_event(intent, step, schedule.tokens_of(step))
         events.append(event)
         state = apply(state, event)
     return state, events
@@ -70,47 +204,6 @@ def plan(schedule: Schedule, state: State | None = None, from_step: int = 0) -> 
         state, events = due_events(state, schedule, step)
         yield from events
         step = schedule.next_transition_step(step + 1)
-
-
-@dataclass(frozen=True, slots=True)
-class Duties:
-    """What the engine must do after a step is committed (state.step steps completed)."""
-
-    validate: bool
-    evaluate_boundary: int | None  # Evaluated(boundary=...) is due; n - 1 = the end of the run
-    checkpoint_reason: str | None  # "final" | "boundary" | "interval" | None
-
-
-def duties_after_step(state: State, schedule: Schedule) -> Duties:
-    done = state.step
-    logging = schedule.config.logging
-    boundary: int | None = None
-    if done >= schedule.num_steps:
-        boundary = schedule.num_stages - 1
-    else:
-        ended = [i for i in range(schedule.num_stages - 1) if schedule.entry_steps[i + 1] == done]
-        boundary = ended[-1] if ended else None
-    if boundary is not None and boundary <= state.last_evaluated_boundary:
-        boundary = None  # already evaluated (only possible when resuming onto the same step)
-    if done >= schedule.num_steps:
-        reason: str | None = "final"
-    elif boundary is not None:
-        reason = "boundary"
-    elif logging.checkpoint_interval and done % logging.checkpoint_interval == 0:
-        reason = "interval"
-    else:
-        reason = None
-    validate = bool(logging.validation_interval) and done % logging.validation_interval == 0
-    return Duties(validate=validate, evaluate_boundary=boundary, checkpoint_reason=reason)
-
-
-def reference_checkpoint(state: State) -> CheckpointRef | None:
-    """The committed checkpoint holding the current weights, if one was taken at this very step.
-
-    A due ReferenceRefreshed points at it; when there is none (e.g. a refresh before the first step),
-    the engine must commit a checkpoint first."""
-    last = state.last_checkpoint
-    return last if last is not None and last.step == state.step else None
 
 
 def checkpoints_to_delete(state: State, keep_last: int) -> list[str]:

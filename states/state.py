@@ -1,12 +1,22 @@
 """The control state of a run: what `fold(events)` computes. Small, frozen, no tensors.
 
-`apply` lives in `rewind.states.fold`; this module only defines the shape so that events (which
-carry a restored State on resume) and the fold can both import it.
+`apply` lives in `rewind.states.fold`; this module only defines the shapes, so that events (a fork's
+`RunResumed` carries a `ForkSeed`) and the fold can both import them.
+
+The state is derived data: it is never written into the log. (Caches of it may sit beside the log, see
+`rewind.stores.snapshots`; they are rebuilt from the log whenever they are missing or do not decode, so
+renaming a field here never strands a run.)
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+CheckpointReason = Literal["interval", "boundary", "reference", "final", "stop"]
+StackPosition = Literal["append", "prepend"]
+TrunkMode = Literal["trainable", "frozen", "lora", "qlora"]
 
 
 class Reference(msgspec.Struct, frozen=True, kw_only=True):
@@ -19,7 +29,7 @@ class CheckpointRef(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint: str
     step: int
     tokens: int
-    reason: str
+    reason: CheckpointReason
     manifest_sha256: str
     files: dict[str, str] = {}
 
@@ -27,8 +37,8 @@ class CheckpointRef(msgspec.Struct, frozen=True, kw_only=True):
 class Stack(msgspec.Struct, frozen=True, kw_only=True):
     stack: int
     num_blocks: int
-    position: str
-    trunk: str
+    position: StackPosition
+    trunk: TrunkMode
     step: int
 
 
@@ -41,10 +51,38 @@ class Superseded(msgspec.Struct, frozen=True, kw_only=True):
     step: int
 
 
+class ForkSeed(msgspec.Struct, frozen=True, kw_only=True):
+    """What a fork's own log cannot derive: the parent's control state at the fork checkpoint.
+
+    A wire type of its own (not `State`), so that the state's shape can change freely; the fold checks
+    it against the child's config before adopting it."""
+
+    config_hash: str = ""
+    # The parent's config-derived figures (0 / [] = the child's own): a fork whose config changes them
+    # is then refused by its ConfigChanged, naming what changed, as an in-place fork would be.
+    tokens_per_step: int = 0
+    num_stages: int = 0
+    num_steps: int = 0
+    reference_update_stages: list[int] = []
+    stage: int
+    num_stages_entered: int
+    fades_started: list[int] = []
+    fades_ended: list[int] = []
+    pending_refreshes: list[int] = []
+    reference: Reference | None = None
+    stacks: list[Stack] = []
+    cursors: dict[str, int] = {}
+    last_loss: float | None = None
+    num_skipped_steps: int = 0
+    live_checkpoints: list[CheckpointRef] = []
+    last_evaluated_boundary: int = -2
+    last_validated_step: int = -1
+
+
 class State(msgspec.Struct, frozen=True, kw_only=True):
     started: bool = False
     finished: bool = False
-    config_hash: str = ""
+    config_hash: str = ""  # the label the log gives the config in force (identity: `config_identity`)
     num_stages: int = 0
     tokens_per_step: int = 0
     num_steps: int = 0
@@ -66,10 +104,20 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     last_checkpoint: CheckpointRef | None = None
     live_checkpoints: list[CheckpointRef] = []
     last_evaluated_boundary: int = -2  # -2 = none yet, -1 = before training
+    last_validated_step: int = -1
     stopped_reason: str = ""
     resumes: list[Superseded] = []
     parent_run: str = ""
     num_threads: int = 0  # CPU threads the run computes with (RunStarted's; 0 = not recorded)
+    # The seq the next record gets. Folding only the effective records (superseded ones left out)
+    # counts the same, because applying a RunResumed moves it past the range it supersedes.
+    next_seq: int = 0
+    # Where a resume would restart: the state just after the last restore anchor (RunStarted, a
+    # CheckpointCommitted, or a RunResumed) and the records that belong to it (retention deletions after
+    # a checkpoint, a config change after a resume). Its own `anchor` is None. Keeping it here is what
+    # lets `apply` derive a RunResumed's state from the log itself instead of trusting a copy.
+    anchor: State | None = None
+    anchor_open: bool = False  # the last record was the anchor or belongs to it
 
 
 def control_summary(state: State) -> dict:
@@ -81,3 +129,8 @@ def control_summary(state: State) -> dict:
         "cursors": dict(state.cursors),
         "config_hash": state.config_hash,
     }
+
+
+def anchor_checkpoint(anchor: State) -> str:
+    """The checkpoint a restore anchor restarts from ("" = the run's start: weights from the seed)."""
+    return anchor.last_checkpoint.checkpoint if anchor.last_checkpoint is not None else ""

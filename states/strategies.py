@@ -14,10 +14,10 @@ this module, so the library itself never depends on hypothesis.
 - `simulate_run(config, crash_after=...)` and `engine_logs(config)`: the log a training engine writes,
   crashes and resumes included, with made-up losses.
 
-Example: a property test of your own config (`check_schedule` does the exhaustive version).
+Example: a property test of your own config.
 
     from hypothesis import given
-    from rewind.states.checks import check_schedule
+    from rewind.states.checks import schedule_warnings
     from rewind.states.config import loads_config
     from rewind.states.schedule import Schedule
     from rewind.states.strategies import config_variants, token_positions
@@ -29,8 +29,8 @@ Example: a property test of your own config (`check_schedule` does the exhaustiv
         assert abs(sum(Schedule(MY_CONFIG).weights_at(x)) - 1.0) < 1e-9
 
     @given(config_variants(MY_CONFIG))
-    def test_my_config_survives_tweaks(config):
-        assert check_schedule(config).violations == []
+    def test_my_tweaks_raise_no_warning(config):
+        assert schedule_warnings(config) == []
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from rewind.states.events import (
     CheckpointDeleted,
     Evaluated,
     Event,
-    ReferenceRefreshed,
     RunResumed,
     StepCommitted,
     Validated,
@@ -57,10 +56,15 @@ from rewind.states.events import (
 from rewind.states.fold import apply
 from rewind.states.history import restore_point
 from rewind.states.plan import (
-    checkpoints_to_delete,
+    ControlIntent,
+    DeleteCheckpoints,
+    Evaluate,
+    RefreshReference,
+    RunStep,
+    TakeCheckpoint,
+    Validate,
+    control_event,
     decide,
-    duties_after_step,
-    reference_checkpoint,
     started_state,
 )
 from rewind.states.schedule import Schedule
@@ -280,55 +284,42 @@ def simulate_run(config: Config, crash_after: Iterable[int] = ()) -> list[Event]
         state = apply(state, event)
         log.append(event)
 
-    def save(reason: str) -> None:
-        name = f"{state.step:08d}-{hashlib.sha256(f'{identity}:{state.step}'.encode()).hexdigest()[:8]}"
-        manifest = hashlib.sha256(name.encode()).hexdigest()
-        emit(
-            CheckpointCommitted(
-                step=state.step, tokens=state.tokens, checkpoint=name, manifest_sha256=manifest, reason=reason
-            )
-        )
-        for doomed in checkpoints_to_delete(state, config.logging.keep_last_checkpoints):
-            emit(CheckpointDeleted(step=state.step, tokens=state.tokens, checkpoint=doomed))
-
-    while True:
-        while (event := decide(state, schedule, state.step)) is not None:
-            if isinstance(event, ReferenceRefreshed):
-                held = reference_checkpoint(state)
-                if held is None:  # the engine checkpoints first so the reference has a name to point at
-                    save("reference")
-                    held = state.last_checkpoint
-                assert held is not None
-                event = msgspec.structs.replace(event, checkpoint=held.checkpoint)
-            emit(event)
-        if state.finished:
-            return log
-        _commit_step(schedule, state, emit)
-        duties = duties_after_step(state, schedule)
-        if duties.validate:
-            emit(Validated(step=state.step, tokens=state.tokens, losses={"grammar": _loss(state.step)}))
-        if duties.evaluate_boundary is not None:
-            scores = {"grammar": 1.0 / (1.0 + _loss(state.step))}
+    while (intent := decide(state, schedule)) is not None:
+        if isinstance(intent, ControlIntent | RunStep) and state.step and pending_crashes and pending_crashes[-1] <= state.step:
+            pending_crashes.pop()  # the process dies with every duty of the step done; a new one resumes
+            point = restore_point(list(enumerate(log)), state)
             emit(
-                Evaluated(
-                    step=state.step, tokens=state.tokens, boundary=duties.evaluate_boundary, scores=scores
+                RunResumed(
+                    step=point.state.step,
+                    tokens=point.state.tokens,
+                    checkpoint=point.checkpoint,
+                    superseded_first_seq=point.seq + 1,
+                    superseded_last_seq=len(log) - 1,
+                    config_hash=identity,
                 )
             )
-        if duties.checkpoint_reason is not None:
-            save(duties.checkpoint_reason)
-        while pending_crashes and pending_crashes[-1] <= state.step:
-            pending_crashes.pop()
-            point = restore_point(list(enumerate(log)))
-            resumed = RunResumed(
-                step=point.state.step,
-                tokens=point.state.tokens,
-                checkpoint=point.checkpoint,
-                superseded_first_seq=point.seq + 1,
-                superseded_last_seq=len(log) - 1,
-                restored=point.state,
-                config_hash=identity,
-            )
-            emit(resumed)
+            continue
+        at = {"step": state.step, "tokens": state.tokens}
+        match intent:
+            case RunStep():
+                _commit_step(schedule, state, emit)
+            case Validate():
+                emit(Validated(**at, losses={"grammar": _loss(state.step)}))
+            case Evaluate(boundary=boundary):
+                emit(Evaluated(**at, boundary=boundary, scores={"grammar": 1.0 / (1.0 + _loss(state.step))}))
+            case TakeCheckpoint(reason=reason):
+                name = f"{state.step:08d}-{hashlib.sha256(f'{identity}:{state.step}'.encode()).hexdigest()[:8]}"
+                manifest = hashlib.sha256(name.encode()).hexdigest()
+                emit(CheckpointCommitted(**at, checkpoint=name, manifest_sha256=manifest, reason=reason))
+            case DeleteCheckpoints(names=names):
+                for doomed in names:
+                    emit(CheckpointDeleted(**at, checkpoint=doomed))
+            case RefreshReference():
+                assert state.last_checkpoint is not None  # decide asks for a checkpoint first
+                emit(control_event(intent, state.step, state.tokens, state.last_checkpoint.checkpoint))
+            case _:
+                emit(control_event(intent, state.step, state.tokens))
+    return log
 
 
 def _commit_step(schedule: Schedule, state: State, emit: Any) -> None:

@@ -12,11 +12,11 @@ import time
 
 from rewind.tools.errors import UsageError
 
-TARGETS = ("schedule", "log", "overhead")
+TARGETS = ("schedule", "log", "overhead", "resume")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: schedule dry-run, event log, training-loop overhead")
+    p = sub.add_parser("bench", help="benchmarks: schedule dry-run, event log, training-loop overhead, resume bookkeeping")
     p.add_argument("target", choices=TARGETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
@@ -30,6 +30,10 @@ def run(args: argparse.Namespace) -> int:
         from rewind.stores.bench_log import run_log_bench
 
         result = run_log_bench(num_events=2_000 if args.quick else 20_000)
+    elif args.target == "resume":
+        from rewind.stores.bench_resume import run_resume_bench
+
+        result = run_resume_bench(quick=args.quick)
     elif args.target == "overhead":
         try:
             from rewind.engine.bench_overhead import run_overhead_bench

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         return config_from_dict(raw, source=f"{args.run_dir} config with --set")
 
     try:
-        parts, state, point = open_fork(args.run_dir, args.at_step, config_of_child, args.new_run)
+        run, state, point = open_fork(args.run_dir, args.at_step, config_of_child, args.new_run)
     except LogNotFoundError:
         raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
     except RunError as exc:
@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"forked {args.run_dir} at {where} into {args.new_run}", file=sys.stderr)
     if point.step != args.at_step:
         print(f"  (no intact checkpoint at step {args.at_step}; {point.step} is the last one before it)", file=sys.stderr)
-    for line in config_differences(point.config, parts.config):
+    for line in config_differences(point.config, run.parts.config):
         print(f"  config: {line}", file=sys.stderr)
     if note := adopt_threads(state.num_threads):
         print(f"  {note}", file=sys.stderr)
-    return drive_and_report(parts, state, args.new_run, max_steps=args.max_steps, progress=not args.no_progress)
+    return drive_and_report(run, state, args.new_run, max_steps=args.max_steps, progress=not args.no_progress)

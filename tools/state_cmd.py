@@ -15,7 +15,6 @@ import math
 from typing import Any
 
 from rewind.tools.errors import CommandError, UsageError
-from rewind.tools.runlog import load_records
 
 KEY_WIDTH = 18
 
@@ -86,52 +85,54 @@ def print_json(value: Any) -> None:
 # --- rewind state -----------------------------------------------------------------------------------
 
 
-def select_records(records: list, at_step: int | None, at_seq: int | None) -> tuple[list, dict | None, str]:
-    """The records to fold, the point they describe (for JSON) and the same as a phrase."""
-    from rewind.states.history import effective
-
-    if at_seq is not None:
-        first, last = records[0][0], records[-1][0]
-        if not first <= at_seq <= last:
-            raise UsageError(f"--at-seq {at_seq}: out of range; the log holds records {first}..{last}")
-        selected = [(s, e) for s, e in records if s <= at_seq]
-        return selected, {"seq": at_seq}, f"log record {at_seq} (raw records, superseded included)"
-    if at_step is not None:
-        kept = effective(records)
-        last_step = max(e.step for _, e in kept)
-        if not 0 <= at_step <= last_step:
-            raise UsageError(
-                f"--at-step {at_step}: out of range; the run reached step {last_step} (use 0..{last_step})"
-            )
-        selected = [(s, e) for s, e in kept if e.step <= at_step]
-        return selected, {"step": at_step}, f"after step {at_step} (effective records)"
-    return records, None, f"the end of the log (record {records[-1][0]})"
-
-
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from rewind.states.history import config_in_force
+    from rewind.states.fold import IllegalTransition
     from rewind.states.schedule import Schedule
+    from rewind.stores.folding import fold_log, fold_to
+    from rewind.tools.runlog import open_log
 
-    records = load_records(args.run_dir)
-    selected, point, as_of = select_records(records, args.at_step, args.at_seq)
-    state = fold_events(args.run_dir, (e for _, e in selected))
-    config = config_in_force(selected)
+    with open_log(args.run_dir) as (log, started):
+        end_seq = log.next_seq - 1
+        try:  # from the nearest state snapshot that agrees with the log: the cost is the tail
+            now = fold_log(log, str(args.run_dir))
+            if args.at_seq is not None:
+                if not 0 <= args.at_seq <= end_seq:
+                    raise UsageError(f"--at-seq {args.at_seq}: out of range; the log holds records 0..{end_seq}")
+                state, config = fold_to(log, str(args.run_dir), at_seq=args.at_seq)
+                point, as_of = {"seq": args.at_seq}, f"log record {args.at_seq} (raw records, superseded included)"
+            elif args.at_step is not None:
+                last_step = now.state.step
+                if not 0 <= args.at_step <= last_step:
+                    raise UsageError(
+                        f"--at-step {args.at_step}: out of range; the run reached step {last_step} (use 0..{last_step})"
+                    )
+                state, config = fold_to(log, str(args.run_dir), at_step=args.at_step)
+                point, as_of = {"step": args.at_step}, f"after step {args.at_step} (effective records)"
+            else:
+                state, config = now.state, now.config
+                point, as_of = None, f"the end of the log (record {end_seq})"
+        except IllegalTransition as exc:
+            raise CommandError(f"{args.run_dir}: the log does not fold: {exc}", exit_code=1) from None
     upcoming = next_step_plan(Schedule(config), state)
     if args.json:
+        shown = msgspec.to_builtins(state)
+        # Bookkeeping of the fold itself, not of the run: the restore anchor is a copy of the state.
+        for key in ("anchor", "anchor_open"):
+            shown.pop(key, None)
         print_json(
             {
                 "run": config.run.name,
                 "run_dir": str(args.run_dir),
                 "as_of": point,
                 "status": status_text(state),
-                **msgspec.to_builtins(state),
+                **shown,
                 "next_step": upcoming,
             }
         )
     else:
-        print("\n".join(render_state(args.run_dir, records[0][1], state, config, upcoming, as_of)))
+        print("\n".join(render_state(args.run_dir, started, state, config, upcoming, as_of)))
     return 0
 
 

@@ -74,15 +74,13 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
     from rewind.stores.eventlog import LogLockedError
 
     try:
-        parts, state, how = open_run(config, run_dir, fork=fork)
+        run, state, how = open_run(config, run_dir, fork=fork)
     except RunError as exc:
         raise CommandError(str(exc), exc.exit_code) from None
     except LogLockedError as exc:
         raise CommandError(str(exc), 1) from None
     if how == "finished":
-        if parts.metrics is not None:
-            parts.metrics.close()
-        parts.log.close()
+        run.journal.close()
         print(f"{run_dir}: the run is already finished (step {state.step}); nothing to do")
         return 0
     if how == "resumed":
@@ -91,24 +89,22 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
         print(f"resuming {run_dir} at step {state.step} from {origin}", file=sys.stderr)
         if note := adopt_threads(state.num_threads):
             print(f"  {note}", file=sys.stderr)
-    return drive_and_report(parts, state, run_dir, max_steps=max_steps, progress=progress)
+    return drive_and_report(run, state, run_dir, max_steps=max_steps, progress=progress)
 
 
-def drive_and_report(parts, state, run_dir: str, *, max_steps: int | None, progress: bool) -> int:
+def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progress: bool) -> int:
     """Train an opened run to its end (or a stop), close it, and report; returns the exit code."""
     from rewind.engine.loop import drive
 
     try:
-        _write_schedule_plot(parts, run_dir)
-        bar = ProgressBar(parts.schedule.num_steps, state.step, progress)
+        _write_schedule_plot(run.parts, run_dir)
+        bar = ProgressBar(run.parts.schedule.num_steps, state.step, progress)
         try:
-            outcome = drive(parts, state, max_steps=max_steps, progress=bar)
+            outcome = drive(run, state, max_steps=max_steps, progress=bar)
         finally:
             bar.close()
     finally:
-        if parts.metrics is not None:
-            parts.metrics.close()
-        parts.log.close()
+        run.journal.close()
     if outcome.status == "nonfinite":
         raise CommandError(outcome.message, 1)
     if outcome.status in ("stopped", "interrupted"):

@@ -2,12 +2,17 @@
 
 Checks, reporting every problem with its exact location:
 1. log framing, CRCs, sequence contiguity, decodability (segment and byte offset); a torn tail is
-   reported as such (it is what a crash mid-write leaves, and `rewind train` would cut it off);
+   reported as such (it is what a crash mid-write leaves, and `rewind train` would cut it off); every
+   segment index file (`events/NNNNNNNN.idx`, a cache of what a segment holds) against its segment:
+   a damaged or stale one is named;
 2. the fold succeeds (no illegal transition);
 3. every checkpoint the log still holds live exists and matches the hashes its CheckpointCommitted
    recorded, file by file;
 4. each live checkpoint's manifest agrees with the control state folded from the log at that point
-   (step, tokens, cursors, stage, config).
+   (step, tokens, cursors, stage, config);
+5. every state snapshot beside the log (`snapshots/`, a cache that lets resume fold only the tail) is
+   exactly the fold of the log up to its record, under the config then in force; a damaged or wrong
+   one is named (it is never used over the log, and deleting it is safe).
 Exit 0 when clean, 1 otherwise.
 """
 
@@ -26,9 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
     """(problems, notes). Problems make the run fail verification; notes are informational."""
-    from rewind.states.events import CheckpointCommitted
+    from rewind.states.events import CheckpointCommitted, ConfigChanged, RunStarted
     from rewind.states.fold import IllegalTransition, apply
     from rewind.states.state import State, control_summary
+    from rewind.stores import snapshots
     from rewind.stores.checkpoints import CheckpointStore
     from rewind.stores.eventlog import EventLog, verify_log
 
@@ -42,13 +48,19 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
             f"log: torn tail in {t.segment} at offset {t.offset} ({t.num_bytes} bytes never acknowledged); "
             "`rewind train`/`resume` cuts it off"
         )
+    problems += [
+        f"log index: {p.segment}: {p.message} (deleting it is safe; opening the log for writing rewrites it)"
+        for p in report.index_problems
+    ]
     notes.append(f"log: {report.num_records} records in {report.num_segments} segment(s), {report.num_bytes:,} bytes")
     if report.problems:
         return problems, notes
 
     store = CheckpointStore(run_dir)
     state = State()
+    config = None
     at_checkpoint: dict[str, dict] = {}
+    cached = {seq: snapshots.read(run_dir, seq) for seq in snapshots.list_seqs(run_dir)}
     with EventLog.open(run_dir) as log:
         for record in log.records():
             try:
@@ -56,8 +68,13 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
             except IllegalTransition as exc:
                 problems.append(f"fold: seq {record.seq} ({record.segment} offset {record.offset}): {exc}")
                 return problems, notes
+            if isinstance(record.event, RunStarted | ConfigChanged):
+                config = record.event.config
             if isinstance(record.event, CheckpointCommitted):
                 at_checkpoint[record.event.checkpoint] = control_summary(state)
+            if record.seq in cached:
+                problems += _snapshot_problems(record.seq, cached.pop(record.seq), record.event, state, config)
+    problems += [f"snapshot {seq:012d}: past the end of the log (record {seq} does not exist)" for seq in cached]
     notes.append(f"fold: ok (step {state.step}, {'finished' if state.finished else 'not finished'})")
     num_bad = 0
     for ref in state.live_checkpoints:
@@ -78,6 +95,19 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
     if orphans:
         notes.append(f"checkpoints on disk that no live event names (ignored by rewind): {', '.join(orphans)}")
     return problems, notes
+
+
+def _snapshot_problems(seq: int, snapshot, event, state, config) -> list[str]:
+    from rewind.states.events import event_tag
+
+    where = f"snapshot {seq:012d}"
+    if snapshot is None:
+        return [f"{where}: damaged or of an unknown format (ignored; deleting it is safe)"]
+    if (snapshot.tag, snapshot.step) != (event_tag(event), event.step):
+        return [f"{where}: names {snapshot.tag} at step {snapshot.step}, the log holds {event_tag(event)} at step {event.step}"]
+    if snapshot.state != state or snapshot.config != config:
+        return [f"{where}: differs from the fold of the log up to record {seq} (ignored; deleting it is safe)"]
+    return []
 
 
 def run(args: argparse.Namespace) -> int:

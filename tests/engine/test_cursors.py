@@ -139,3 +139,23 @@ def test_assemble_batch_with_no_rows_and_bad_stage_count():
     assert cursors == {"add": 4} and rows == {}
     with pytest.raises(ValueError, match="2 stages"):
         assemble_batch(0, config, [8], {}, DatasetRegistry(config))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 2**63 - 1),
+    st.sampled_from([2, 3, 5, 7, 100, 4097, 12345, 2**20 + 3, 2**31 - 1, 10**12 + 7]),
+    st.integers(0, 10**13),
+    st.integers(0, 64),
+)
+def test_small_draws_on_python_ints_are_the_vectorised_draws_bit_for_bit(seed, num_samples, start, count):
+    """Small draws take a Python-int path for speed; a run's data order must not depend on the path."""
+    from rewind.engine import cursors
+
+    positions = np.arange(start, start + count, dtype=np.int64)
+    epochs, within = np.divmod(positions, num_samples)
+    vectorised = np.empty(count, dtype=np.int64)
+    for epoch in np.unique(epochs).tolist():
+        in_epoch = epochs == epoch
+        vectorised[in_epoch] = cursors._permute(within[in_epoch], num_samples, cursors._round_keys(seed, "d", epoch))
+    assert sample_indices(seed, "d", num_samples, start, count).tolist() == vectorised.tolist()

@@ -370,12 +370,12 @@ def interrupt_before(monkeypatch: pytest.MonkeyPatch, step_index: int, times: in
     real = loop.run_one_step
     fired = []
 
-    def run_one_step(parts, state):
+    def run_one_step(run, state):
         if state.step == step_index and not fired:
             fired.append(True)
             for _ in range(times):
                 signal.raise_signal(signal.SIGINT)
-        return real(parts, state)
+        return real(run, state)
 
     monkeypatch.setattr(loop, "run_one_step", run_one_step)
 

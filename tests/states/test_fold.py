@@ -24,10 +24,21 @@ from rewind.states.events import (
     Validated,
 )
 from rewind.states.fold import IllegalTransition, apply, fold
-from rewind.states.history import effective
-from rewind.states.plan import Duties, checkpoints_to_delete, duties_after_step, plan, started_state
+from rewind.states.history import anchor_end, effective
+from rewind.states.plan import (
+    DeleteCheckpoints,
+    Evaluate,
+    RefreshReference,
+    TakeCheckpoint,
+    Validate,
+    checkpoints_to_delete,
+    decide,
+    pending_duty,
+    plan,
+    started_state,
+)
 from rewind.states.schedule import Schedule
-from rewind.states.state import CheckpointRef, Reference, State
+from rewind.states.state import CheckpointRef, ForkSeed, Reference, State
 from rewind.states.strategies import configs, cut_points, engine_logs, simulate_run
 
 replace = msgspec.structs.replace
@@ -111,7 +122,9 @@ def test_a_run_crashed_and_resumed_anywhere_ends_like_the_one_that_never_stopped
     # A crash between a checkpoint record and its retention deletions (two commits) leaves those
     # checkpoints live, files and all, until the next save; nothing else may differ.
     assert {c.checkpoint for c in a.live_checkpoints} <= {c.checkpoint for c in b.live_checkpoints}
-    assert replace(b, resumes=[], live_checkpoints=a.live_checkpoints) == a
+    # Bookkeeping of the log itself (record count, resumes, the anchor's copy of both) differs too.
+    log_only = {"resumes": [], "next_seq": 0, "anchor": None, "anchor_open": False}
+    assert replace(b, live_checkpoints=a.live_checkpoints, **log_only) == replace(a, **log_only)
     # What still counts in the crashed log is the one-pass log, up to where the deletions were written.
     kept = [
         e for _, e in effective(list(enumerate(crashed))) if not isinstance(e, RunResumed | CheckpointDeleted)
@@ -134,45 +147,94 @@ def test_a_cut_log_resumes_into_the_rest_of_the_plan(data, config):
 # --- RunResumed ----------------------------------------------------------------------------------------
 
 
-def test_run_resumed_restores_the_embedded_state_and_records_what_it_superseded():
+def test_run_resumed_restores_the_folds_own_anchor_and_records_what_it_superseded():
     log = simulate_run(CONFIG)
     checkpoint_seq = next(i for i, e in enumerate(log) if isinstance(e, CheckpointCommitted) and e.step == 8)
-    at_checkpoint = fold(log[: checkpoint_seq + 1])
+    end = anchor_end(list(enumerate(log)), checkpoint_seq)  # with the retention deletions that follow it
+    at_checkpoint = fold(log[:end])
     assert at_checkpoint.step == 8 and at_checkpoint.last_checkpoint.step == 8
-    crashed = log[: checkpoint_seq + 20]  # the dead process got further than step 8 before it died
+    # The dead process got further than step 8, but not to its next checkpoint, before it died.
+    crashed = log[: next(i for i in range(end, len(log)) if isinstance(log[i], CheckpointCommitted))]
     later = fold(crashed)
-    assert later.step > 8
+    assert later.step > 8 and later.anchor == replace(at_checkpoint, anchor=None)
     last_seq = len(crashed) - 1
     resumed_event = RunResumed(
         step=8,
         tokens=8 * 16,
         checkpoint=at_checkpoint.last_checkpoint.checkpoint,
-        superseded_first_seq=checkpoint_seq + 1,
+        superseded_first_seq=end,
         superseded_last_seq=last_seq,
-        restored=at_checkpoint,
     )
     resumed = apply(later, resumed_event)
-    assert replace(resumed, resumes=[]) == replace(at_checkpoint, resumes=[])
+    ignored = {"resumes": [], "anchor": None, "next_seq": 0, "anchor_open": False}
+    assert replace(resumed, **ignored) == replace(at_checkpoint, **ignored)
+    assert resumed.next_seq == len(crashed) + 1 and resumed.anchor_open
     (record,) = resumed.resumes
-    assert (record.first_seq, record.last_seq, record.step) == (checkpoint_seq + 1, last_seq, 8)
+    assert (record.first_seq, record.last_seq, record.step) == (end, last_seq, 8)
     assert record.checkpoint == at_checkpoint.last_checkpoint.checkpoint
-    # A second resume keeps the first one's record and adds its own.
+    # The same resume folded over the effective records only (the superseded ones skipped) agrees.
+    assert apply(fold(log[:end]), resumed_event) == resumed
+    # A second resume (the first one is now the anchor) keeps the first one's record and adds its own.
     again = apply(
         resumed, replace(resumed_event, superseded_first_seq=last_seq + 2, superseded_last_seq=last_seq + 1)
     )
-    assert [r.first_seq for r in again.resumes] == [checkpoint_seq + 1, last_seq + 2]
+    assert [r.first_seq for r in again.resumes] == [end, last_seq + 2]
 
 
-def test_run_resumed_clears_a_stop_and_needs_a_started_state():
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"checkpoint": "00000004-00000000"}, "the log's restore point is"),
+        ({"checkpoint": ""}, "the log's restore point is"),
+        ({"superseded_first_seq": 3}, "start at seq"),
+        ({"superseded_last_seq": 5}, "but it is record"),
+        ({"step": 7, "tokens": 7 * 16}, "the restore point is at step 8"),
+    ],
+)
+def test_a_resume_that_disagrees_with_the_log_is_illegal(change, reason):
+    log = simulate_run(CONFIG)
+    checkpoint_seq = next(i for i, e in enumerate(log) if isinstance(e, CheckpointCommitted) and e.step == 8)
+    end = anchor_end(list(enumerate(log)), checkpoint_seq)
+    crashed = log[: next(i for i in range(end, len(log)) if isinstance(log[i], CheckpointCommitted))]
+    honest = RunResumed(
+        step=8,
+        tokens=8 * 16,
+        checkpoint=log[checkpoint_seq].checkpoint,
+        superseded_first_seq=end,
+        superseded_last_seq=len(crashed) - 1,
+    )
+    apply(fold(crashed), honest)
+    with pytest.raises(IllegalTransition, match=reason):
+        apply(fold(crashed), replace(honest, **change))
+
+
+def test_run_resumed_clears_a_stop_from_the_start():
     _, started = started_state(CONFIG)
     stopped = apply(started, RunStopped(step=0, tokens=0, reason="Ctrl-C"))
     assert stopped.stopped_reason == "Ctrl-C"
-    event = RunResumed(
-        step=0, tokens=0, checkpoint="", superseded_first_seq=2, superseded_last_seq=1, restored=started
-    )
-    assert apply(stopped, event).stopped_reason == ""
-    with pytest.raises(IllegalTransition, match="not of a started run"):
-        apply(stopped, replace(event, restored=State()))
+    event = RunResumed(step=0, tokens=0, checkpoint="", superseded_first_seq=1, superseded_last_seq=1)
+    resumed = apply(stopped, event)
+    assert resumed.stopped_reason == "" and resumed.next_seq == 3
+    with pytest.raises(IllegalTransition, match="restore point is the start"):
+        apply(stopped, replace(event, checkpoint="00000000-00000000"))
+
+
+def test_only_a_fork_may_seed_its_state():
+    _, started = started_state(CONFIG)
+    seed = ForkSeed(stage=0, num_stages_entered=1, live_checkpoints=[])
+    event = RunResumed(step=0, tokens=0, checkpoint="c", superseded_first_seq=1, superseded_last_seq=0, seed=seed)
+    with pytest.raises(IllegalTransition, match="only a fork"):
+        apply(started, event)
+    forked = replace(started, parent_run="/runs/parent")
+    with pytest.raises(IllegalTransition, match="does not hold checkpoint c"):
+        apply(forked, event)
+    ref = CheckpointRef(checkpoint="c", step=4, tokens=64, reason="interval", manifest_sha256="0" * 64)
+    good = replace(event, step=4, tokens=64, seed=replace(seed, live_checkpoints=[ref], cursors={"grammar": 9}))
+    assert apply(forked, good).cursors == {"grammar": 9} and apply(forked, good).last_checkpoint == ref
+    with pytest.raises(IllegalTransition, match="cursors must be >= 0"):
+        apply(forked, replace(good, seed=replace(good.seed, cursors={"grammar": -1})))
+    with pytest.raises(IllegalTransition, match="step and tokens disagree"):
+        apply(forked, replace(good, tokens=65))
 
 
 # --- illegal transitions -------------------------------------------------------------------------------
@@ -347,18 +409,34 @@ def test_duties_after_each_step_of_a_small_run():
     assert schedule.num_steps == 30 and schedule.entry_steps == (0, 11, 21)
     _, state = started_state(CONFIG)
 
-    def duties(step: int, last_evaluated: int = -2):
-        return duties_after_step(replace(state, step=step, last_evaluated_boundary=last_evaluated), schedule)
+    def duty(step: int, **fields):
+        return pending_duty(replace(state, step=step, **fields), schedule)
 
-    assert duties(3) == Duties(validate=False, evaluate_boundary=None, checkpoint_reason=None)
-    assert duties(4) == Duties(validate=False, evaluate_boundary=None, checkpoint_reason="interval")
-    assert duties(5) == Duties(validate=True, evaluate_boundary=None, checkpoint_reason=None)
-    assert duties(20) == Duties(validate=True, evaluate_boundary=None, checkpoint_reason="interval")
+    def at(step: int, reason: str) -> CheckpointRef:
+        return CheckpointRef(checkpoint=f"c{step}", step=step, tokens=0, reason=reason, manifest_sha256="")
+
+    assert duty(3) is None
+    assert duty(4) == TakeCheckpoint("interval")
+    assert duty(5) == Validate() and duty(5, last_validated_step=5) is None
+    assert duty(20) == Validate() and duty(20, last_validated_step=20) == TakeCheckpoint("interval")
     # Stage 1 starts at step 11: after 11 steps, stage 0's boundary is evaluated and checkpointed.
-    assert duties(11) == Duties(validate=False, evaluate_boundary=0, checkpoint_reason="boundary")
-    assert duties(21) == Duties(validate=False, evaluate_boundary=1, checkpoint_reason="boundary")
-    assert duties(30) == Duties(validate=True, evaluate_boundary=2, checkpoint_reason="final")
-    # Resuming onto a step whose boundary was already evaluated does not evaluate it again.
-    assert duties(11, last_evaluated=0) == Duties(
-        validate=False, evaluate_boundary=None, checkpoint_reason=None
-    )
+    assert duty(11) == Evaluate(0) and duty(11, last_evaluated_boundary=0) == TakeCheckpoint("boundary")
+    assert duty(21) == Evaluate(1)
+    assert duty(30) == Validate()
+    assert duty(30, last_validated_step=30) == Evaluate(2)
+    assert duty(30, last_validated_step=30, last_evaluated_boundary=2) == TakeCheckpoint("final")
+    # Resuming onto a step whose duties were done asks for nothing again.
+    assert duty(11, last_evaluated_boundary=0, last_checkpoint=at(11, "boundary")) is None
+    # Retention runs once the checkpoint is on record.
+    held = [at(4, "interval"), at(8, "interval"), at(11, "boundary"), at(12, "interval")]
+    crowded = {"last_checkpoint": held[-1], "live_checkpoints": held}
+    assert duty(12, **crowded) == DeleteCheckpoints(("c4", "c8"))
+
+
+def test_decide_asks_for_a_checkpoint_before_a_reference_refresh_that_has_none():
+    schedule = Schedule(CONFIG)
+    _, state = started_state(CONFIG)
+    due = replace(state, pending_refreshes=[0], num_stages_entered=1, stage=0)
+    assert decide(due, schedule) == TakeCheckpoint("reference")
+    held = CheckpointRef(checkpoint="c0", step=0, tokens=0, reason="reference", manifest_sha256="")
+    assert decide(replace(due, last_checkpoint=held), schedule) == RefreshReference(0)

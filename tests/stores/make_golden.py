@@ -1,12 +1,12 @@
-"""Regenerate tests/stores/golden/run/ (run: python tests/stores/make_golden.py).
+"""Write the golden log of today's schema version (run: python tests/stores/make_golden.py).
 
-Only when adding a golden log for a *new* schema version: the committed one is the record of what
-version-1 logs look like, and the golden test exists to notice when they stop reading.
+Only when adding a golden log for a *new* schema version: the committed ones are the record of what
+logs of their versions look like, and the golden test exists to notice when they stop reading. It
+refuses to overwrite one.
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -14,35 +14,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 
 import msgspec
 
-from rewind.states.config import Config, config_hash
-from rewind.states.events import EVENT_TYPES
+from rewind.states.config import Config
+from rewind.states.events import EVENT_TYPES, SCHEMA_VERSION
 from rewind.stores.eventlog import EventLog
-from tests.stores.test_golden import (
-    DEFAULT_CONFIG_HASH,
-    GOLDEN_CONFIG,
-    GOLDEN_RUN,
-    GOLDEN_SEGMENT_BYTES,
-    golden_events,
-)
+from tests.stores.test_golden import GOLDEN_CONFIG, GOLDEN_DIR, GOLDEN_SEGMENT_BYTES, golden_events
 
 
 def main() -> None:
-    config = Config()  # today's defaults, kept next to the log for the test to compare against
-    if config_hash(config) != DEFAULT_CONFIG_HASH:
-        raise SystemExit(f"set DEFAULT_CONFIG_HASH in test_golden.py to {config_hash(config)!r} first")
+    config = msgspec.json.decode(GOLDEN_CONFIG.read_bytes(), type=Config)  # the values the old logs hold
     events = golden_events(config)
     missing = set(EVENT_TYPES) - {type(e).__name__ for e in events}
     if missing:
         raise SystemExit(f"golden_events() lacks event types: {', '.join(sorted(missing))}")
-    shutil.rmtree(GOLDEN_RUN, ignore_errors=True)
-    GOLDEN_CONFIG.write_bytes(msgspec.json.format(msgspec.json.encode(config)) + b"\n")
-    with EventLog.open(GOLDEN_RUN, "w", segment_bytes=GOLDEN_SEGMENT_BYTES) as log:
+    out = GOLDEN_DIR / f"run-v{SCHEMA_VERSION}"
+    if out.exists():
+        raise SystemExit(f"{out} exists: golden logs are written once per schema version")
+    with EventLog.open(out, "w", segment_bytes=GOLDEN_SEGMENT_BYTES) as log:
         for i, event in enumerate(events):
             log.append(event)
             if i % 3 == 2:  # group commits, as the engine does at step boundaries
                 log.commit()
         log.commit()
-    print(f"wrote {len(events)} events to {GOLDEN_RUN}")
+    print(f"wrote {len(events)} events to {out}")
 
 
 if __name__ == "__main__":

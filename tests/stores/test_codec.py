@@ -110,7 +110,7 @@ def test_a_version_newer_than_the_code_is_refused_with_its_location(run_url):
     first = encode_frame(0, step)
     write_frames(run_url, [first, encode_frame(1, step, version=SCHEMA_VERSION + 1)])
     with pytest.raises(
-        UnsupportedSchemaError, match=f"at byte {len(first)}: written with schema version 2"
+        UnsupportedSchemaError, match=f"at byte {len(first)}: written with schema version {SCHEMA_VERSION + 1}"
     ) as info:
         read_events(run_url)
     assert (info.value.segment, info.value.offset) == (segment_name(0), len(first))

@@ -1,10 +1,12 @@
 """A log written by an earlier version of this code must stay readable, event for event.
 
-`golden/run/` was written by `make_golden.py` (schema version 1) and is committed as binary, with
-`golden/config.json`, the default Config of that day, which its RunStarted carries. Never
-regenerate it to make this test pass: a failure means old logs no longer read, which needs an
-upcaster in `rewind.stores.codec` (or a default for the new field). When the schema is bumped, add a
-second golden log for the new version next to this one and keep both tests.
+`golden/run/` was written by `make_golden.py` under schema version 1 (rewind 0.1), `golden/run-v2/`
+under schema 2; both are committed as binary, with `golden/config.json`, the default Config of that
+day, which their RunStarted carries. Both must decode into today's `golden_events()`: the v1 log's
+RunResumed carried the whole restored State, which the upcaster (`rewind.stores.upcasters`) turns into
+today's seed. Never regenerate a golden log to make this test pass: a failure means old logs no longer
+read, which needs an upcaster (or a default for the new field). When the schema is bumped again, add a
+golden log for the new version next to these and keep every test.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from rewind.states.config import Config
 from rewind.states.events import (
     EVENT_TYPES,
+    SCHEMA_VERSION,
     CheckpointCommitted,
     CheckpointDeleted,
     ConfigChanged,
@@ -34,11 +38,12 @@ from rewind.states.events import (
     StepCommitted,
     Validated,
 )
-from rewind.states.state import CheckpointRef, Reference, State, Superseded
+from rewind.states.state import CheckpointRef, ForkSeed, Reference
 from rewind.stores.eventlog import EventLog, verify_log
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-GOLDEN_RUN = GOLDEN_DIR / "run"
+GOLDEN_RUN = GOLDEN_DIR / "run"  # schema 1
+GOLDEN_RUNS = {1: GOLDEN_RUN, 2: GOLDEN_DIR / "run-v2"}
 GOLDEN_CONFIG = GOLDEN_DIR / "config.json"  # Config() as it was when the log was written
 GOLDEN_SEGMENT_BYTES = 1024  # small, so the golden log spans several segments
 HASH = "9f2c4e1a" * 8
@@ -55,7 +60,7 @@ def golden_config() -> Config:
 
 
 def golden_events(config: Config | None = None) -> list:
-    """One of every event type of schema version 1, with realistic field values."""
+    """One of every event type, with realistic field values, as today's code decodes them."""
     config = config if config is not None else golden_config()
     checkpoint = CheckpointRef(
         checkpoint="00000120-3fa85f64",
@@ -65,21 +70,17 @@ def golden_events(config: Config | None = None) -> list:
         manifest_sha256=SHA,
         files={"model.safetensors": SHA, "optimizer.safetensors": SHA},
     )
-    restored = State(
-        started=True,
+    # The v1 log stored a whole State here (`restored`); what of it a fork needs is today's seed.
+    seed = ForkSeed(
         config_hash=HASH,
-        num_stages=2,
         tokens_per_step=512,
-        step=120,
-        tokens=61440,
+        num_stages=2,
         stage=1,
         num_stages_entered=2,
         reference=Reference(stage=1, step=100, checkpoint="00000100-0b1c2d3e"),
         cursors={"grammar": 700, "reverse": 260},
         last_loss=1.875,
-        last_checkpoint=checkpoint,
         live_checkpoints=[checkpoint],
-        resumes=[Superseded(first_seq=30, last_seq=41, checkpoint="00000080-77aa88bb", step=80)],
     )
     return [
         RunStarted(
@@ -138,8 +139,8 @@ def golden_events(config: Config | None = None) -> list:
             checkpoint="00000120-3fa85f64",
             superseded_first_seq=15,
             superseded_last_seq=14,
-            restored=restored,
             config_hash=HASH,
+            seed=seed,
         ),
         ConfigChanged(
             step=120, tokens=61440, config=config, config_hash=DEFAULT_CONFIG_HASH, previous_hash=HASH
@@ -148,15 +149,21 @@ def golden_events(config: Config | None = None) -> list:
     ]
 
 
-def test_the_golden_log_still_reads_event_for_event():
-    records = list(EventLog.open(GOLDEN_RUN).records())
+@pytest.mark.parametrize("version", sorted(GOLDEN_RUNS))
+def test_the_golden_log_still_reads_event_for_event(version):
+    records = list(EventLog.open(GOLDEN_RUNS[version]).records())
     assert [r.event for r in records] == golden_events()
     assert [r.seq for r in records] == list(range(len(records)))
-    assert {r.version for r in records} == {1}
+    assert {r.version for r in records} == {version}
     assert len({r.segment for r in records}) > 1
 
 
-def test_the_golden_log_verifies_clean_and_covers_every_type_it_was_written_with():
-    report = verify_log(GOLDEN_RUN)
+@pytest.mark.parametrize("version", sorted(GOLDEN_RUNS))
+def test_the_golden_log_verifies_clean_and_covers_every_type(version):
+    report = verify_log(GOLDEN_RUNS[version])
     assert report.ok and report.torn_tail is None and report.next_seq == len(golden_events())
-    assert {type(e).__name__ for e in golden_events()} <= set(EVENT_TYPES)
+    assert {type(e).__name__ for e in golden_events()} == set(EVENT_TYPES)
+
+
+def test_there_is_a_golden_log_of_todays_schema():
+    assert SCHEMA_VERSION in GOLDEN_RUNS

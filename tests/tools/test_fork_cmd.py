@@ -71,7 +71,14 @@ def test_the_fork_records_its_parent_and_starts_from_the_parents_state(unchanged
     assert started.parent.checkpoint == resumed.checkpoint
     assert started.parent.config_hash == parent_state.config_hash == started.config_hash
     assert not any(isinstance(e, ConfigChanged) for e in events)  # nothing changed, nothing to record
-    assert resumed.restored.resumes == [] and resumed.restored.parent_run == str(straight.resolve())
+    # The parent's state at the fork travels as a seed (the child's log cannot derive it), holding the
+    # checkpoints the child copied and nothing of the parent's own history of resumes.
+    parent_events = [e for _, e in read_seq_events(straight)]
+    at_fork = next(e for e in parent_events if isinstance(e, StepCommitted) and e.step == resumed.step)
+    assert resumed.seed is not None and resumed.seed.cursors == at_fork.cursors
+    assert {c.checkpoint for c in resumed.seed.live_checkpoints} == {resumed.checkpoint}
+    child_state = fold(events)
+    assert child_state.parent_run == str(straight.resolve()) and len(child_state.resumes) == 1
     assert fold(events).parent_run == str(straight.resolve())
     code, out, err = run_cli("verify", child)
     assert code == 0, out + err

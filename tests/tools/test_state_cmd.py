@@ -104,7 +104,9 @@ def state_json(run: Path, *args: object) -> dict:
 
 
 def fold_json(state) -> dict:
-    return json.loads(msgspec.json.encode(state))
+    """The fold as `state --json` shows it: without the fold's own bookkeeping (its restore anchor)."""
+    shown = json.loads(msgspec.json.encode(state))
+    return {k: v for k, v in shown.items() if k not in ("anchor", "anchor_open")}
 
 
 def without_extras(shown: dict) -> dict:
@@ -308,3 +310,19 @@ def test_state_of_a_damaged_log_is_one_line_naming_the_damage(straight, tmp_path
     assert code == 1 and not out
     line = one_line(err)
     assert "00000000.log" in line and "Traceback" not in err
+
+
+@pytest.mark.parametrize("build", [superseded_run, forked_run])
+def test_state_is_the_same_with_or_without_the_snapshots_beside_the_log(build, tmp_path_factory, tmp_path):
+    """Snapshots are a cache: with them the fold starts near the point asked for, without them it
+    starts at the beginning, and the answer is the same for every step and for the end."""
+    run = build(tmp_path_factory)
+    assert any((run / "snapshots").iterdir())
+    bare = tmp_path / "bare"
+    shutil.copytree(run, bare)
+    shutil.rmtree(bare / "snapshots")
+    last = fold(events_of(run)).step
+    for args in [(), *(("--at-step", step) for step in range(0, last + 1, 3)), ("--at-seq", 9)]:
+        cached, folded = state_json(run, *args), state_json(bare, *args)
+        assert without_extras(cached) == without_extras(folded), args
+        assert cached["next_step"] == folded["next_step"]

@@ -1,0 +1,57 @@
+"""What each transition does to the live objects: written once, here.
+
+The live loop calls `apply_effect` for every event it records, and `rewind replay` for every event it
+re-walks, so a transition behaves the same whether it happens for the first time or is re-executed;
+resume and fork build their live objects from the folded state instead (`parts.build_parts`), which is
+what these effects leave behind. A new transition (a stack joining, adapters attached) gets its effect
+here and nowhere else.
+
+Events that change no live object (steps are executed by the loop's step code, which produces them;
+bookkeeping such as checkpoints, stops and evaluations) have no effect.
+"""
+
+from __future__ import annotations
+
+from rewind.engine import snapshot
+from rewind.engine.parts import Parts, RunError, build_model, fresh_parts, frozen_copy
+from rewind.states.config import Config
+from rewind.states.events import ConfigChanged, Event, ReferenceRefreshed, RunResumed, StackAppended
+from rewind.states.state import State
+
+
+def apply_effect(parts: Parts, state: State, event: Event) -> Parts:
+    """The live objects after `event`, which is being applied to `state` (the state before it)."""
+    match event:
+        case ReferenceRefreshed():
+            # The reference is the weights as they are now, which is what the checkpoint the event
+            # names holds: a resume loads it from there (checkpointing.load_checkpoint).
+            parts.reference = frozen_copy(parts.model)
+            return parts
+        case ConfigChanged(config=config):
+            # Before any update, the weights are the seed's: a new seed means new weights.
+            fresh = state.step == 0 and state.last_checkpoint is None
+            return rebuilt(parts, config, carry_tensors=not fresh)
+        case RunResumed():
+            # The live objects are already at the restore point: a resuming process loaded them from
+            # its checkpoint (build_parts), and a replay walking the effective records has just
+            # re-executed the steps up to it (the superseded ones are not in its stream).
+            return parts
+        case StackAppended():
+            raise RunError(f"step {event.step}: model growth (StackAppended) is not supported yet", 1)
+    return parts
+
+
+def rebuilt(parts: Parts, config: Config, *, carry_tensors: bool) -> Parts:
+    """Live objects for `config` (dropout, seed and the optimizer's settings come from it), holding the
+    tensors `parts` holds unless the run is still at its seed's weights."""
+    new = fresh_parts(config, parts.run_dir)
+    if not carry_tensors:
+        return new
+    snapshot.load_model_tensors(new.model, snapshot.model_tensors(parts.model))
+    moments, layout = snapshot.optimizer_tensors(parts.optimizer, parts.param_names)
+    snapshot.load_optimizer_tensors(new.optimizer, new.param_names, moments, layout)
+    if parts.reference is not None:
+        reference = build_model(config)
+        snapshot.load_model_tensors(reference, snapshot.model_tensors(parts.reference))
+        new.reference = frozen_copy(reference)
+    return new

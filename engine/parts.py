@@ -1,0 +1,101 @@
+"""The live objects of a run, and how they are built from the folded state.
+
+`Parts` holds what computes (model, optimizer, reference, datasets) and where tensors live (the
+checkpoint store); it holds no control state (that is `fold(events)`) and nothing that writes the log
+(that is `rewind.engine.journal.Journal`, which only the live loop has). `build_parts` is the one way
+to get them: from a config and the state the log folds to, loading the tensors of the state's restore
+checkpoint and of its reference. The live loop, resume, fork and replay all come through here, so a
+resumed process holds exactly what the one that never stopped held.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from rewind.engine import snapshot
+from rewind.engine.datasets import DatasetError, DatasetRegistry
+from rewind.engine.model import GPT
+from rewind.engine.step import build_optimizer
+from rewind.states.config import Config
+from rewind.states.schedule import Schedule
+from rewind.states.state import State
+from rewind.stores.checkpoints import CheckpointStore
+
+
+class RunError(Exception):
+    """A run cannot be started or resumed as asked. exit_code: 2 usage/config, 1 state of the run."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Parts:
+    """The live objects of a run (see the module docstring for what is not here, and why)."""
+
+    config: Config
+    run_dir: str
+    schedule: Schedule
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    datasets: DatasetRegistry
+    store: CheckpointStore
+    reference: nn.Module | None = None
+    param_names: dict[nn.Parameter, str] = field(default_factory=dict)
+
+
+def build_model(config: Config) -> GPT:
+    return GPT(config.architecture, seed=config.run.seed)
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    reference = copy.deepcopy(model)
+    reference.eval()
+    for parameter in reference.parameters():
+        parameter.requires_grad_(False)
+    return reference
+
+
+def open_datasets(config: Config, datasets: DatasetRegistry | None = None) -> DatasetRegistry:
+    """Open every dataset the config names now, so a bad one fails before any log is touched."""
+    try:
+        datasets = datasets or DatasetRegistry(config)
+        for mixture in config.training.datasets:
+            for sampling in mixture:
+                datasets[sampling.name]
+        for name in config.training.evaluations:
+            datasets[name]
+    except DatasetError as exc:
+        raise RunError(str(exc)) from None
+    return datasets
+
+
+def fresh_parts(config: Config, run_dir: str, datasets: DatasetRegistry | None = None) -> Parts:
+    """Model and optimizer as the seed makes them (a run's start), nothing loaded."""
+    model = build_model(config)
+    return Parts(
+        config=config,
+        run_dir=run_dir,
+        schedule=Schedule(config),
+        model=model,
+        optimizer=build_optimizer(model, config),
+        datasets=open_datasets(config, datasets),
+        store=CheckpointStore(run_dir),
+        param_names=snapshot.parameter_names(model),
+    )
+
+
+def build_parts(config: Config, run_dir: str, state: State, datasets: DatasetRegistry | None = None) -> Parts:
+    """The live objects a run has at `state`: built for `config`, then loaded with the tensors of the
+    state's last checkpoint (its restore point) and of its reference, when it has them."""
+    from rewind.engine.checkpointing import load_checkpoint  # checkpointing builds on Parts
+
+    parts = fresh_parts(config, run_dir, datasets)
+    if state.last_checkpoint is not None:
+        load_checkpoint(parts, state)
+    return parts

@@ -1,0 +1,95 @@
+"""Opening a run's log: its folded state and the config in force, in time proportional to its tail.
+
+`fold_log` starts from the newest state snapshot (rewind.stores.snapshots) that agrees with the log
+(the record at its seq exists, with the event type and step it claims) and folds only the records
+after it; with none, it folds the whole log. The result is the same either way: the snapshot is a
+cache of exactly that fold. Used by resume (which then writes a fresh snapshot) and by the tools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from rewind.states.config import Config
+from rewind.states.events import ConfigChanged, RunStarted, event_tag
+from rewind.states.fold import IllegalTransition, apply, fold
+from rewind.states.history import SeqEvent, config_in_force, effective, is_superseded, skip_ranges
+from rewind.states.state import State
+from rewind.stores import snapshots
+from rewind.stores.eventlog import EventLog, Record
+
+
+@dataclass(frozen=True)
+class FoldedLog:
+    state: State  # the fold of every record of the log
+    config: Config  # the config in force after them
+    tail: list[SeqEvent]  # the records after the snapshot used (every record without one)
+    end_seq: int  # the last record's seq (-1: an empty log)
+    snapshot_seq: int  # the seq the fold started after (-1: from the start)
+
+
+def _agrees(log: EventLog, snapshot: snapshots.Snapshot) -> Iterator[Record] | None:
+    """The records after the snapshot's, if the log holds at its seq the record it claims (the event
+    type and step); None for a stale snapshot (another history under the same seq)."""
+    records = log.records(start_seq=snapshot.seq)
+    first = next(records, None)
+    if first is None or first.seq != snapshot.seq:
+        return None
+    if event_tag(first.event) != snapshot.tag or first.event.step != snapshot.step:
+        return None
+    return records
+
+
+def fold_log(log: EventLog, run_dir: str) -> FoldedLog:
+    end_seq = log.next_seq - 1
+    for snapshot in snapshots.candidates(run_dir, end_seq):
+        records = _agrees(log, snapshot)
+        if records is None:
+            continue
+        tail = [(r.seq, r.event) for r in records]
+        try:
+            state = fold((e for _, e in tail), snapshot.state)
+        except IllegalTransition:
+            continue  # the full fold below says what is wrong, from the log alone
+        return FoldedLog(state, _config_after(snapshot.config, tail), tail, end_seq, snapshot.seq)
+    records = [(r.seq, r.event) for r in log.records()]
+    state = fold(e for _, e in records)
+    config = config_in_force(records) if records and isinstance(records[0][1], RunStarted) else Config()
+    return FoldedLog(state, config, records, records[-1][0] if records else -1, -1)
+
+
+def fold_to(log: EventLog, run_dir: str, *, at_step: int | None = None, at_seq: int | None = None) -> tuple[State, Config]:
+    """The state (and config in force) after log record `at_seq` (raw records, superseded ones as they
+    counted then), or after step `at_step`'s control events (the effective records with step <= it),
+    folding from the nearest snapshot before that point (see snapshots.BAND)."""
+    ranges = log.superseded_ranges() if at_step is not None else []
+    start: tuple[State, Config | None, Iterator[Record] | None] = (State(), None, None)
+    for snapshot in snapshots.candidates(run_dir, log.next_seq - 1 if at_seq is None else at_seq):
+        if at_step is not None and (snapshot.state.step > at_step or is_superseded(snapshot.seq, ranges)):
+            continue  # past the step, or a state that superseded records counted in
+        records = _agrees(log, snapshot)
+        if records is not None:
+            start = (snapshot.state, snapshot.config, records)
+            break
+    state, config, records = start
+    stream = ((r.seq, r.event) for r in (records if records is not None else log.records()))
+    for seq, event in skip_ranges(stream, ranges):
+        if (at_seq is not None and seq > at_seq) or (at_step is not None and event.step > at_step):
+            break  # the effective records' steps never decrease
+        state = apply(state, event)
+        if isinstance(event, RunStarted | ConfigChanged):
+            config = event.config
+    return state, config if config is not None else Config()
+
+
+def _config_after(config: Config, tail: Sequence[SeqEvent]) -> Config:
+    """The config in force after `tail`, given the one in force before it (a resume in the tail only
+    supersedes records after the snapshot: its restore point is never older than a snapshot)."""
+    changes = [e.config for _, e in effective(tail) if isinstance(e, ConfigChanged)]
+    return changes[-1] if changes else config
+
+
+def save_snapshot(run_dir: str, state: State, tag: str, config: Config) -> None:
+    """Cache `state`, the fold up to the record just applied (seq state.next_seq - 1, of type `tag`)."""
+    snapshots.write(run_dir, state.next_seq - 1, tag, state, config)

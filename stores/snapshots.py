@@ -1,0 +1,127 @@
+"""Snapshots of the folded state beside the log: a cache that makes opening a run cost its tail.
+
+Folding a 1M-step log takes seconds; a resume needs only the state at its restore point and what came
+after. So whenever a checkpoint's record is committed, and after each resume, the writer also stores
+the folded state as of that record (and the config in force then) in `RUN/snapshots/<seq:012d>.state`:
+msgpack, a format version, and a CRC32C over the rest. Opening a run folds only the records after the
+newest snapshot that checks out.
+
+A snapshot is never trusted over the log: one that is missing, damaged, of another format, from a
+different history (the record at its seq is not the checkpoint it claims) or past the log's end is
+ignored, and the run is folded from the start instead (then the writer stores a fresh one). Renaming a
+field of the state therefore never strands a run: old snapshots just stop decoding. `rewind verify`
+folds the whole log and checks every snapshot against it. Writes are atomic (temporary file, rename)
+but not synced: losing a snapshot costs one full fold, nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from typing import Any
+
+import google_crc32c
+import msgspec
+
+from rewind.states.config import Config
+from rewind.states.state import State
+from rewind.stores.fsio import filesystem
+
+SNAPSHOTS_DIR = "snapshots"
+FORMAT = 1
+KEEP = 3  # the newest few: enough that a damaged one still leaves a recent one to start from
+# Older ones are thinned to one per band of this many records, so that `rewind state --at-step N`
+# and the like start near any point of a long run (a few hundred small files at a million steps).
+BAND = 1 << 16
+_SUFFIX = ".state"
+_CRC = struct.Struct("<I")
+
+
+class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
+    format: int
+    seq: int  # the record the state is the fold up to (inclusive)
+    tag: str  # that record's event type and step, checked against the log before the snapshot is used
+    step: int
+    state: State
+    config: Config  # the config in force at that record
+
+
+def _directory(run_dir: str) -> str | None:
+    location = filesystem(run_dir)
+    return os.path.join(location.path, SNAPSHOTS_DIR) if location.is_local else None
+
+
+def _name(seq: int) -> str:
+    return f"{seq:012d}{_SUFFIX}"
+
+
+def encode(snapshot: Snapshot) -> bytes:
+    body = msgspec.msgpack.encode(snapshot)
+    return body + _CRC.pack(google_crc32c.value(body))
+
+
+def decode(data: bytes) -> Snapshot | None:
+    """The snapshot in `data`, or None for anything that does not check out."""
+    if len(data) < _CRC.size:
+        return None
+    body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
+    if google_crc32c.value(body) != crc:
+        return None
+    try:
+        snapshot = msgspec.msgpack.decode(body, type=Snapshot)
+    except (msgspec.DecodeError, ValueError):
+        return None
+    return snapshot if snapshot.format == FORMAT else None
+
+
+def write(run_dir: str, seq: int, tag: str, state: State, config: Config) -> None:
+    """Store the state folded up to record `seq` (whose event has type `tag`, at state.step), keeping
+    the newest few. Local run directories only (object stores fold from the start)."""
+    directory = _directory(run_dir)
+    if directory is None:
+        return
+    os.makedirs(directory, exist_ok=True)
+    data = encode(Snapshot(format=FORMAT, seq=seq, tag=tag, step=state.step, state=state, config=config))
+    final = os.path.join(directory, _name(seq))
+    tmp = f"{final}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+    os.replace(tmp, final)
+    kept_bands: set[int] = set()
+    for old in list_seqs(run_dir)[:-KEEP]:
+        if old // BAND not in kept_bands:
+            kept_bands.add(old // BAND)  # the first snapshot of each band stays
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, _name(old)))
+
+
+def list_seqs(run_dir: str) -> list[int]:
+    directory = _directory(run_dir)
+    if directory is None or not os.path.isdir(directory):
+        return []
+    stems = (n[: -len(_SUFFIX)] for n in os.listdir(directory) if n.endswith(_SUFFIX))
+    return sorted(int(stem) for stem in stems if stem.isdigit())
+
+
+def read(run_dir: str, seq: int) -> Snapshot | None:
+    directory = _directory(run_dir)
+    if directory is None:
+        return None
+    path = os.path.join(directory, _name(seq))
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > 64 << 20:  # a cache, never a reason to OOM
+            return None
+        with open(path, "rb") as handle:
+            snapshot = decode(handle.read())
+    except OSError:
+        return None
+    return snapshot if snapshot is not None and snapshot.seq == seq else None
+
+
+def candidates(run_dir: str, end_seq: int) -> list[Snapshot]:
+    """Snapshots that could start a fold of a log ending at `end_seq`, newest first (the caller checks
+    each against the log before using it)."""
+    found: list[Any] = [read(run_dir, seq) for seq in reversed(list_seqs(run_dir)) if seq <= end_seq]
+    return [snapshot for snapshot in found if snapshot is not None]

@@ -1,0 +1,48 @@
+"""Upcasters: how a record written under an older event schema becomes today's event.
+
+`rewind.stores.codec` decodes a record of schema version v < SCHEMA_VERSION into a plain dict and runs
+`UPCASTERS[v]`, `UPCASTERS[v + 1]`, ... on it before converting it to an event; this module registers
+them (it is imported with the package, so any reader of a log has them). A schema bump without an
+upcaster leaves old logs unreadable, and tests/compat/ (run directories left by older releases) fails.
+"""
+
+from __future__ import annotations
+
+from rewind.stores.codec import UPCASTERS
+
+# The fields of a 0.1 `State` that a fork's seed carries (see rewind.states.state.ForkSeed).
+_SEED_FIELDS = (
+    "config_hash",
+    "tokens_per_step",
+    "num_stages",
+    "num_steps",
+    "reference_update_stages",
+    "stage",
+    "num_stages_entered",
+    "fades_started",
+    "fades_ended",
+    "pending_refreshes",
+    "reference",
+    "stacks",
+    "cursors",
+    "last_loss",
+    "num_skipped_steps",
+    "live_checkpoints",
+    "last_evaluated_boundary",
+)
+
+
+def v1_to_v2(raw: dict) -> dict:
+    """Schema 1 (rewind 0.1) -> 2: RunResumed stored the whole restored `State`. Today's fold derives an
+    ordinary resume's state from the log, so the copy becomes a seed: a fork (whose log cannot derive
+    it) adopts it after range checks; an ordinary resume's fold checks it against what it derived."""
+    if raw.get("type") != "RunResumed" or "restored" not in raw:
+        return raw
+    upgraded = {k: v for k, v in raw.items() if k != "restored"}
+    restored = raw["restored"]
+    if isinstance(restored, dict):
+        upgraded["seed"] = {k: restored[k] for k in _SEED_FIELDS if k in restored}
+    return upgraded
+
+
+UPCASTERS[1] = v1_to_v2

@@ -1,0 +1,136 @@
+"""Opening a log from a state snapshot gives exactly the full fold, and a bad snapshot is never used."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rewind.states.config import loads_config
+from rewind.states.events import CheckpointCommitted, RunResumed, event_tag
+from rewind.states.fold import fold
+from rewind.states.history import config_in_force
+from rewind.states.strategies import engine_logs, simulate_run
+from rewind.stores import snapshots
+from rewind.stores.eventlog import EventLog
+from rewind.stores.folding import fold_log
+
+CONFIG = loads_config(
+    """
+[architecture]
+block_size = 4
+[training]
+batch_size = 4
+tokens = [160, 96, 96]
+datasets = [[{name = "grammar"}], [{name = "reverse"}], [{name = "sort"}]]
+[training.fade]
+overlap = 0.5
+[optimization.kl]
+betas = [0.0, 0.1, 0.1]
+reference_update_stages = [1]
+[logging]
+checkpoint_interval = 3
+keep_last_checkpoints = 1
+"""
+)
+
+
+def _write(run_dir, events) -> None:
+    with EventLog.open(run_dir, "w") as log:
+        for event in events:
+            log.append(event)
+        log.commit()
+
+
+def _snapshot_every_checkpoint(run_dir, events) -> list[int]:
+    """What the engine does: after each committed checkpoint record, cache the fold up to it."""
+    seqs = []
+    for seq, event in enumerate(events):
+        if isinstance(event, CheckpointCommitted):
+            pairs = list(enumerate(events[: seq + 1]))
+            snapshots.write(str(run_dir), seq, event_tag(event), fold(events[: seq + 1]), config_in_force(pairs))
+            seqs.append(seq)
+    return seqs
+
+
+def _open(run_dir):
+    with EventLog.open(run_dir) as log:
+        return fold_log(log, str(run_dir))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(engine_logs(CONFIG, max_crashes=3))
+def test_opening_from_a_snapshot_is_the_full_fold(tmp_path_factory, events):
+    run = tmp_path_factory.mktemp("run")
+    _write(run, events)
+    seqs = _snapshot_every_checkpoint(run, events)
+    opened = _open(run)
+    assert opened.state == fold(events)
+    assert opened.config == CONFIG
+    assert opened.end_seq == len(events) - 1
+    assert opened.snapshot_seq == (seqs[-1] if seqs else -1)
+    assert len(opened.tail) == len(events) - 1 - opened.snapshot_seq  # only the tail was folded
+    # Kept: the newest few, and the first of every band of records among the older ones.
+    older = seqs[: -snapshots.KEEP]
+    firsts = {min(s for s in older if s // snapshots.BAND == band) for band in {s // snapshots.BAND for s in older}}
+    assert snapshots.list_seqs(str(run)) == sorted(firsts | set(seqs[-snapshots.KEEP :]))
+
+
+def _prepared(tmp_path):
+    events = simulate_run(CONFIG, crash_after=[7])
+    assert any(isinstance(e, RunResumed) for e in events)
+    run = tmp_path / "run"
+    _write(run, events)
+    return run, events, _snapshot_every_checkpoint(run, events)
+
+
+def test_a_damaged_snapshot_is_skipped_for_an_older_one(tmp_path):
+    run, events, seqs = _prepared(tmp_path)
+    newest = run / "snapshots" / f"{seqs[-1]:012d}.state"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    newest.write_bytes(bytes(data))
+    opened = _open(run)
+    assert opened.state == fold(events) and opened.snapshot_seq == seqs[-2]
+
+
+def test_a_snapshot_of_another_history_or_past_the_end_is_not_used(tmp_path):
+    run, events, seqs = _prepared(tmp_path)
+    for seq in snapshots.list_seqs(str(run))[:-1]:
+        os.remove(run / "snapshots" / f"{seq:012d}.state")
+    newest = snapshots.read(str(run), seqs[-1])
+    # Same seq, but the state of another record there: the check of type and step against the log fails.
+    forged = snapshots.Snapshot(
+        format=snapshots.FORMAT, seq=seqs[-1], tag="StepCommitted", step=newest.step, state=newest.state, config=CONFIG
+    )
+    (run / "snapshots" / f"{seqs[-1]:012d}.state").write_bytes(snapshots.encode(forged))
+    beyond = snapshots.Snapshot(
+        format=snapshots.FORMAT, seq=len(events) + 5, tag="CheckpointCommitted", step=0, state=newest.state, config=CONFIG
+    )
+    (run / "snapshots" / f"{len(events) + 5:012d}.state").write_bytes(snapshots.encode(beyond))
+    opened = _open(run)
+    assert opened.state == fold(events) and opened.snapshot_seq == -1
+
+
+@given(st.binary(max_size=64))
+def test_garbage_never_decodes_as_a_snapshot(data):
+    assert snapshots.decode(data) is None
+
+
+def test_verify_checks_every_snapshot_against_the_log(tmp_path, rewind_cli):
+    run, events, _ = _prepared(tmp_path)
+    _, out, _ = rewind_cli("verify", run)
+    assert "PROBLEM snapshot" not in out, out  # (a simulated run has no checkpoint files to find)
+    kept = snapshots.list_seqs(str(run))
+    damaged = run / "snapshots" / f"{kept[-1]:012d}.state"
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"\\x00")
+    wrong = snapshots.read(str(run), kept[-2])
+    lying = snapshots.Snapshot(
+        format=snapshots.FORMAT, seq=kept[-2], tag=wrong.tag, step=wrong.step, state=fold(events[:3]), config=CONFIG
+    )
+    (run / "snapshots" / f"{kept[-2]:012d}.state").write_bytes(snapshots.encode(lying))
+    code, out, _ = rewind_cli("verify", run)
+    assert code == 1
+    assert f"PROBLEM snapshot {kept[-1]:012d}: damaged" in out
+    assert f"PROBLEM snapshot {kept[-2]:012d}: differs from the fold of the log up to record {kept[-2]}" in out
