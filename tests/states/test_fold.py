@@ -440,3 +440,21 @@ def test_decide_asks_for_a_checkpoint_before_a_reference_refresh_that_has_none()
     assert decide(due, schedule) == TakeCheckpoint("reference")
     held = CheckpointRef(checkpoint="c0", step=0, tokens=0, reason="reference", manifest_sha256="")
     assert decide(replace(due, last_checkpoint=held), schedule) == RefreshReference(0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 200),
+    st.lists(st.tuples(st.integers(0, 220), st.integers(-5, 60)), max_size=30),
+)
+def test_effective_in_one_merge_pass_is_the_definition(num_records, declared):
+    """`effective` keeps exactly the records no RunResumed's range covers, however many resumes
+    (overlapping, touching, empty ranges included) and wherever they sit in the log."""
+    records: list = [(seq, StageEntered(step=0, tokens=0, stage=0)) for seq in range(num_records)]
+    ranges = [(first, first + length) for first, length in declared]
+    for (first, last), seq in zip(ranges, range(num_records), strict=False):
+        resumed = RunResumed(step=0, tokens=0, checkpoint="", superseded_first_seq=first, superseded_last_seq=last)
+        records[seq] = (seq, resumed)
+    used = [(e.superseded_first_seq, e.superseded_last_seq) for _, e in records if isinstance(e, RunResumed)]
+    expected = [(s, e) for s, e in records if not any(a <= s <= b for a, b in used)]
+    assert effective(records) == expected
