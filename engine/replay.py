@@ -4,9 +4,9 @@ or the exact step where it is not.
 Replay starts from a checkpoint (or from the run's start: the initial weights are a function of the
 seed), walks the *effective* log, and for every StepCommitted runs the same step through the same code
 (`loop.execute_step`) and compares the recomputed event field by field (bit for bit on CPU; `rtol` for
-GPU runs). At every CheckpointCommitted it also checks the live model, optimizer and reference
-tensors against the file hashes the event recorded, which works even after retention deleted the
-files. Control events are applied as logged (a reference refresh takes the replayed weights, a config
+GPU runs). At every CheckpointCommitted it also checks the live model and optimizer tensors (and a
+rewind 0.1 checkpoint's copy of the reference) against the file hashes the event recorded, which works
+even after retention deleted the files; the reference itself is the model of the checkpoint it names. Control events are applied as logged (a reference refresh takes the replayed weights, a config
 change rebuilds the schedule and optimizer), so a window may cross resumes and in-place forks.
 Nothing is written to the run.
 """

@@ -87,7 +87,7 @@ def describe(report, run_dir: str, rtol: float) -> str:
     else:
         lines.append(f"  {report.num_steps - (mismatch.event == 'StepCommitted')} steps matched {exact} before")
     if report.checkpoints_matched:
-        lines.append(f"  model, optimizer and reference tensors equal the hashes of {len(report.checkpoints_matched)} "
+        lines.append(f"  model and optimizer tensors equal the hashes of {len(report.checkpoints_matched)} "
                      f"checkpoint(s): {', '.join(report.checkpoints_matched)}")
     if mismatch is None:
         lines.append("replay: reproducible")
