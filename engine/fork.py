@@ -13,6 +13,7 @@ child need nothing special. Nothing is written to the parent.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,21 +148,27 @@ def open_fork(
     except IllegalTransition as exc:
         raise RunError(f"cannot fork {parent_dir} at step {point.step}: {exc.reason}") from None
     datasets = open_datasets(config)
+    # The live objects for the child's config, from the parent's checkpoint, before the child's
+    # directory is touched (a checkpoint that does not load must leave nothing behind).
+    try:
+        if point.checkpoint:
+            parts = build_parts(config, parent_dir, fold(preamble[:2]), datasets)
+        else:
+            parts = fresh_parts(config, parent_dir, datasets)
+    except CheckpointError as exc:
+        raise RunError(f"{parent_dir}: cannot load its checkpoint {point.checkpoint}: {exc}", 1) from None
+    child_store = CheckpointStore(child_dir)
+    parts = dataclasses.replace(parts, run_dir=child_dir, store=child_store)
     prepare_directory(child_dir)
     log = EventLog.open(child_dir, "w")
     try:
         if any(True for _ in log.records()):
             raise RunError(f"{child_dir}: already holds a run; fork into a new directory")
-        child_store = CheckpointStore(child_dir)
         try:
             for ref in state.live_checkpoints:  # before the log names them
                 _copy_checkpoint(parent_store, child_store, ref)
         except CheckpointError as exc:
             raise RunError(f"{parent_dir}: cannot copy its checkpoint: {exc}", 1) from None
-        if point.checkpoint:  # the parent's live objects at the fork point, from the copies
-            parts = build_parts(point.config, child_dir, fold(preamble[:2]))
-        else:
-            parts = fresh_parts(config, child_dir, datasets)
         run = Run(parts, Journal(log, metrics_for(child_dir, metrics), config.logging.report_interval))
         if run.journal.metrics is not None:
             run.journal.metrics.resume(-1, 0)

@@ -97,9 +97,10 @@ def record(run: Run, state: State, event: Event) -> State:
 
 
 def checkpoint(run: Run, state: State, reason: CheckpointReason) -> State:
-    state = record(run, state, write_checkpoint(run.parts, state, reason))
+    committed = write_checkpoint(run.parts, state, reason)
+    state = record(run, state, committed)
     # The record is committed (journal); cache the fold up to it, so opening the run costs its tail.
-    save_snapshot(run.parts.run_dir, state, "CheckpointCommitted", run.parts.config)
+    save_snapshot(run.parts.run_dir, state, committed, run.parts.config)
     return state
 
 

@@ -19,11 +19,12 @@ from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
 from rewind.engine.parts import RunError, build_parts, fresh_parts, open_datasets
 from rewind.states.config import Config, config_differences, config_hash
-from rewind.states.events import ConfigChanged, RunResumed, RunStarted, event_tag
+from rewind.states.events import ConfigChanged, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, apply
 from rewind.states.history import point_of, skip_ranges
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
+from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.eventlog import EventLog
 from rewind.stores.folding import fold_log, save_snapshot
 from rewind.stores.metrics import MetricsProjection
@@ -137,7 +138,8 @@ def _start(config: Config, run_dir: str, journal: Journal, *, metrics: bool, dat
 
 
 def _resume(config, run_dir, journal: Journal, *, fork: bool, metrics: bool, datasets) -> tuple[Run, State, str]:
-    folded = fold_log(journal.log, run_dir)  # from the newest snapshot that agrees with the log
+    # From the newest snapshot that agrees with the log and with its checkpoint's manifest.
+    folded = fold_log(journal.log, run_dir, CheckpointStore(run_dir))
     current, logged_config = folded.state, folded.config
     if not current.started:
         raise RunError(f"{run_dir}: the event log does not start with RunStarted", 1)
@@ -149,7 +151,9 @@ def _resume(config, run_dir, journal: Journal, *, fork: bool, metrics: bool, dat
     point = point_of(current)
     if refusal and point.checkpoint and (problem := continuation_problem(logged_config, config)):
         raise RunError(f"{run_dir}: {problem}")
-    run = Run(build_parts(logged_config, run_dir, point.state, datasets if not refusal else None), journal)
+    # Built for the config the run goes on under (the new one when forking in place, so that the old
+    # config's datasets, perhaps moved since, are never opened), from the restore point's tensors.
+    run = Run(build_parts(config if refusal else logged_config, run_dir, point.state, datasets), journal)
     resumed = RunResumed(
         step=point.state.step,
         tokens=point.state.tokens,
@@ -178,7 +182,7 @@ def _resume(config, run_dir, journal: Journal, *, fork: bool, metrics: bool, dat
     state = record(run, current, resumed)
     if change is not None:
         state = record(run, state, change)  # its effect rebuilds the live objects for the new config
-    save_snapshot(run_dir, state, event_tag(change or resumed), run.parts.config)
+    save_snapshot(run_dir, state, change or resumed, run.parts.config)
     journal.report_interval = run.parts.config.logging.report_interval
     # With the resume on record and the lock held, checkpoint directories no live event names are
     # garbage by construction: half-written ones, ones written after the restore point (never

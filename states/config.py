@@ -12,6 +12,7 @@ Pure: the caller reads the file (see `rewind.tools.configfile`); this module onl
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import tomllib
 from typing import Any, Literal
@@ -157,22 +158,31 @@ def config_hash(config: Config) -> str:
 
 
 def canonical(value: Any) -> Any:
-    """Builtins for `value` with every struct field that equals its default left out, recursively."""
+    """Builtins for `value` with every struct field that equals its default left out, recursively; keys
+    sorted (a release that only reorders fields changes nothing); floats by value, so -0.0 is 0.0 and
+    each non-finite value is itself (JSON would make NaN and infinities one `null`)."""
     if isinstance(value, msgspec.Struct):
         kept = {}
         for info in msgspec.structs.fields(value):
             item = getattr(value, info.name)
-            if info.default is not msgspec.NODEFAULT and item == info.default:
+            if info.default is not msgspec.NODEFAULT and _same(item, info.default):
                 continue
-            if info.default_factory is not msgspec.NODEFAULT and item == info.default_factory():
+            if info.default_factory is not msgspec.NODEFAULT and _same(item, info.default_factory()):
                 continue
             kept[info.encode_name] = canonical(item)
-        return kept
+        return dict(sorted(kept.items()))
     if isinstance(value, list | tuple):
         return [canonical(item) for item in value]
     if isinstance(value, dict):
         return {key: canonical(item) for key, item in sorted(value.items())}
+    if isinstance(value, float) and not isinstance(value, bool):
+        return value + 0.0 if math.isfinite(value) else repr(value)  # -0.0 + 0.0 is 0.0
     return value
+
+
+def _same(item: Any, default: Any) -> bool:
+    """Equal as canonical values: NaN equals NaN, -0.0 equals 0.0."""
+    return canonical(item) == canonical(default)
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -64,7 +64,7 @@ def _require(condition: bool, event: Event, reason: str) -> None:
 
 
 # Records that belong to the restore anchor just before them: a resume keeps them (see State.anchor).
-_ANCHOR_FOLLOWERS = (CheckpointDeleted, ConfigChanged)
+ANCHOR_FOLLOWERS = (CheckpointDeleted, ConfigChanged)
 
 
 def apply(state: State, event: Event) -> State:
@@ -73,7 +73,7 @@ def apply(state: State, event: Event) -> State:
     if isinstance(event, RunStarted | CheckpointCommitted | RunResumed):
         opened = replace(new, next_seq=new.next_seq + 1, anchor_open=True, anchor=None)
         return replace(opened, anchor=opened)
-    if state.anchor_open and isinstance(event, _ANCHOR_FOLLOWERS):
+    if state.anchor_open and isinstance(event, ANCHOR_FOLLOWERS):
         extended = replace(new, next_seq=state.next_seq + 1, anchor=None)
         return replace(extended, anchor=extended)
     return replace(new, next_seq=state.next_seq + 1, anchor_open=False, anchor=state.anchor)
@@ -307,27 +307,9 @@ def _seeded(state: State, event: RunResumed, seed: ForkSeed) -> State:
 
 
 def seed_of(state: State) -> ForkSeed:
-    """The seed a fork of a run at `state` (its last checkpoint) starts from."""
-    return ForkSeed(
-        config_hash=state.config_hash,
-        tokens_per_step=state.tokens_per_step,
-        num_stages=state.num_stages,
-        num_steps=state.num_steps,
-        reference_update_stages=state.reference_update_stages,
-        stage=state.stage,
-        num_stages_entered=state.num_stages_entered,
-        fades_started=state.fades_started,
-        fades_ended=state.fades_ended,
-        pending_refreshes=state.pending_refreshes,
-        reference=state.reference,
-        stacks=state.stacks,
-        cursors=state.cursors,
-        last_loss=state.last_loss,
-        num_skipped_steps=state.num_skipped_steps,
-        live_checkpoints=state.live_checkpoints,
-        last_evaluated_boundary=state.last_evaluated_boundary,
-        last_validated_step=state.last_validated_step,
-    )
+    """The seed a fork of a run at `state` (its last checkpoint) starts from: every field the seed has,
+    as the state holds it."""
+    return ForkSeed(**{name: getattr(state, name) for name in ForkSeed.__struct_fields__})
 
 
 def fold(events: Iterable[Event], state: State | None = None) -> State:

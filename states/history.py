@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from rewind.states.config import Config
 from rewind.states.events import (
     CheckpointCommitted,
-    CheckpointDeleted,
     ConfigChanged,
     Event,
     RunResumed,
     RunStarted,
 )
-from rewind.states.fold import apply, fold
+from rewind.states.fold import ANCHOR_FOLLOWERS, apply, fold
 from rewind.states.state import State, anchor_checkpoint
 
 SeqEvent = tuple[int, Event]
@@ -131,7 +130,7 @@ def anchor_end(records: Sequence[SeqEvent], i: int) -> int:
     """The index just past the anchor at `i` and the records that belong to it (what `apply` keeps in
     State.anchor): for tests and tools that cut a log at an anchor by hand."""
     end = i + 1
-    while end < len(records) and isinstance(records[end][1], CheckpointDeleted | ConfigChanged):
+    while end < len(records) and isinstance(records[end][1], ANCHOR_FOLLOWERS):
         end += 1
     return end
 

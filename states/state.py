@@ -82,7 +82,7 @@ class ForkSeed(msgspec.Struct, frozen=True, kw_only=True):
 class State(msgspec.Struct, frozen=True, kw_only=True):
     started: bool = False
     finished: bool = False
-    config_hash: str = ""  # the label the log gives the config in force (identity: `config_identity`)
+    config_hash: str = ""  # the label the log gives the config in force (identity: config.config_hash)
     num_stages: int = 0
     tokens_per_step: int = 0
     num_steps: int = 0

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rewind.states.events import CheckpointCommitted, ConfigChanged, RunStarted, event_tag
+from rewind.states.events import CheckpointCommitted, ConfigChanged, RunStarted
 from rewind.states.fold import apply
 from rewind.states.history import point_of
 from rewind.states.state import State
@@ -51,7 +51,7 @@ def _snapshots_as_the_engine_leaves_them(run_dir: str) -> None:
         if isinstance(event, RunStarted | ConfigChanged):
             config = event.config
         if isinstance(event, CheckpointCommitted) and event.step <= end_step - TAIL_STEPS:
-            snapshots.write(run_dir, seq, event_tag(event), state, config)
+            snapshots.write(run_dir, snapshots.make(seq, event, state, config))
 
 
 def _reader_figures(run_dir: str, repeats: int) -> dict:

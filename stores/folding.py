@@ -17,6 +17,7 @@ from rewind.states.fold import IllegalTransition, apply, fold
 from rewind.states.history import SeqEvent, config_in_force, effective, is_superseded, skip_ranges
 from rewind.states.state import State
 from rewind.stores import snapshots
+from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog, Record
 
 
@@ -30,20 +31,45 @@ class FoldedLog:
 
 
 def _agrees(log: EventLog, snapshot: snapshots.Snapshot) -> Iterator[Record] | None:
-    """The records after the snapshot's, if the log holds at its seq the record it claims (the event
-    type and step); None for a stale snapshot (another history under the same seq)."""
+    """The records after the snapshot's, if the log holds at its seq exactly the record it was taken
+    at; None for a stale snapshot (another history under the same seq) or one inconsistent in itself."""
+    if snapshot.state.next_seq != snapshot.seq + 1:
+        return None
     records = log.records(start_seq=snapshot.seq)
     first = next(records, None)
     if first is None or first.seq != snapshot.seq:
         return None
     if event_tag(first.event) != snapshot.tag or first.event.step != snapshot.step:
         return None
+    if snapshots.event_sha256(first.event) != snapshot.event_sha256:
+        return None
     return records
 
 
-def fold_log(log: EventLog, run_dir: str) -> FoldedLog:
+def _matches_its_checkpoint(snapshot: snapshots.Snapshot, store: CheckpointStore) -> bool:
+    """Does the state agree with the manifest of its last checkpoint (named in the log, its hash in its
+    name) on what decides the data and the step: step, tokens, stage, cursors? A resume trains from
+    these, so it does not take them from a cache the log does not vouch for."""
+    ref = snapshot.state.last_checkpoint
+    if ref is None:
+        return False
+    try:
+        recorded = store.load_manifest(ref.checkpoint).meta.get("control") or {}
+    except CheckpointError:
+        return False
+    state = snapshot.state
+    return all(
+        recorded.get(key) == value
+        for key, value in (("step", state.step), ("tokens", state.tokens), ("stage", state.stage), ("cursors", state.cursors))
+    )
+
+
+def fold_log(log: EventLog, run_dir: str, store: CheckpointStore | None = None) -> FoldedLog:
+    """`store` given (a resume): use only a snapshot that also agrees with its checkpoint's manifest."""
     end_seq = log.next_seq - 1
     for snapshot in snapshots.candidates(run_dir, end_seq):
+        if store is not None and not _matches_its_checkpoint(snapshot, store):
+            continue
         records = _agrees(log, snapshot)
         if records is None:
             continue
@@ -90,6 +116,6 @@ def _config_after(config: Config, tail: Sequence[SeqEvent]) -> Config:
     return changes[-1] if changes else config
 
 
-def save_snapshot(run_dir: str, state: State, tag: str, config: Config) -> None:
-    """Cache `state`, the fold up to the record just applied (seq state.next_seq - 1, of type `tag`)."""
-    snapshots.write(run_dir, state.next_seq - 1, tag, state, config)
+def save_snapshot(run_dir: str, state: State, event, config: Config) -> None:
+    """Cache `state`, the fold up to the record just applied (seq state.next_seq - 1, holding `event`)."""
+    snapshots.write(run_dir, snapshots.make(state.next_seq - 1, event, state, config))

@@ -6,10 +6,12 @@ the folded state as of that record (and the config in force then) in `RUN/snapsh
 msgpack, a format version, and a CRC32C over the rest. Opening a run folds only the records after the
 newest snapshot that checks out.
 
-A snapshot is never trusted over the log: one that is missing, damaged, of another format, from a
-different history (the record at its seq is not the checkpoint it claims) or past the log's end is
-ignored, and the run is folded from the start instead (then the writer stores a fresh one). Renaming a
-field of the state therefore never strands a run: old snapshots just stop decoding. `rewind verify`
+A snapshot is never trusted over the log: one that is missing, damaged, of another format or shape of
+state (a schema fingerprint), from a different history (the record at its seq is not the one it was
+taken at, byte for byte) or past the log's end is ignored, and the run is folded from the start instead.
+Renaming a field of the state therefore never strands a run: old snapshots just stop being used. A
+resume also checks the snapshot's step, tokens, stage and data cursors against the manifest of the
+checkpoint it restores from, a file the log names by hash (stores/folding.py). `rewind verify`
 folds the whole log and checks every snapshot against it. Writes are atomic (temporary file, rename)
 but not synced: losing a snapshot costs one full fold, nothing else.
 """
@@ -17,6 +19,7 @@ but not synced: losing a snapshot costs one full fold, nothing else.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import struct
 from typing import Any
@@ -40,11 +43,29 @@ _CRC = struct.Struct("<I")
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     format: int
+    schema: str  # SCHEMA: the shape of everything below, as this code defines it
     seq: int  # the record the state is the fold up to (inclusive)
-    tag: str  # that record's event type and step, checked against the log before the snapshot is used
+    # That record's event type, step and content hash, checked against the log before use.
+    tag: str
     step: int
+    event_sha256: str
     state: State
     config: Config  # the config in force at that record
+
+
+def _schema_fingerprint() -> str:
+    """Changes whenever a field of the snapshot, the state or the config is added, renamed, removed or
+    retyped. msgspec fills a missing field with its default, so without it a snapshot written before a
+    rename would decode into a state with the renamed field at its default: a run resumed from the
+    wrong state. With it, such a snapshot is simply not used."""
+    return hashlib.sha256(msgspec.json.encode(msgspec.json.schema(Snapshot))).hexdigest()[:16]
+
+
+def event_sha256(event: Any) -> str:
+    return hashlib.sha256(msgspec.msgpack.encode(event)).hexdigest()
+
+
+SCHEMA = _schema_fingerprint()
 
 
 def _directory(run_dir: str) -> str | None:
@@ -72,17 +93,32 @@ def decode(data: bytes) -> Snapshot | None:
         snapshot = msgspec.msgpack.decode(body, type=Snapshot)
     except (msgspec.DecodeError, ValueError):
         return None
-    return snapshot if snapshot.format == FORMAT else None
+    return snapshot if (snapshot.format, snapshot.schema) == (FORMAT, SCHEMA) else None
 
 
-def write(run_dir: str, seq: int, tag: str, state: State, config: Config) -> None:
-    """Store the state folded up to record `seq` (whose event has type `tag`, at state.step), keeping
-    the newest few. Local run directories only (object stores fold from the start)."""
+def make(seq: int, event: Any, state: State, config: Config) -> Snapshot:
+    """The snapshot of `state`, the fold up to record `seq`, which holds `event`."""
+    return Snapshot(
+        format=FORMAT,
+        schema=SCHEMA,
+        seq=seq,
+        tag=type(event).__struct_config__.tag,
+        step=event.step,
+        event_sha256=event_sha256(event),
+        state=state,
+        config=config,
+    )
+
+
+def write(run_dir: str, snapshot: Snapshot) -> None:
+    """Store a snapshot, keeping the newest few. Local run directories only (object stores fold from
+    the start)."""
     directory = _directory(run_dir)
     if directory is None:
         return
+    seq = snapshot.seq
     os.makedirs(directory, exist_ok=True)
-    data = encode(Snapshot(format=FORMAT, seq=seq, tag=tag, step=state.step, state=state, config=config))
+    data = encode(snapshot)
     final = os.path.join(directory, _name(seq))
     tmp = f"{final}.tmp-{os.getpid()}"
     with open(tmp, "wb") as handle:

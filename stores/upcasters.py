@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from rewind.stores.codec import UPCASTERS
 
-# The fields of a 0.1 `State` that a fork's seed carries (see rewind.states.state.ForkSeed).
+# The fields of a 0.1 `State` that a fork's seed carries (see rewind.states.state.ForkSeed). Written
+# out rather than read off ForkSeed: this upgrade is of 0.1's records and must not change as the seed
+# gains fields.
 _SEED_FIELDS = (
     "config_hash",
     "tokens_per_step",
@@ -41,7 +43,11 @@ def v1_to_v2(raw: dict) -> dict:
     upgraded = {k: v for k, v in raw.items() if k != "restored"}
     restored = raw["restored"]
     if isinstance(restored, dict):
-        upgraded["seed"] = {k: restored[k] for k in _SEED_FIELDS if k in restored}
+        seed = {k: restored[k] for k in _SEED_FIELDS if k in restored}
+        # 0.1 did not record validations in the state; its restore point is a checkpoint, which comes
+        # after that step's validation: so a fork resumed from it does not validate that step again.
+        seed["last_validated_step"] = restored.get("step", -1)
+        upgraded["seed"] = seed
     return upgraded
 
 

@@ -53,7 +53,7 @@ def describe(seq: int, event: Event) -> str:
     if name == "RunStarted":
         data = {"config_hash": data["config_hash"][:12], "name": data["config"]["run"]["name"], "parent": data["parent"]}
     if name == "RunResumed" and data.pop("seed", None) is not None:
-        data["seed"] = "(the parent's state at the fork)"  # `log --json` shows it in full
+        data["seed"] = "(a copy of the state at the restore point)"  # `log --json` shows it in full
     if name == "CheckpointCommitted":
         data.pop("files")
         data["manifest_sha256"] = data["manifest_sha256"][:12]

@@ -37,11 +37,12 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_resume(args: argparse.Namespace) -> int:
-    from rewind.states.history import config_in_force
-    from rewind.tools.runlog import load_records
+    from rewind.stores.folding import fold_log
+    from rewind.tools.runlog import open_log
 
-    records = load_records(args.run_dir)
-    return _train(config_in_force(records), args.run_dir, fork=False, max_steps=args.max_steps, progress=not args.no_progress)
+    with open_log(args.run_dir) as (log, _):  # the config in force, from the tail after a snapshot
+        config = fold_log(log, args.run_dir).config
+    return _train(config, args.run_dir, fork=False, max_steps=args.max_steps, progress=not args.no_progress)
 
 
 class ProgressBar:

@@ -10,7 +10,8 @@ Checks, reporting every problem with its exact location:
    recorded, file by file;
 4. each live checkpoint's manifest agrees with the control state folded from the log at that point
    (step, tokens, cursors, stage, config);
-5. every state snapshot beside the log (`snapshots/`, a cache that lets resume fold only the tail) is
+5. what a resume would load (the restore point's checkpoint and its KL reference) is live;
+6. every state snapshot beside the log (`snapshots/`, a cache that lets resume fold only the tail) is
    exactly the fold of the log up to its record, under the config then in force; a damaged or wrong
    one is named (it is never used over the log, and deleting it is safe).
 Exit 0 when clean, 1 otherwise.
@@ -89,6 +90,11 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
             diff = [k for k in expected if recorded.get(k) != expected[k]]
             problems.append(f"checkpoint {ref.checkpoint}: manifest disagrees with the log on {', '.join(diff)}")
             num_bad += 1
+    # What a resume would load: the restore point's checkpoint and the reference it names.
+    anchor, live = state.anchor, {c.checkpoint for c in state.live_checkpoints}
+    for role, ref in (("checkpoint", anchor and anchor.last_checkpoint), ("KL reference", anchor and anchor.reference)):
+        if ref is not None and ref.checkpoint not in live:
+            problems.append(f"restore point: its {role} {ref.checkpoint} is not live: a resume could not load it")
     verdict = f"{num_bad} with problems" if num_bad else "verified"
     notes.append(f"checkpoints: {len(state.live_checkpoints)} live, {verdict}")
     orphans = store.orphans(c.checkpoint for c in state.live_checkpoints)
@@ -106,7 +112,7 @@ def _snapshot_problems(seq: int, snapshot, event, state, config) -> list[str]:
     if (snapshot.tag, snapshot.step) != (event_tag(event), event.step):
         return [f"{where}: names {snapshot.tag} at step {snapshot.step}, the log holds {event_tag(event)} at step {event.step}"]
     if snapshot.state != state or snapshot.config != config:
-        return [f"{where}: differs from the fold of the log up to record {seq} (ignored; deleting it is safe)"]
+        return [f"{where}: differs from the fold of the log up to record {seq}; delete it (it is a cache)"]
     return []
 
 

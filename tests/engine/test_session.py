@@ -9,6 +9,9 @@ computes itself.
 from __future__ import annotations
 
 import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
 
 from rewind.states.config import loads_config
 from rewind.stores.codec import encode_frame
@@ -45,3 +48,120 @@ def test_a_really_different_config_is_refused_naming_the_field(tmp_path):
     assert code == 2
     assert "the config differs from the run's (run.seed: 7 -> 99)" in err
     assert len(read_seq_events(run)) == 1  # nothing was written
+
+
+def test_a_crash_just_after_a_reference_refresh_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    """Found in review: retention deleted the old reference right after a refresh, while the restore
+    point (the checkpoint before the refresh) still named it; a crash there stranded the run."""
+    from rewind.engine import loop
+    from rewind.states.events import CheckpointDeleted, ReferenceRefreshed
+
+    overrides = (*OVERRIDES, "optimization.kl.betas=[0.1,0.2,0.2]", "optimization.kl.reference_update_stages=[0,1]",
+                 "logging.report_interval=1")
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert run_cli(*train_args(straight, overrides=overrides))[0] == 0
+    refreshes = [e for _, e in read_seq_events(straight) if isinstance(e, ReferenceRefreshed)]
+    crash_at = refreshes[-1].step  # dies in the first step after the refresh: no checkpoint since
+    real = loop.execute_step
+
+    def dies(parts, state):
+        if state.step == crash_at:
+            raise RuntimeError("killed")
+        return real(parts, state)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "execute_step", dies)
+        with pytest.raises(RuntimeError, match="killed"):
+            run_cli(*train_args(crashed, overrides=overrides))
+    assert any(isinstance(e, CheckpointDeleted) for _, e in read_seq_events(crashed))
+    code, _, err = run_cli(*train_args(crashed, overrides=overrides))
+    assert code == 0, err
+    for run in (straight, crashed):
+        assert run_cli("export", run, "--to", run / "final.safetensors")[0] == 0
+    a, b = load_file(straight / "final.safetensors"), load_file(crashed / "final.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert run_cli("verify", crashed)[0] == 0
+
+
+def test_verify_names_a_restore_point_whose_reference_is_gone(tmp_path, monkeypatch, rewind_cli):
+    """A log written under the retention bug found in review (the old reference deleted right after a
+    refresh): `rewind verify` must say that a resume could not load it, not "clean"."""
+    from rewind.states import plan
+    from rewind.states.events import CheckpointDeleted, ReferenceRefreshed
+    from rewind.states.strategies import simulate_run
+    from rewind.stores.eventlog import EventLog
+
+    def without_the_restore_points_files(state, keep_last):
+        live = sorted(state.live_checkpoints, key=lambda c: c.step)
+        protected = {c.checkpoint for c in live[-keep_last:]} | {c.checkpoint for c in live if c.reason != "interval"}
+        protected -= {c.checkpoint for c in live if c.reason == "reference"}
+        if state.reference is not None:
+            protected.add(state.reference.checkpoint)
+        return [c.checkpoint for c in live if c.checkpoint not in protected]
+
+    config = loads_config(
+        TINY.read_text(),
+        overrides=[*OVERRIDES, "optimization.kl.betas=[0.1,0.2,0.2]", "optimization.kl.reference_update_stages=[0,1]"],
+    )
+    monkeypatch.setattr(plan, "checkpoints_to_delete", without_the_restore_points_files)
+    events = simulate_run(config)
+    references = {e.checkpoint for e in events if isinstance(e, ReferenceRefreshed)}
+    cut = next(i for i, e in enumerate(events) if isinstance(e, CheckpointDeleted) and e.checkpoint in references) + 1
+    with EventLog.open(tmp_path / "run", "w") as log:
+        for event in events[:cut]:
+            log.append(event)
+        log.commit()
+    code, out, _ = rewind_cli("verify", tmp_path / "run")
+    assert code == 1
+    assert "PROBLEM restore point: its KL reference" in out and "a resume could not load it" in out
+
+
+def test_a_resume_does_not_train_from_a_forged_snapshot(tmp_path):
+    """Found in review: a snapshot with its cursors changed (CRC recomputed) was used by a resume, which
+    then drew other data. A resume checks the snapshot against its checkpoint's manifest."""
+    from rewind.states.events import StepCommitted
+    from rewind.stores import snapshots
+
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run_cli(*train_args(straight, "--max-steps", "8"))[0] == 0
+    assert run_cli(*train_args(stopped, "--max-steps", "6"))[0] == 0
+    newest = max(snapshots.list_seqs(str(stopped)))
+    snapshot = snapshots.read(str(stopped), newest)
+    assert snapshot is not None and snapshot.state.cursors
+    cursors = {name: count + 1 for name, count in snapshot.state.cursors.items()}
+    forged = msgspec.structs.replace(snapshot, state=msgspec.structs.replace(snapshot.state, cursors=cursors))
+    (stopped / "snapshots" / f"{newest:012d}.state").write_bytes(snapshots.encode(forged))
+    assert run_cli(*train_args(stopped, "--max-steps", "2"))[0] == 0
+
+    def steps(run):
+        return {e.step: e for _, e in read_seq_events(run) if isinstance(e, StepCommitted)}
+
+    assert steps(stopped)[8].cursors == steps(straight)[8].cursors
+    assert msgspec.msgpack.encode(steps(stopped)[8]) == msgspec.msgpack.encode(steps(straight)[8])
+
+
+def test_a_fork_in_place_trains_with_its_new_optimizer_settings_and_never_opens_the_old_data(tmp_path):
+    """Found in review: restoring a checkpoint copied the saved weight decay and betas over the new
+    config's, and an in-place fork opened the old config's datasets (gone once a file has moved)."""
+    from rewind.engine.session import open_run
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(f'{{"text": "line {i} of a small corpus for the test"}}\n' for i in range(300)))
+    data = ["data.corpus.kind='jsonl'", f"data.corpus.path='{corpus}'"]
+    mixture = ["training.datasets=[[{name='corpus'}],[{name='reverse'}],[{name='sort'}]]", "training.evaluations=[]"]
+    first = (*OVERRIDES, *data, *mixture)
+    run = tmp_path / "run"
+    assert run_cli(*train_args(run, "--max-steps", "5", overrides=first))[0] == 0
+    moved = corpus.rename(tmp_path / "moved.jsonl")
+    changed = [*OVERRIDES, *mixture, "data.corpus.kind='jsonl'", f"data.corpus.path='{moved}'",
+               "optimization.weight_decay=0.25", "optimization.beta2=0.9"]
+    config = loads_config(TINY.read_text(), overrides=changed)
+    opened, _, how = open_run(config, str(run), fork=True)
+    try:
+        assert how == "resumed"
+        assert [(g["weight_decay"], g["betas"]) for g in opened.parts.optimizer.param_groups] == [
+            (0.25, (0.9, 0.9)),
+            (0.0, (0.9, 0.9)),
+        ]
+    finally:
+        opened.journal.close()

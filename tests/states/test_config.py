@@ -285,3 +285,17 @@ def test_config_hash_ignores_fields_left_at_their_default():
 def test_config_hash_is_the_hash_of_the_canonical_form_and_round_trips(config):
     assert config_hash(config) == config_hash(loads_config(dumps_config(config)))
     assert config_hash(msgspec.convert(canonical(config), Config)) == config_hash(config)
+
+
+def test_config_identity_tells_non_finite_floats_apart_and_ignores_the_sign_of_zero_and_field_order():
+    base = loads_config(GOOD)
+
+    def with_(**fields):
+        return msgspec.structs.replace(base, optimization=msgspec.structs.replace(base.optimization, **fields))
+
+    hashes = {config_hash(with_(grad_clip=v)) for v in (float("nan"), float("inf"), float("-inf"), 1.0)}
+    assert len(hashes) == 4
+    assert config_hash(with_(min_lr_ratio=-0.0)) == config_hash(with_(min_lr_ratio=0.0))
+    assert config_hash(with_(weight_decay=-0.0)) == config_hash(base)  # -0.0 is the default 0.0
+    assert list(canonical(base)) == sorted(canonical(base))
+    assert all(list(v) == sorted(v) for v in canonical(base).values() if isinstance(v, dict))

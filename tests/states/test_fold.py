@@ -458,3 +458,27 @@ def test_effective_in_one_merge_pass_is_the_definition(num_records, declared):
     used = [(e.superseded_first_seq, e.superseded_last_seq) for _, e in records if isinstance(e, RunResumed)]
     expected = [(s, e) for s, e in records if not any(a <= s <= b for a, b in used)]
     assert effective(records) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), TINY_RUNS)
+def test_what_a_resume_loads_is_never_deleted(data, config):
+    """At every record, the restore point's checkpoint and the reference it points to are live: a crash
+    there resumes from files that exist. (Retention once deleted the old reference right after a
+    refresh, while the restore point still named it.)"""
+    refresh_everywhere = msgspec.structs.replace(
+        config.optimization.kl, reference_update_stages=list(range(config.num_stages))
+    )
+    config = msgspec.structs.replace(
+        config, optimization=msgspec.structs.replace(config.optimization, kl=refresh_everywhere)
+    )
+    events = data.draw(engine_logs(config, max_crashes=2))
+    state = State()
+    for event in events:
+        state = apply(state, event)
+        anchor = state.anchor
+        live = {c.checkpoint for c in state.live_checkpoints}
+        if anchor.last_checkpoint is not None:
+            assert anchor.last_checkpoint.checkpoint in live, event
+        if anchor.reference is not None:
+            assert anchor.reference.checkpoint in live, event

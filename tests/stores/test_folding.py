@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rewind.states.config import loads_config
-from rewind.states.events import CheckpointCommitted, RunResumed, event_tag
+from rewind.states.events import CheckpointCommitted, RunResumed
 from rewind.states.fold import fold
 from rewind.states.history import config_in_force
 from rewind.states.strategies import engine_logs, simulate_run
@@ -49,7 +50,7 @@ def _snapshot_every_checkpoint(run_dir, events) -> list[int]:
     for seq, event in enumerate(events):
         if isinstance(event, CheckpointCommitted):
             pairs = list(enumerate(events[: seq + 1]))
-            snapshots.write(str(run_dir), seq, event_tag(event), fold(events[: seq + 1]), config_in_force(pairs))
+            snapshots.write(str(run_dir), snapshots.make(seq, event, fold(events[: seq + 1]), config_in_force(pairs)))
             seqs.append(seq)
     return seqs
 
@@ -101,13 +102,9 @@ def test_a_snapshot_of_another_history_or_past_the_end_is_not_used(tmp_path):
         os.remove(run / "snapshots" / f"{seq:012d}.state")
     newest = snapshots.read(str(run), seqs[-1])
     # Same seq, but the state of another record there: the check of type and step against the log fails.
-    forged = snapshots.Snapshot(
-        format=snapshots.FORMAT, seq=seqs[-1], tag="StepCommitted", step=newest.step, state=newest.state, config=CONFIG
-    )
+    forged = msgspec.structs.replace(newest, tag="StepCommitted")
     (run / "snapshots" / f"{seqs[-1]:012d}.state").write_bytes(snapshots.encode(forged))
-    beyond = snapshots.Snapshot(
-        format=snapshots.FORMAT, seq=len(events) + 5, tag="CheckpointCommitted", step=0, state=newest.state, config=CONFIG
-    )
+    beyond = msgspec.structs.replace(newest, seq=len(events) + 5)
     (run / "snapshots" / f"{len(events) + 5:012d}.state").write_bytes(snapshots.encode(beyond))
     opened = _open(run)
     assert opened.state == fold(events) and opened.snapshot_seq == -1
@@ -126,11 +123,22 @@ def test_verify_checks_every_snapshot_against_the_log(tmp_path, rewind_cli):
     damaged = run / "snapshots" / f"{kept[-1]:012d}.state"
     damaged.write_bytes(damaged.read_bytes()[:-1] + b"\\x00")
     wrong = snapshots.read(str(run), kept[-2])
-    lying = snapshots.Snapshot(
-        format=snapshots.FORMAT, seq=kept[-2], tag=wrong.tag, step=wrong.step, state=fold(events[:3]), config=CONFIG
-    )
+    lying = msgspec.structs.replace(wrong, state=fold(events[:3]))
     (run / "snapshots" / f"{kept[-2]:012d}.state").write_bytes(snapshots.encode(lying))
     code, out, _ = rewind_cli("verify", run)
     assert code == 1
     assert f"PROBLEM snapshot {kept[-1]:012d}: damaged" in out
     assert f"PROBLEM snapshot {kept[-2]:012d}: differs from the fold of the log up to record {kept[-2]}" in out
+
+
+def test_a_snapshot_of_another_shape_of_state_is_not_used(tmp_path):
+    """msgspec fills missing fields with defaults, so a snapshot written before a State field was
+    renamed would decode; its schema fingerprint keeps it from being used."""
+    run, events, seqs = _prepared(tmp_path)
+    newest = snapshots.read(str(run), seqs[-1])
+    assert snapshots.decode(snapshots.encode(newest)) == newest
+    assert snapshots.decode(snapshots.encode(msgspec.structs.replace(newest, schema="0" * 16))) is None
+    # And one taken at the same seq of another history (another event there) is stale.
+    other = msgspec.structs.replace(newest, event_sha256="0" * 64)
+    (run / "snapshots" / f"{seqs[-1]:012d}.state").write_bytes(snapshots.encode(other))
+    assert _open(run).snapshot_seq != seqs[-1] and _open(run).state == fold(events)

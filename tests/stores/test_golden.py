@@ -81,6 +81,7 @@ def golden_events(config: Config | None = None) -> list:
         cursors={"grammar": 700, "reverse": 260},
         last_loss=1.875,
         live_checkpoints=[checkpoint],
+        last_validated_step=120,  # the upcast's: 0.1's restore point came after that step's validation
     )
     return [
         RunStarted(
