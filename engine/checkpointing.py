@@ -16,6 +16,7 @@ import torch
 
 from rewind.engine import snapshot
 from rewind.engine.parts import Parts, build_model, frozen_copy
+from rewind.engine.step import apply_hyperparameters
 from rewind.states.events import CheckpointCommitted
 from rewind.states.state import CheckpointReason, State, control_summary
 from rewind.stores.checkpoints import group_file
@@ -58,7 +59,7 @@ def load_checkpoint(parts: Parts, state: State) -> None:
     groups = parts.store.load(ref.checkpoint, ref.files, groups=("model", "optimizer"))
     snapshot.load_model_tensors(parts.model, groups["model"])
     meta = parts.store.load_manifest(ref.checkpoint).meta
-    snapshot.load_optimizer_tensors(parts.optimizer, parts.param_names, groups["optimizer"], meta["optimizer"])
+    restore_optimizer(parts, groups["optimizer"], meta["optimizer"])
     parts.reference = None
     if state.reference is not None:
         if state.reference.checkpoint == ref.checkpoint:
@@ -69,6 +70,12 @@ def load_checkpoint(parts: Parts, state: State) -> None:
         reference = build_model(parts.config)
         snapshot.load_model_tensors(reference, weights)
         parts.reference = frozen_copy(reference)
+
+
+def restore_optimizer(parts: Parts, tensors: dict[str, torch.Tensor], layout: dict) -> None:
+    """The saved moments into the live optimizer, under the settings of the config in force."""
+    snapshot.load_optimizer_tensors(parts.optimizer, parts.param_names, tensors, layout)
+    apply_hyperparameters(parts.optimizer, parts.config)
 
 
 def tensor_hashes(parts: Parts, files: dict[str, str]) -> dict[str, str]:

@@ -13,6 +13,7 @@ bookkeeping such as checkpoints, stops and evaluations) have no effect.
 from __future__ import annotations
 
 from rewind.engine import snapshot
+from rewind.engine.checkpointing import restore_optimizer
 from rewind.engine.parts import Parts, RunError, build_model, fresh_parts, frozen_copy
 from rewind.states.config import Config
 from rewind.states.events import ConfigChanged, Event, ReferenceRefreshed, RunResumed, StackAppended
@@ -48,8 +49,7 @@ def rebuilt(parts: Parts, config: Config, *, carry_tensors: bool) -> Parts:
     if not carry_tensors:
         return new
     snapshot.load_model_tensors(new.model, snapshot.model_tensors(parts.model))
-    moments, layout = snapshot.optimizer_tensors(parts.optimizer, parts.param_names)
-    snapshot.load_optimizer_tensors(new.optimizer, new.param_names, moments, layout)
+    restore_optimizer(new, *snapshot.optimizer_tensors(parts.optimizer, parts.param_names))
     if parts.reference is not None:
         reference = build_model(config)
         snapshot.load_model_tensors(reference, snapshot.model_tensors(parts.reference))

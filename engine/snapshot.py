@@ -131,11 +131,7 @@ def load_optimizer_tensors(
             raise SnapshotError(
                 f"optimizer group {index} holds {_few(names)}, the checkpoint's held {_few(saved['params'])}"
             )
-        # Hyper-parameters come from the live optimizer, i.e. from the config in force: a run forked
-        # with another weight decay or betas must train with them. (Under an unchanged config they equal
-        # the saved ones; the LR is set before every step.) Only what the live group lacks is restored.
         group = {key: _like(live.get(key), value) for key, value in saved.items() if key != "params"}
-        group.update({key: value for key, value in live.items() if key != "params"})
         group["params"] = list(range(len(index_of), len(index_of) + len(names)))
         index_of.update(zip(names, group["params"], strict=True))
         groups.append(group)

@@ -44,6 +44,16 @@ def build_optimizer(model: nn.Module, config: Config) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, foreach=False)
 
 
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, config: Config) -> None:
+    """Set what the config decides about the optimizer's groups (betas, eps, weight decay; the LR is set
+    before every step). Called after restoring a checkpoint's optimizer state too: the checkpoint
+    gives the moments, the config in force gives the settings, so a run forked with another weight
+    decay trains with it (under an unchanged config this changes nothing)."""
+    opt = config.optimization
+    for group, weight_decay in zip(optimizer.param_groups, (opt.weight_decay, 0.0), strict=True):
+        group.update(betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=weight_decay)
+
+
 def micro_batches(num_rows: int, per_device: int) -> list[slice]:
     size = num_rows if per_device <= 0 else per_device
     return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]

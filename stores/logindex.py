@@ -18,7 +18,7 @@ Index files are not synced: one torn by a power cut fails its CRC and is scanned
 so a sync would only add two disk flushes to the commit that seals a segment.
 
 Seeking needs no index at all: `locate` finds the segment holding a seq by a binary search over the
-first record's header of each, and `parse_part` decodes a segment from the record wanted on.
+first record's header of each, and `part_chunks` decodes a segment from the record wanted on.
 """
 
 from __future__ import annotations
@@ -41,14 +41,12 @@ from rewind.stores.codec import (
     TRAILER,
     BadFrame,
     EventDecoder,
-    Problem,
     Record,
-    SegmentParse,
     parse_frame,
-    parse_segment,
     skip_records,
 )
 from rewind.stores.fsio import Location
+from rewind.stores.segparse import Problem, SegmentChunks, SegmentParse
 
 INDEX_SUFFIX = ".idx"
 INDEX_FORMAT = 1  # bumped when the file's layout changes; other formats are ignored, then rewritten
@@ -96,27 +94,9 @@ def superseded_ranges(summaries: Iterable[SegmentSummary]) -> list[tuple[int, in
 
 def summarize(name: str, first_seq: int, parsed: SegmentParse, data: bytes) -> SegmentSummary:
     """The summary of a segment parsed whole from its first record (`first_seq`) on."""
-    items = parsed.items
-    events = [r.event for r in items] if items and type(items[0]) is Record else items
-    if not events:
-        return SegmentStats(first_seq).summary(name)
-    steps = [e.step for e in events]
-    resumes = tuple(
-        ResumeMark(first_seq + i, e.superseded_first_seq, e.superseded_last_seq)
-        for i, e in enumerate(events)
-        if type(e) is RunResumed
-    )
-    return SegmentSummary(
-        segment=name,
-        first_seq=first_seq,
-        next_seq=parsed.next_seq,
-        min_step=min(steps),
-        max_step=max(steps),
-        num_bytes=parsed.end,
-        resumes=resumes,
-        last_offset=parsed.last_offset,
-        last_crc=TRAILER.unpack_from(data, parsed.end - TRAILER.size)[0],
-    )
+    stats = SegmentStats(first_seq)
+    stats.add_chunk(parsed.items)
+    return stats.scanned(name, parsed.end, parsed.last_offset, data)
 
 
 class SegmentStats:
@@ -160,6 +140,30 @@ class SegmentStats:
         if type(event) is RunResumed:
             self.resumes.append(ResumeMark(seq, event.superseded_first_seq, event.superseded_last_seq))
         self.next_seq, self.num_bytes, self.last_offset, self.last_crc = seq + 1, offset + size, offset, crc
+
+    def add_chunk(self, items: list) -> None:
+        """The next records (or bare events) of a segment being scanned, decoded together."""
+        if not items:
+            return
+        events = [r.event for r in items] if type(items[0]) is Record else items
+        steps = [e.step for e in events]
+        self.min_step = min(self.min_step, min(steps))
+        self.max_step = max(self.max_step, max(steps))
+        first = self.next_seq
+        self.resumes += [
+            ResumeMark(first + i, e.superseded_first_seq, e.superseded_last_seq)
+            for i, e in enumerate(events)
+            if type(e) is RunResumed
+        ]
+        self.next_seq = first + len(events)
+
+    def scanned(self, name: str, end: int, last_offset: int, data: bytes) -> SegmentSummary:
+        """The summary of segment `name` (bytes `data`) once a scan from its first record has added
+        every chunk: the intact records end at `end`, the last one starts at `last_offset`."""
+        if self.next_seq > self.first_seq:
+            self.num_bytes, self.last_offset = end, last_offset
+            self.last_crc = TRAILER.unpack_from(data, end - TRAILER.size)[0]
+        return self.summary(name)
 
     def summary(self, name: str) -> SegmentSummary:
         empty = self.next_seq == self.first_seq
@@ -317,7 +321,7 @@ def locate(events_dir: Location, segments: Sequence[str], start_seq: int) -> tup
     return low, low_seq
 
 
-def parse_part(
+def part_chunks(
     name: str,
     data: bytes,
     *,
@@ -326,24 +330,22 @@ def parse_part(
     stop_seq: int | None,
     decoder: EventDecoder,
     records: bool,
-) -> SegmentParse:
+) -> SegmentChunks:
     """The records with start_seq <= seq < stop_seq of segment `name` (bytes `data`, first record
-    `first_seq`), decoding and CRC-checking only those when the frame headers lead to them. Offsets in
-    the result are the segment's; `next_seq` is the seq after the last record parsed."""
+    `first_seq`), a chunk at a time, decoding and CRC-checking only those when the frame headers lead
+    to them, else decoding from the first record and dropping those before `start_seq`. Offsets are
+    the segment's; `next_seq` ends as the seq after the last record parsed (at most `stop_seq`).
+
+    Damage inside a part cut short by `stop_seq` is judged against the whole segment, as a read to
+    its end would (an intact frame anywhere after it makes it corruption, raised at once), so that
+    the caller can tell a torn tail from corruption by `bad` alone."""
     bounds = _part_bounds(data, first_seq, start_seq, stop_seq)
     if bounds is not None:
         begin, end, seq = bounds
-        chunk = data if (begin, end) == (0, len(data)) else data[begin:end]
-        parsed = parse_segment(name, chunk, seq=seq, decoder=decoder, records=records, base=begin)
-        # Damage inside a part cut short by stop_seq may be followed by intact records: only the
-        # whole segment tells corruption from a torn tail.
-        if parsed.bad is None or end == len(data):
-            bad = None if parsed.bad is None else (begin + parsed.bad[0], parsed.bad[1])
-            return parsed._replace(end=begin + parsed.end, bad=bad)
-    whole = parse_segment(name, data, seq=first_seq, decoder=decoder, records=records)
-    skip = max(0, start_seq - first_seq)
-    keep = len(whole.items) if stop_seq is None else max(skip, stop_seq - first_seq)
-    return whole._replace(items=whole.items[skip:keep], next_seq=min(whole.next_seq, first_seq + keep))
+        return SegmentChunks(name, data, seq=seq, decoder=decoder, records=records, begin=begin, stop=end)
+    return SegmentChunks(
+        name, data, seq=first_seq, decoder=decoder, records=records, start_seq=start_seq, stop_seq=stop_seq
+    )
 
 
 def _part_bounds(

@@ -30,23 +30,25 @@ from rewind.stores.codec import (
     EventDecoder,
     LogCorruptError,
     LogError,
-    LogReport,
-    Problem,
     Record,
-    SegmentParse,
-    TornTail,
-    audit_segments,
-    parse_segment,
 )
 from rewind.stores.fsio import Location
 from rewind.stores.logindex import (
+    SegmentStats,
     SegmentSummary,
     check_indexes,
     load_index,
     locate,
-    parse_part,
-    summarize,
+    part_chunks,
     superseded_ranges,
+)
+from rewind.stores.segparse import (
+    LogReport,
+    Problem,
+    SegmentChunks,
+    SegmentParse,
+    TornTail,
+    audit_segments,
 )
 
 EVENTS_DIR = "events"
@@ -106,13 +108,19 @@ class LogReader:
         """The committed records with start_seq <= seq < stop_seq (to the end by default) in seq
         order, read from storage now. Reads only the segments that can hold them and decodes from the
         first one wanted. Raises LogCorruptError on damage in what it reads; a torn tail ends the
-        iteration and is reported in `torn_tail` (when the iteration reaches it)."""
-        for _, _, parsed in self._read_segments(start_seq, stop_seq, records=True):
-            yield from parsed.items
+        iteration and is reported in `torn_tail` (when the iteration reaches it).
+
+        Streams: each segment decodes a chunk at a time (`rewind.stores.segparse.SegmentChunks`), every
+        record checked before it is handed on, so a consumer that does not keep the records holds
+        about one chunk of them (and the bytes of the segment being read), not a whole segment.
+        Records of a segment come before damage found later in it is raised."""
+        for chunk in self._read_chunks(start_seq, stop_seq, records=True):
+            yield from chunk
+            chunk = None  # let go of it before the next one decodes
 
     def events(self) -> list[Any]:
         """Every committed event, in order (the fast path: no Record wrappers)."""
-        return [event for _, _, parsed in self._read_segments(records=False) for event in parsed.items]
+        return [event for chunk in self._read_chunks(records=False) for event in chunk]
 
     def segment_summaries(self) -> list[SegmentSummary]:
         """What each segment holds (seqs, steps, bytes, resumes): from the index file of a sealed
@@ -127,17 +135,20 @@ class LogReader:
         """The records with low <= step <= high in seq order (only those that still count after
         resumes, with `effective`), reading only the segments whose step range meets [low, high]."""
         wanted = functools.partial(SegmentSummary.may_hold_steps, low=low, high=high)
-        summaries = self._summaries(keep=wanted)
+        summaries = self._summaries(keep=lambda record: low <= record.event.step <= high)
         ranges = superseded_ranges(s for s, _ in summaries) if effective else []
-        for summary, records in summaries:
+        for position, (summary, kept) in enumerate(summaries):
             if not wanted(summary):
                 continue
-            if records is None:
-                records = self._read_sealed(summary)
+            summaries[position] = (summary, None)  # what was kept goes once it has been handed on
+            chunks = iter([kept]) if kept is not None else self._segment_chunks(summary)
+            kept = None  # the iterator holds it until it is handed on
             here = [(a, b) for a, b in ranges if a < summary.next_seq and b >= summary.first_seq]
-            for record in records:
-                if low <= record.event.step <= high and not any(a <= record.seq <= b for a, b in here):
-                    yield record
+            for chunk in chunks:
+                for record in chunk:
+                    if low <= record.event.step <= high and not any(a <= record.seq <= b for a, b in here):
+                        yield record
+                chunk = None  # let go of it before the next one decodes
 
     def follow(
         self, poll_s: float = 0.2, stop: Callable[[], bool] | None = None, *, start_seq: int = 0
@@ -161,14 +172,16 @@ class LogReader:
                 has_next = index + 1 < len(indices)  # listed before reading: if so, this one is final
                 name = segment_name(index)
                 data = self._events_dir.join(name).read_bytes(offset)
-                parsed = parse_segment(name, data, seq=seq, decoder=self._decoder, base=offset)
-                yield from (record for record in parsed.items if record.seq >= start_seq)
-                seq, offset = parsed.next_seq, offset + parsed.end
-                if parsed.bad is not None and has_next:
-                    raise LogCorruptError(
-                        name, offset, f"{parsed.bad[1]} (in a segment that is not the last)"
-                    )
-                if parsed.bad is not None or not has_next:
+                chunks = SegmentChunks(name, data, seq=seq, decoder=self._decoder, base=offset)
+                data = None  # the chunks hold it while they decode, and no longer
+                for chunk in chunks:
+                    yield from (record for record in chunk if record.seq >= start_seq)
+                    chunk = None  # let go of it before the next one decodes
+                seq, offset, bad = chunks.next_seq, offset + chunks.end, chunks.bad
+                chunks = None
+                if bad is not None and has_next:
+                    raise LogCorruptError(name, offset, f"{bad[1]} (in a segment that is not the last)")
+                if bad is not None or not has_next:
                     break
                 index, offset = index + 1, 0
             if seq == num_before:
@@ -176,34 +189,49 @@ class LogReader:
                     return
                 time.sleep(poll_s)
 
-    def _summaries(self, keep: Callable[[SegmentSummary], bool] | None = None) -> list:
-        """(summary, records) of every segment; records (decoded) only for a segment that had to be
-        scanned and that `keep` wants, else None. Sets `torn_tail`."""
+    def _summaries(self, keep: Callable[[Record], bool] | None = None) -> list:
+        """(summary, kept) of every segment. `kept`, only with `keep` and only for a segment that had
+        to be scanned: its records that `keep` accepts, decoded by the scan, as long as what is kept
+        over all segments is no more than the largest chunk decoded held (else it could take a
+        segment's memory, or the log's: the caller reads the segment again); otherwise None.
+        Sets `torn_tail`."""
         self._check_open()
         indices = list_segments(self._events_dir)
         found: list[tuple[SegmentSummary, list[Record] | None]] = []
         seq, torn = 0, None
+        num_kept = most = 0  # records kept over all segments; the most records a chunk held
         for index in indices:
             name = segment_name(index)
             summary = None if index == indices[-1] else load_index(self._events_dir, name, seq)
-            records = None
+            kept: list[Record] | None = None
             if summary is None:
                 data = self._events_dir.join(name).read_bytes()
-                parsed = parse_segment(name, data, seq=seq, decoder=self._decoder, records=True)
-                torn = self._check_tail(index, indices, data, parsed)
-                summary = summarize(name, seq, parsed, data)
-                records = parsed.items if keep is not None and keep(summary) else None
-            found.append((summary, records))
+                chunks = SegmentChunks(name, data, seq=seq, decoder=self._decoder, records=keep is not None)
+                stats = SegmentStats(seq)
+                kept = [] if keep is not None else None
+                for chunk in chunks:
+                    stats.add_chunk(chunk)
+                    if kept is not None:
+                        most = max(most, len(chunk))
+                        kept += filter(keep, chunk)
+                        if num_kept + len(kept) > most:
+                            kept = None  # more than a chunk's worth: read again when wanted
+                    chunk = None  # let go of it before the next one decodes
+                num_kept += len(kept) if kept is not None else 0
+                torn = self._check_tail(index, indices, len(data), chunks.bad)
+                summary = stats.scanned(name, chunks.end, chunks.last_offset, data)
+                data = chunks = None
+            found.append((summary, kept))
             seq = summary.next_seq
         self.torn_tail = torn
         self._scanned_seq = seq
         return found
 
-    def _read_segments(
+    def _read_chunks(
         self, start_seq: int = 0, stop_seq: int | None = None, *, records: bool
-    ) -> Iterator[tuple[int, bytes, SegmentParse]]:
-        """(index, bytes, parse) of each segment from the one that holds `start_seq` on, each parse
-        holding its records in [start_seq, stop_seq). Sets `torn_tail` once it reaches the end."""
+    ) -> Iterator[list]:
+        """The records in [start_seq, stop_seq) (Records, or bare events), a chunk at a time, from
+        the segment that holds `start_seq` on. Sets `torn_tail` once it reaches the end."""
         self._check_open()
         indices = list_segments(self._events_dir)
         names = [segment_name(index) for index in indices]
@@ -213,7 +241,8 @@ class LogReader:
             if stop_seq is not None and seq >= stop_seq:  # an empty range
                 return
             data = self._events_dir.join(names[index]).read_bytes()
-            parsed = parse_part(
+            size = len(data)
+            chunks = part_chunks(
                 names[index],
                 data,
                 first_seq=seq,
@@ -222,34 +251,81 @@ class LogReader:
                 decoder=self._decoder,
                 records=records,
             )
+            data = None  # the chunks hold it while they decode, and no longer
+            for chunk in chunks:
+                yield chunk
+                chunk = None  # let go of it before the next one decodes
+            seq, bad = chunks.next_seq, chunks.bad
+            chunks = None
+            if stop_seq is not None and seq >= stop_seq:  # done before the end: nothing to say about it
+                return
+            torn = self._check_tail(index, indices, size, bad)
+        self.torn_tail = torn
+        self._scanned_seq = seq
+
+    def _read_segments(
+        self, start_seq: int = 0, stop_seq: int | None = None, *, records: bool
+    ) -> Iterator[tuple[int, bytes, SegmentParse]]:
+        """(index, bytes, parse) of each segment from the one that holds `start_seq` on, each parse
+        holding its records in [start_seq, stop_seq), decoded whole (for the writer's open, which
+        summarizes each segment from its parse). Sets `torn_tail` once it reaches the end."""
+        self._check_open()
+        indices = list_segments(self._events_dir)
+        names = [segment_name(index) for index in indices]
+        position, seq = locate(self._events_dir, names, start_seq) if start_seq > 0 else (0, 0)
+        torn = None
+        for index in indices[position:]:
+            if stop_seq is not None and seq >= stop_seq:  # an empty range
+                return
+            data = self._events_dir.join(names[index]).read_bytes()
+            chunks = part_chunks(
+                names[index],
+                data,
+                first_seq=seq,
+                start_seq=start_seq,
+                stop_seq=stop_seq,
+                decoder=self._decoder,
+                records=records,
+            )
+            items = [item for chunk in chunks for item in chunk]
+            parsed = SegmentParse(items, chunks.next_seq, chunks.end, chunks.bad, chunks.last_offset)
             seq = parsed.next_seq
             if stop_seq is not None and seq >= stop_seq:  # done before the end: nothing to say about it
                 yield index, data, parsed
                 return
-            torn = self._check_tail(index, indices, data, parsed)
+            torn = self._check_tail(index, indices, len(data), parsed.bad)
             yield index, data, parsed
         self.torn_tail = torn
         self._scanned_seq = seq
 
-    def _read_sealed(self, summary: SegmentSummary) -> list[Record]:
-        """The records of a sealed segment its (checked) index file summarized."""
+    def _segment_chunks(self, summary: SegmentSummary) -> Iterator[list[Record]]:
+        """The records of a segment `summary` describes (its intact records: up to `num_bytes`), a
+        chunk at a time; damage there is corruption."""
         data = self._events_dir.join(summary.segment).read_bytes()
-        parsed = parse_segment(summary.segment, data, seq=summary.first_seq, decoder=self._decoder)
-        if parsed.bad is not None:
-            offset, reason = parsed.bad
+        chunks = SegmentChunks(
+            summary.segment, data, seq=summary.first_seq, decoder=self._decoder, stop=summary.num_bytes
+        )
+        data = None
+        for chunk in chunks:
+            yield chunk
+            chunk = None  # let go of it before the next one decodes
+        if chunks.bad is not None:
+            offset, reason = chunks.bad
             raise LogCorruptError(summary.segment, offset, f"{reason} (in a segment that is not the last)")
-        return parsed.items
 
     @staticmethod
-    def _check_tail(index: int, indices: list[int], data: bytes, parsed: SegmentParse) -> TornTail | None:
-        """A damaged end of the last segment is a torn tail; of any other segment, corruption."""
-        if parsed.bad is None:
+    def _check_tail(
+        index: int, indices: list[int], size: int, bad: tuple[int, str] | None
+    ) -> TornTail | None:
+        """A damaged end (`bad`) of the last segment (`size` bytes) is a torn tail; of any other
+        segment, corruption."""
+        if bad is None:
             return None
-        offset, reason = parsed.bad
+        offset, reason = bad
         name = segment_name(index)
         if index != indices[-1]:
             raise LogCorruptError(name, offset, f"{reason} (in a segment that is not the last)")
-        return TornTail(name, offset, len(data) - offset, reason)
+        return TornTail(name, offset, size - offset, reason)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -273,17 +349,25 @@ def verify_log(run_url: str | os.PathLike[str]) -> LogReport:
         name = segment_name(index)
         data = events_dir.join(name).read_bytes()
         first = report.next_seq
-        try:  # the fast path proves an intact segment at once; only a damaged one needs the audit
-            parsed = parse_segment(name, data, seq=first, decoder=decoder, records=False)
+        # The fast path proves an intact segment a chunk at a time, keeping only the summary; only a
+        # damaged segment needs the audit.
+        chunks = SegmentChunks(name, data, seq=first, decoder=decoder, records=False)
+        stats = SegmentStats(first)
+        try:
+            for chunk in chunks:
+                stats.add_chunk(chunk)
+                chunk = None  # let go of it before the next one decodes
+            intact = chunks.bad is None
         except LogError:
-            parsed = None
-        if parsed is None or parsed.bad is not None:
+            intact = False
+        if not intact:
             audit_segments([(name, data, index == indices[-1])], report)
-            continue
-        report.num_segments += 1
-        report.num_records += len(parsed.items)
-        report.num_bytes += len(data)
-        report.next_seq = parsed.next_seq
-        summaries[name] = summarize(name, first, parsed, data)
+        else:
+            report.num_segments += 1
+            report.num_records += chunks.next_seq - first
+            report.num_bytes += len(data)
+            report.next_seq = chunks.next_seq
+            summaries[name] = stats.scanned(name, chunks.end, chunks.last_offset, data)
+        data = chunks = None  # before the next segment is read
     report.index_problems = check_indexes(events_dir, summaries)
     return report

@@ -20,7 +20,6 @@ from rewind.stores.codec import (
     FrameEncoder,
     encode_frame,
     parse_frame,
-    parse_segment,
 )
 from rewind.stores.eventlog import (
     EVENTS_DIR,
@@ -30,6 +29,7 @@ from rewind.stores.eventlog import (
     segment_name,
     verify_log,
 )
+from rewind.stores.segparse import parse_segment
 from tests.stores.samples import events_strategy
 
 # How a StepCommitted looked in a (made-up) schema version 0: "learning_rate" instead of "lr", and

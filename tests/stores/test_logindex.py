@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from rewind.states.events import RunResumed, StageEntered, StepCommitted
 from rewind.stores import fsio
-from rewind.stores.codec import EventDecoder, encode_frame, parse_segment
+from rewind.stores.codec import EventDecoder, encode_frame
 from rewind.stores.eventlog import (
     EVENTS_DIR,
     EventLog,
@@ -33,6 +33,7 @@ from rewind.stores.logindex import (
     load_index,
     summarize,
 )
+from rewind.stores.segparse import parse_segment
 from tests.stores.conftest import skip_syncs
 
 SEGMENT_BYTES = 300  # a few records per segment: every query crosses segment boundaries

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from rewind.states.events import StepCommitted
-from rewind.stores import codec, fsio
+from rewind.stores import codec, fsio, segparse
 from rewind.stores.codec import LogCorruptError, LogError
 from rewind.stores.eventlog import EVENTS_DIR, EventLog, segment_name, verify_log
 from tests.stores.conftest import skip_syncs
@@ -30,7 +30,7 @@ WHOLE = 1 << 40  # a chunk size that makes every segment one chunk: the whole-se
 @contextlib.contextmanager
 def chunk_size(size: int):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(codec, "DECODE_CHUNK_BYTES", size)
+        patch.setattr(segparse, "DECODE_CHUNK_BYTES", size)
         yield
 
 
@@ -111,7 +111,7 @@ def damage(events_dir: Path, how: str, data) -> None:
         path.write_bytes(bytes(blob))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     events=logs(),
     commit_every=st.integers(1, 6),
@@ -299,10 +299,28 @@ def test_a_scan_keeps_no_more_than_a_chunk_of_what_a_step_query_wants(local_run)
         assert Live.made == 300 + 600 and Live.peak <= 2 * 10 + 1
 
 
+def test_scans_of_many_unindexed_segments_keep_no_more_than_a_chunk_together(local_run):
+    starts = big_segment(local_run, 2)
+    frame = starts[1] - starts[0]
+    shutil.rmtree(local_run)
+    events = [same_size_step(i % 20) for i in range(300)]  # steps 1000..1019 over and over
+    write(local_run, events, commit_every=7, segment_bytes=20 * frame)  # 15 segments of 20 records
+    for index in Path(local_run, EVENTS_DIR).glob("*.idx"):
+        index.unlink()  # as in a log of rewind 0.1: every segment is scanned
+    with chunk_size(10 * frame), counting(EventLog.open(local_run)) as log:
+        assert len(log.segment_summaries()) == 15
+        Live.peak = 0
+        # 6 records of each segment: 90 in all, more than a chunk (10 records) together
+        got = [r.event.event for r in log.records_in_steps(1_000, 1_005)]
+        assert got == [e for e in events if e.step <= 1_005]
+        assert Live.peak <= 2 * 10 + 1
+
+
 def test_reading_keeps_the_collector_as_it_was(local_run):
     write(local_run, sample_events(200), commit_every=50, segment_bytes=2_000)
     with chunk_size(500), EventLog.open(local_run) as log:
         assert all(gc.isenabled() for _ in log.records())
+        assert gc.get_freeze_count() == 0  # what decoding did to the generations leaves nothing frozen
         gc.disable()
         try:
             assert not any(gc.isenabled() for _ in log.records())
