@@ -330,6 +330,7 @@ def test_reading_keeps_the_collector_as_it_was(local_run):
         try:
             frozen = gc.get_freeze_count()
             assert frozen > 0 and len(log.events()) == 200
-            assert gc.get_freeze_count() == frozen
+            # A thaw would leave nothing frozen; frozen objects freed meanwhile may lower the count a bit.
+            assert gc.get_freeze_count() > 0.9 * frozen
         finally:
             gc.unfreeze()
