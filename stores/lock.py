@@ -1,22 +1,29 @@
 """The single-writer lock of an event log: a lock file naming its holder.
 
 The file (`RUN/events/LOCK`) holds a msgspec-JSON `LockInfo`: host, pid, start time and a random
-token. Taking the lock creates the file exclusively: atomically on local filesystems
-(O_CREAT | O_EXCL), best effort on object stores (see `Location.create_exclusive`).
+token, for the messages. Readers never look at the lock.
 
-A lock left by a process that died on this host (`os.kill(pid, 0)` fails with ESRCH) is stale: it is
-broken with a `StaleLockBroken` warning and taken. A live holder, a holder on another host (whose
-liveness cannot be checked from here) or an unreadable lock file refuse the writer with
-`LogLockedError`, which names the holder. Readers never look at the lock.
+Local filesystems: the kernel holds the lock. The writer opens the file and takes `flock(LOCK_EX)` on
+it; the kernel drops it the moment the process dies, however it dies, and before it is reaped: a
+killed writer that is still a zombie, or whose container's init reaps slowly, does not hold it, so
+`kill -9` followed at once by the same command is never refused. The file is never deleted (deleting
+a file others may be waiting to lock lets two of them lock two different files); a clean release
+empties it. When the lock is free but the file still names a holder, that holder died: it is taken
+over with a `StaleLockBroken` warning. One exception: a holder written by rewind 0.1, which held no
+kernel lock (`kernel_lock` false), is only taken over if it is certainly dead (same host, no such
+process or a zombie), so a 0.1 writer still running is never joined by a second writer.
 
-Release removes the file only if it still carries our token, so a writer whose stale-looking lock was
-broken by someone else never deletes the new holder's lock.
+Object stores (no flock): the file is created exclusively (best effort, `Location.create_exclusive`);
+a lock of a dead process on this host is broken with `StaleLockBroken`; a live holder, one on another
+host or an unreadable file refuse with `LogLockedError`, which names the holder. Release removes the
+file only if it still carries our token.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import os
 import secrets
 import socket
@@ -35,6 +42,7 @@ class LockInfo(msgspec.Struct, frozen=True, kw_only=True):
     pid: int
     since: str  # ISO 8601, UTC: when the holder took the lock
     token: str  # random: tells our lock from a successor's
+    kernel_lock: bool = False  # held with flock (rewind >= 0.2 on a local filesystem)
 
     def describe(self) -> str:
         return f"pid {self.pid} on host {self.host} since {self.since}"
@@ -73,8 +81,9 @@ def read_lock(location: Location) -> LockInfo | None:
 
 
 def is_stale(holder: LockInfo) -> bool:
-    """True only when the holder is certainly dead: same host, and no process has its pid."""
-    if holder.host != socket.gethostname() or holder.pid <= 0:  # pid <= 0 would signal a group
+    """True only when the holder is certainly dead: same host, and no process has its pid, or the
+    process is a zombie (killed, not yet reaped: `kill(pid, 0)` still succeeds on it)."""
+    if holder.host != socket.gethostname() or not 0 < holder.pid < 1 << 31:  # pid <= 0 signals a group
         return False
     try:
         os.kill(holder.pid, 0)
@@ -82,15 +91,38 @@ def is_stale(holder: LockInfo) -> bool:
         return True
     except OSError:  # EPERM: alive, owned by someone else
         return False
-    return False
+    return _is_zombie(holder.pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read(4096)
+    except OSError:
+        return False  # no /proc here: cannot tell, so alive
+    # "pid (comm) state ...": comm may hold spaces and parentheses, so the state follows the last ")".
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"Z"
+
+
+def _read_fd(fd: int) -> LockInfo | bool | None:
+    """What the lock file says: a LockInfo; False when it is empty (released cleanly, or new); None
+    when it holds something else. Read bounded: it is a few hundred bytes when rewind wrote it."""
+    data = os.pread(fd, 4096, 0)
+    if not data:
+        return False
+    try:
+        return msgspec.json.decode(data, type=LockInfo)
+    except msgspec.DecodeError:
+        return None
 
 
 class WriterLock:
     """A held lock. `acquire` takes it (or raises LogLockedError); `release` gives it back."""
 
-    def __init__(self, location: Location, info: LockInfo):
+    def __init__(self, location: Location, info: LockInfo, fd: int | None = None):
         self.location = location
         self.info = info
+        self.fd = fd  # the flock'd file (local filesystems)
         self.held = True
 
     @classmethod
@@ -100,7 +132,10 @@ class WriterLock:
             pid=os.getpid(),
             since=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             token=secrets.token_hex(8),
+            kernel_lock=location.is_local,
         )
+        if location.is_local:
+            return cls._acquire_local(location, info)
         data = msgspec.json.encode(info)
         holder = None
         for _ in range(_MAX_ATTEMPTS):
@@ -126,10 +161,40 @@ class WriterLock:
                 location.remove()
         raise LogLockedError(location.url, holder)
 
+    @classmethod
+    def _acquire_local(cls, location: Location, info: LockInfo) -> WriterLock:
+        path = location.path
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise LogLockedError(location.url, None)  # a directory, FIFO or device where the lock belongs
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LogLockedError(location.url, _read_fd(fd) or None) from None
+            previous = _read_fd(fd)
+            if isinstance(previous, LockInfo) and not previous.kernel_lock and not is_stale(previous):
+                raise LogLockedError(location.url, previous)  # a rewind 0.1 writer, alive: no kernel lock
+            if previous is not False:
+                who = previous.describe() if isinstance(previous, LockInfo) else "an unreadable holder"
+                warnings.warn(f"took over the lock of dead {who} ({location.url})", StaleLockBroken, stacklevel=4)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, msgspec.json.encode(info), 0)
+        except BaseException:
+            os.close(fd)  # closing drops the flock too
+            raise
+        return cls(location, info, fd)
+
     def release(self) -> None:
         if not self.held:
             return
         self.held = False
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # empty: released cleanly (the file stays, see the docstring)
+            os.close(fd)  # and the kernel lock goes with the descriptor
+            return
         current = read_lock(self.location)
         if current is not None and current.token == self.info.token:
             with contextlib.suppress(FileNotFoundError):

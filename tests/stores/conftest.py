@@ -77,6 +77,9 @@ def abandon(log: EventLog, dead_pid: int) -> None:
     if log._fd is not None:
         os.close(log._fd)
         log._fd = None
+    if log._lock is not None and log._lock.fd is not None:
+        os.close(log._lock.fd)  # a dead process's descriptors close, and its kernel lock with them
+        log._lock.fd = None
     log._closed = True
     lock = log.run.join(EVENTS_DIR, LOCK_NAME)
     holder = read_lock(lock)

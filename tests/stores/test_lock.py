@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
 
 import msgspec
 import pytest
@@ -83,11 +86,67 @@ def test_a_live_or_unknowable_holder_is_never_broken(run_url):
     assert read_lock(lock_file(run_url)).pid == os.getppid() != planted.pid
 
 
-def test_an_unreadable_lock_file_refuses_with_advice(run_url):
+def test_an_unreadable_lock_file_refuses_with_advice_on_an_object_store(run_url):
     fsio.filesystem(run_url).join(EVENTS_DIR).makedirs()
     lock_file(run_url).write_atomic(b"")  # a writer died between creating and filling it
+    if fsio.filesystem(run_url).is_local:
+        # Locally the kernel lock decides: an empty file is a released lock, garbage a dead holder's.
+        EventLog.open(run_url, "w").close()
+        lock_file(run_url).write_atomic(b"\x00garbage")
+        with pytest.warns(StaleLockBroken, match="unreadable holder"), EventLog.open(run_url, "w"):
+            pass
+        return
     with pytest.raises(LogLockedError, match=r"unreadable lock file.*delete it"):
         EventLog.open(run_url, "w")
+
+
+def _killed_holder(run: str, legacy: bool) -> subprocess.Popen:
+    """A process that takes the writer's lock (as rewind 0.2 does, or writes it as 0.1 did, with no
+    kernel lock) and SIGKILLs itself; not reaped, so it stays a zombie for the caller to meet."""
+    take = (
+        "import msgspec, os, socket; from rewind.stores.lock import LockInfo; "
+        f"open({os.path.join(run, EVENTS_DIR, 'LOCK')!r}, 'wb').write(msgspec.json.encode(LockInfo("
+        "host=socket.gethostname(), pid=os.getpid(), since='2026-01-01T00:00:00+00:00', token='t')))"
+        if legacy
+        else f"from rewind.stores.eventlog import EventLog; log = EventLog.open({run!r}, 'w')"
+    )
+    code = f"{take}; import os, signal; print('locked', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert process.stdout.readline() == b"locked\n"
+    for _ in range(500):  # until the kernel has made it a zombie
+        with open(f"/proc/{process.pid}/stat", "rb") as handle:
+            if handle.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                return process
+        time.sleep(0.01)
+    raise AssertionError("the holder did not become a zombie")
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["kernel-lock", "rewind-0.1-lock"])
+def test_a_killed_writer_still_a_zombie_never_blocks_the_next_one(tmp_path, legacy):
+    """Found by kill-and-restart loops: the killed writer's pid answers kill(pid, 0) until it is reaped,
+    so a restart at once was refused. The kernel lock is gone with the process; a 0.1 lock naming a
+    zombie is stale."""
+    run = str(tmp_path / "run")
+    os.makedirs(os.path.join(run, EVENTS_DIR))
+    holder = _killed_holder(run, legacy)
+    try:
+        with pytest.warns(StaleLockBroken, match=f"dead pid {holder.pid}"), EventLog.open(run, "w") as log:
+            log.append(EVENT)
+            log.commit()
+        assert read_events(run) == [EVENT]
+    finally:
+        holder.wait()
+        holder.stdout.close()
+
+
+def test_a_live_writer_holds_the_kernel_lock_against_another_process(tmp_path):
+    run = str(tmp_path / "run")
+    with EventLog.open(run, "w"):
+        code = f"from rewind.stores.eventlog import EventLog; EventLog.open({run!r}, 'w')"
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert other.returncode != 0 and f"event log is locked by pid {os.getpid()}" in other.stderr
+    with EventLog.open(run, "w"):  # released cleanly: no warning, no refusal
+        pass
 
 
 def test_releasing_leaves_a_successors_lock_alone(run_url):
