@@ -50,7 +50,10 @@ def curve_value(curve: str, t: float, steepness: float) -> float:
     if curve == "cosine":
         return (1.0 - math.cos(math.pi * t)) / 2.0
     if curve == "sigmoid":
-        return 1.0 / (1.0 + math.exp(-steepness * (t - 0.5)))
+        z = steepness * (t - 0.5)
+        # exp(-z) overflows below z = -709 (a steep curve near the ramp's start); there the value is
+        # exp(z) to double precision. Elsewhere the original form, so existing runs keep their bits.
+        return math.exp(z) if z < -700.0 else 1.0 / (1.0 + math.exp(-z))
     raise ValueError(f"unknown fade curve {curve!r}")
 
 

@@ -17,8 +17,31 @@ if TYPE_CHECKING:
 BUILTIN_DATASETS: tuple[str, ...] = ("grammar", "reverse", "sort", "add")
 
 
+def non_finite_floats(value, path: str = "") -> list[str]:
+    """'path: must be a finite number, got nan' for every NaN or infinity anywhere in the config: a
+    comparison with NaN is always false, so no range rule below would ever catch one."""
+    import math
+
+    import msgspec
+
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [f"{path}: must be a finite number, got {value}"]
+    if isinstance(value, msgspec.Struct):
+        return [p for f in msgspec.structs.fields(value) for p in non_finite_floats(getattr(value, f.name), _join(path, f.encode_name))]
+    if isinstance(value, list | tuple):
+        return [p for i, item in enumerate(value) for p in non_finite_floats(item, f"{path}[{i}]")]
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in non_finite_floats(item, _join(path, str(key)))]
+    return []
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
 def check_config(config: Config) -> list[str]:
     """Cross-field rules the types cannot express. Returns every problem, in field order."""
+    non_finite = non_finite_floats(config)
     problems: list[str] = []
     t, fade, opt, kl, arch = (
         config.training,
@@ -41,6 +64,10 @@ def check_config(config: Config) -> list[str]:
         add(f"architecture.d_ff: must be >= 0 (0 = 4 * d_model), got {arch.d_ff}")
     if not 0.0 <= arch.dropout < 1.0:
         add(f"architecture.dropout: must be in [0, 1), got {arch.dropout}")
+    if not arch.rope_base > 0:
+        add(f"architecture.rope_base: must be positive, got {arch.rope_base}")
+    if not 0 <= config.run.seed < 1 << 64:
+        add(f"run.seed: must be in [0, 2**64), got {config.run.seed}")
 
     if n == 0:
         add("training.tokens: expected at least one stage budget, got an empty list")
@@ -109,6 +136,11 @@ def check_config(config: Config) -> list[str]:
             add(f"optimization.{name}: must be in [0, 1], got {getattr(opt, name)}")
     if opt.sgdr_period <= 0:
         add(f"optimization.sgdr_period: must be positive, got {opt.sgdr_period}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(opt, name) < 1.0:
+            add(f"optimization.{name}: must be in [0, 1), got {getattr(opt, name)}")
+    if not opt.eps > 0:
+        add(f"optimization.eps: must be positive, got {opt.eps}")
     if opt.weight_decay < 0:
         add(f"optimization.weight_decay: must be >= 0, got {opt.weight_decay}")
     if opt.grad_clip < 0:
@@ -142,4 +174,6 @@ def check_config(config: Config) -> list[str]:
             add(f"data.{name}.path: must not be empty")
         if not 0.0 < source.validation_fraction < 1.0:
             add(f"data.{name}.validation_fraction: must be in (0, 1), got {source.validation_fraction}")
-    return problems
+    # A non-finite value is said once, as such, not again by the range rule it also fails.
+    said = {p.split(":")[0] for p in non_finite}
+    return non_finite + [p for p in problems if p.split(":")[0] not in said]

@@ -299,3 +299,33 @@ def test_config_identity_tells_non_finite_floats_apart_and_ignores_the_sign_of_z
     assert config_hash(with_(weight_decay=-0.0)) == config_hash(base)  # -0.0 is the default 0.0
     assert list(canonical(base)) == sorted(canonical(base))
     assert all(list(v) == sorted(v) for v in canonical(base).values() if isinstance(v, dict))
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("optimization.lr=nan", "optimization.lr: must be a finite number, got nan"),
+        ("optimization.weight_decay=inf", "optimization.weight_decay: must be a finite number, got inf"),
+        ("training.fade.steepness=nan", "training.fade.steepness: must be a finite number, got nan"),
+        ("architecture.dropout=nan", "architecture.dropout: must be a finite number, got nan"),
+        ("optimization.kl.betas=[0.0, nan]", "optimization.kl.betas[1]: must be a finite number, got nan"),
+        ("optimization.beta1=1.5", "optimization.beta1: must be in [0, 1), got 1.5"),
+        ("optimization.beta2=1.0", "optimization.beta2: must be in [0, 1), got 1.0"),
+        ("optimization.eps=-1", "optimization.eps: must be positive, got -1"),
+        ("architecture.rope_base=0", "architecture.rope_base: must be positive, got 0"),
+        ("run.seed=18446744073709551616", "run.seed: must be in [0, 2**64), got 18446744073709551616"),
+        ("run.seed=-1", "run.seed: must be in [0, 2**64), got -1"),
+    ],
+)
+def test_every_numeric_field_is_checked_nan_and_infinity_included(override, expected):
+    """Found by adversarial runs: these passed validation and died later with a traceback (or, for a
+    NaN rate in a later stage, 80 steps into the run). Each is one problem, said once."""
+    problems = problems_of(GOOD, overrides=[override])
+    assert [p.split(": ", 1)[0] for p in problems] == [expected.split(": ", 1)[0]]
+    assert problems[0].startswith(expected.rsplit(" ", 1)[0])
+
+
+def test_a_nan_mixture_rate_is_caught_although_the_rates_sum_rule_cannot_see_it():
+    text = GOOD.replace('{ name = "add", rate = 0.5 }', '{ name = "add", rate = nan }')
+    assert text != GOOD
+    assert any(".rate: must be a finite number, got nan" in p for p in problems_of(text))

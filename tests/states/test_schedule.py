@@ -437,3 +437,39 @@ def test_golden_three_stage_schedule():
     ]
     assert schedule.entry_steps == (0, 9, 13)
     assert schedule.stage_tokens() == [9 * 16, 4 * 16, 3 * 16]
+
+
+@given(st.floats(0.0, 1.0), st.floats(1e-3, 1e6))
+def test_a_steep_sigmoid_fade_never_overflows_and_keeps_the_old_bits_where_it_worked(t, steepness):
+    """Found by adversarial runs: steepness above ~1420 raised OverflowError in `rewind schedule` and
+    `train`. Where the original formula did not overflow, the value is bit for bit the same."""
+    from rewind.states.schedule import curve_value
+
+    value = curve_value("sigmoid", t, steepness)
+    assert 0.0 <= value <= 1.0
+    try:
+        original = 1.0 / (1.0 + math.exp(-steepness * (t - 0.5)))
+    except OverflowError:
+        return
+    if steepness * (t - 0.5) >= -700.0:
+        assert value == original
+    else:
+        assert value == pytest.approx(original, abs=1e-300)
+
+
+def test_a_steep_sigmoid_schedule_builds_and_its_weights_rise():
+    config = loads_config(
+        """
+[training]
+batch_size = 4
+tokens = [4000, 4000]
+datasets = [[{ name = "grammar" }], [{ name = "sort" }]]
+[training.fade]
+overlap = 1.0
+curve = "sigmoid"
+steepness = 5000.0
+"""
+    )
+    schedule = Schedule(config)
+    incoming = [schedule.weights_at(x)[1] for x in range(0, 8000, 97)]
+    assert incoming == sorted(incoming) and incoming[0] == 0.0 and incoming[-1] == 1.0
