@@ -232,6 +232,29 @@ class LogReader:
     ) -> Iterator[list]:
         """The records in [start_seq, stop_seq) (Records, or bare events), a chunk at a time, from
         the segment that holds `start_seq` on. Sets `torn_tail` once it reaches the end."""
+        for _, _, chunks in self._walk(start_seq, stop_seq, records=records, keep_bytes=False):
+            for chunk in chunks:
+                yield chunk
+                chunk = None  # let go of it before the next one decodes
+
+    def _read_segments(
+        self, start_seq: int = 0, stop_seq: int | None = None, *, records: bool
+    ) -> Iterator[tuple[int, bytes, SegmentParse]]:
+        """(index, bytes, parse) of each segment from the one that holds `start_seq` on, each parse
+        holding its records in [start_seq, stop_seq), decoded whole (for the writer's open, which
+        summarizes each segment from its parse). Sets `torn_tail` once it reaches the end."""
+        for index, data, chunks in self._walk(start_seq, stop_seq, records=records, keep_bytes=True):
+            items = [item for chunk in chunks for item in chunk]
+            yield index, data, SegmentParse(items, chunks.next_seq, chunks.end, chunks.bad, chunks.last_offset)
+
+    def _walk(
+        self, start_seq: int, stop_seq: int | None, *, records: bool, keep_bytes: bool
+    ) -> Iterator[tuple[int, bytes | None, SegmentChunks]]:
+        """(index, bytes or None, chunks) of each segment from the one that holds `start_seq` on; the
+        caller decodes each segment's chunks before asking for the next. The one walk of both reading
+        paths: which segments, from where, and what the end of the last one means (`torn_tail`, set
+        once the walk reaches it). Without `keep_bytes` the segment's bytes live only as long as its
+        chunks decode."""
         self._check_open()
         indices = list_segments(self._events_dir)
         names = [segment_name(index) for index in indices]
@@ -251,50 +274,15 @@ class LogReader:
                 decoder=self._decoder,
                 records=records,
             )
-            data = None  # the chunks hold it while they decode, and no longer
-            for chunk in chunks:
-                yield chunk
-                chunk = None  # let go of it before the next one decodes
+            if not keep_bytes:
+                data = None  # the chunks hold it while they decode, and no longer
+            yield index, data, chunks
+            data = None
             seq, bad = chunks.next_seq, chunks.bad
             chunks = None
             if stop_seq is not None and seq >= stop_seq:  # done before the end: nothing to say about it
                 return
             torn = self._check_tail(index, indices, size, bad)
-        self.torn_tail = torn
-        self._scanned_seq = seq
-
-    def _read_segments(
-        self, start_seq: int = 0, stop_seq: int | None = None, *, records: bool
-    ) -> Iterator[tuple[int, bytes, SegmentParse]]:
-        """(index, bytes, parse) of each segment from the one that holds `start_seq` on, each parse
-        holding its records in [start_seq, stop_seq), decoded whole (for the writer's open, which
-        summarizes each segment from its parse). Sets `torn_tail` once it reaches the end."""
-        self._check_open()
-        indices = list_segments(self._events_dir)
-        names = [segment_name(index) for index in indices]
-        position, seq = locate(self._events_dir, names, start_seq) if start_seq > 0 else (0, 0)
-        torn = None
-        for index in indices[position:]:
-            if stop_seq is not None and seq >= stop_seq:  # an empty range
-                return
-            data = self._events_dir.join(names[index]).read_bytes()
-            chunks = part_chunks(
-                names[index],
-                data,
-                first_seq=seq,
-                start_seq=start_seq,
-                stop_seq=stop_seq,
-                decoder=self._decoder,
-                records=records,
-            )
-            items = [item for chunk in chunks for item in chunk]
-            parsed = SegmentParse(items, chunks.next_seq, chunks.end, chunks.bad, chunks.last_offset)
-            seq = parsed.next_seq
-            if stop_seq is not None and seq >= stop_seq:  # done before the end: nothing to say about it
-                yield index, data, parsed
-                return
-            torn = self._check_tail(index, indices, len(data), parsed.bad)
-            yield index, data, parsed
         self.torn_tail = torn
         self._scanned_seq = seq
 
