@@ -16,7 +16,14 @@ from rewind.engine import snapshot
 from rewind.engine.checkpointing import restore_optimizer
 from rewind.engine.parts import Parts, RunError, build_model, fresh_parts, frozen_copy
 from rewind.states.config import Config
-from rewind.states.events import ConfigChanged, Event, ReferenceRefreshed, RunResumed, StackAppended
+from rewind.states.events import (
+    ConfigChanged,
+    Event,
+    OptimizerReset,
+    ReferenceRefreshed,
+    RunResumed,
+    StackAppended,
+)
 from rewind.states.state import State
 
 
@@ -27,6 +34,9 @@ def apply_effect(parts: Parts, state: State, event: Event) -> Parts:
             # The reference is the weights as they are now, which is what the checkpoint the event
             # names holds: a resume loads it from there (checkpointing.load_checkpoint).
             parts.reference = frozen_copy(parts.model)
+            return parts
+        case OptimizerReset():
+            clear_optimizer_state(parts)
             return parts
         case ConfigChanged(config=config):
             # Before any update, the weights are the seed's: a new seed means new weights.
@@ -40,6 +50,13 @@ def apply_effect(parts: Parts, state: State, event: Event) -> Parts:
         case StackAppended():
             raise RunError(f"step {event.step}: model growth (StackAppended) is not supported yet", 1)
     return parts
+
+
+def clear_optimizer_state(parts: Parts) -> None:
+    """Forget every moment and step count, in place, as a freshly built optimizer has none: the next
+    update starts them again (AdamW's bias correction from step 1). The groups' settings stay. The same
+    object is kept, so nothing that holds it (the loop, a replay) needs to learn of a new one."""
+    parts.optimizer.state.clear()
 
 
 def rebuilt(parts: Parts, config: Config, *, carry_tensors: bool) -> Parts:

@@ -27,6 +27,21 @@ class StepResult:
     num_target_tokens: int
     finite: bool
 
+    @property
+    def nonfinite_quantity(self) -> str:
+        """The first measurement that is not finite ("" if all are): see `nonfinite_quantity`."""
+        return nonfinite_quantity(self.loss, self.kl, self.grad_norm)
+
+
+def nonfinite_quantity(loss: float, kl: float, grad_norm: float) -> str:
+    """"loss", "kl" or "grad_norm": the first not finite, in the order a step computes them (the task
+    loss and the KL term in the forward pass, the gradient norm after backward), or "" if all are.
+    The first is the one to look at: a NaN loss makes the gradients NaN too, never the reverse."""
+    for name, value in (("loss", loss), ("kl", kl), ("grad_norm", grad_norm)):
+        if not math.isfinite(value):
+            return name
+    return ""
+
 
 def build_optimizer(model: nn.Module, config: Config) -> torch.optim.AdamW:
     opt = config.optimization
@@ -104,7 +119,7 @@ def train_step(
         grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, clip, foreach=False))
     else:
         grad_norm = float(torch.norm(torch.stack([p.grad.detach().norm() for p in parameters]))) if parameters else 0.0
-    finite = math.isfinite(total_ce) and math.isfinite(total_kl) and math.isfinite(grad_norm)
+    finite = not nonfinite_quantity(total_ce, total_kl, grad_norm)
     if finite and apply_update:
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -3,7 +3,9 @@
 Backs `rewind schedule CONFIG --check`. Each warning names the stage (or the LR decay) and the figures,
 read off the `Schedule` the run will follow: a stage shorter than one step, a KL weight before any
 reference refresh, fades covering most of a stage, a budget mostly lost to rounding to whole steps, an
-LR decay that ends far from every stage entry. None of them stops a run.
+LR decay that ends far from every stage entry, a first step (or a restart) at LR 0, an LR restart that
+leaves the run ending far above the curve's end. None of them stops a run. LRs are those of a run
+started by this release (`rewind.states.plan.step_lr`).
 
 Whether the schedule code itself keeps the spec's invariants is not a question for a user's config:
 the tests answer it, with an independent re-derivation (`tests/states/schedule_oracle.py`) checked over
@@ -13,11 +15,12 @@ generated configs.
 from __future__ import annotations
 
 from rewind.states.config import Config
-from rewind.states.lr import decay_window
+from rewind.states.lr import decay_window, lr_at
 from rewind.states.schedule import Schedule
 
 FADED_SHARE = 0.75  # more of a stage's budget than this inside its fades is worth a warning
 DECAY_GAP_SHARE = 0.1  # an LR decay ending further than this share of the run from every stage entry
+RESTART_END_FACTOR = 1.5  # a restarted LR ending above this multiple of the unbroken curve's end
 
 
 def schedule_warnings(config: Config, schedule: Schedule | None = None) -> list[str]:
@@ -61,6 +64,35 @@ def schedule_warnings(config: Config, schedule: Schedule | None = None) -> list[
                 f"the LR decay (steps {window[0]}..{window[1]}) ends {gap} steps ({gap / n:.0%} of the run) "
                 f"from the nearest stage entry or the end (step {nearest})"
             )
+    return warnings + _lr_warnings(config, schedule)
+
+
+def _lr_warnings(config: Config, schedule: Schedule) -> list[str]:
+    opt, n = config.optimization, schedule.num_steps
+    if n == 0:
+        return []
+
+    def lr(count: int) -> float:
+        return lr_at(opt, count, n, schedule.entry_steps, warmup_from_zero=False)
+
+    warnings = []
+    restarts = opt.reset_restarts_lr and opt.reset_optimizer_stages
+    if lr(0) == 0.0:
+        why = "min_lr_ratio" if opt.schedule == "cosine_rewarm" else "warmup_lr_mult"
+        warnings.append(
+            f"the first step trains at LR 0 ({opt.schedule} starts at {why} = 0 x its peak)"
+            + (", and so does the first step after every optimizer reset" if restarts else "")
+            + f": that step's data is spent on no update; a small {why} (e.g. 0.01) avoids it"
+        )
+    if restarts:
+        last = max(schedule.entry_steps[s] for s in opt.reset_optimizer_stages if s < schedule.num_stages)
+        if last < n:
+            restarted, unbroken = lr(n - 1 - last), lr(n - 1)
+            if restarted > RESTART_END_FACTOR * unbroken:
+                warnings.append(
+                    f"optimization.reset_restarts_lr: the LR restarts from the schedule's step 0 at step {last}, so "
+                    f"the run ends at LR {restarted:.3g} where the unbroken curve ends at {unbroken:.3g}"
+                )
     return warnings
 
 

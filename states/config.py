@@ -24,7 +24,7 @@ from rewind.states.validation import BUILTIN_DATASETS as BUILTIN_DATASETS
 from rewind.states.validation import check_config
 
 CurveName = Literal["linear", "cosine", "sigmoid"]
-LrScheduleName = Literal["wsds", "wsd", "cosine", "sgdr", "constant"]
+LrScheduleName = Literal["wsds", "wsd", "cosine", "sgdr", "constant", "cosine_rewarm"]
 KlKind = Literal["token_kl", "nll_difference"]
 NormName = Literal["rmsnorm", "layernorm"]
 NonFiniteAction = Literal["stop", "skip"]
@@ -92,6 +92,11 @@ class OptimizationSection(Struct):
     decay_lr_mult: float = 0.1
     min_lr_ratio: float = 0.1
     sgdr_period: int = 100
+    rewarm_lr: float = 1e-4  # cosine_rewarm: the peak of every stage after the first (stage 0 peaks at lr)
+    # Stages at whose entry the Adam moments and step counts are cleared (an OptimizerReset event), and
+    # whether the LR schedule then restarts from its own step 0 (as the ABCD trainer's tx.init does).
+    reset_optimizer_stages: list[int] = []
+    reset_restarts_lr: bool = False
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     beta1: float = 0.9
@@ -206,41 +211,18 @@ def config_differences(old: Config, new: Config) -> list[str]:
     ]
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`dotted.key=VALUE` with VALUE parsed as a TOML value (bare words fall back to strings)."""
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError([f"--set {text!r}: expected dotted.key=VALUE"], "override")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return key.split("."), value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    merged = _deep_copy(raw)
-    for text in overrides:
-        path, value = parse_override(text)
-        node = merged
-        for part in path[:-1]:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = {}
-                node[part] = child
-            node = child
-        node[path[-1]] = value
-    return merged
-
-
 def loads_config(text: str, source: str = "config", overrides: list[str] | None = None) -> Config:
     """Parse TOML text into a Config, reporting every problem at once as a ConfigError."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"not valid TOML: {exc}"], source) from None
-    return config_from_dict(apply_overrides(raw, overrides or []), source)
+    if overrides:
+        # Imported here: the override module raises this module's ConfigError.
+        from rewind.states.overrides import apply_overrides
+
+        raw = apply_overrides(raw, overrides)
+    return config_from_dict(raw, source)
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:

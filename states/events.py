@@ -24,10 +24,18 @@ import msgspec
 from rewind.states.config import Config
 from rewind.states.state import CheckpointReason, ForkSeed, StackPosition, TrunkMode
 
+# What a run started by this release does that older releases did not (RunStarted.features):
+# "lr_warmup_floor": cosine and sgdr warm up from warmup_lr_mult x lr (before: from 0);
+# "baseline_evaluation": one evaluation before the first update (Evaluated boundary -1), at step 0 or at
+# a fork's first step, when the config names evaluations.
+RUN_FEATURES: tuple[str, ...] = ("lr_warmup_floor", "baseline_evaluation")
+
 # Bumped whenever an event changes incompatibly; the log frames carry it and the codec upcasts.
 # 1: rewind 0.1 (RunResumed carried the whole restored State). 2: RunResumed carries no state; a fork's
-# first RunResumed carries a ForkSeed.
-SCHEMA_VERSION = 2
+# first RunResumed carries a ForkSeed. 3: OptimizerReset, NonFiniteLoss.quantity, RunStarted.features and
+# .cpu_capability (only
+# additions: a record of 2 upcasts unchanged; the bump tells a reader that predates them what it holds).
+SCHEMA_VERSION = 3
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -52,6 +60,23 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="RunStarted"):
     # CPU threads the run computes with (0 = not recorded). A CPU sum is split across threads, so its
     # bits depend on the count: resume, fork and replay use this one, wherever they run.
     num_threads: int = 0
+    # The CPU kernels torch dispatched to ("AVX2", "AVX512", ...; "" = not recorded): kernels of another
+    # capability sum in another order, so resume, fork and replay ask torch for this one where the CPU has it.
+    cpu_capability: str = ""
+    # The behaviours (RUN_FEATURES) the run was started with. A run keeps them for life, so a release
+    # that changes what a run computes gates the change on a new name here and old runs (whose logs
+    # lack it) resume and replay as they were. The engine stamps new runs (`rewind.engine.loop.record`).
+    features: list[str] = []
+
+
+class OptimizerReset(Event, frozen=True, kw_only=True, tag="OptimizerReset"):
+    """The optimizer's state (Adam moments and step counts) was cleared at the entry of `stage`
+    (optimization.reset_optimizer_stages). `lr_restarted`: from here on the LR schedule runs from its
+    own step 0 again, counted from this step (optimization.reset_restarts_lr); otherwise the LR curve
+    goes on unbroken."""
+
+    stage: int
+    lr_restarted: bool = False
 
 
 class StageEntered(Event, frozen=True, kw_only=True, tag="StageEntered"):
@@ -119,6 +144,9 @@ class CheckpointDeleted(Event, frozen=True, kw_only=True, tag="CheckpointDeleted
 class NonFiniteLoss(Event, frozen=True, kw_only=True, tag="NonFiniteLoss"):
     loss: float
     action: Literal["stop", "skip"]
+    # The first of the step's measurements that was not finite, in the order the step computes them
+    # (the loss, then the KL term, then the gradient norm). Logs from before it was recorded say "loss".
+    quantity: Literal["loss", "kl", "grad_norm"] = "loss"
 
 
 class RunStopped(Event, frozen=True, kw_only=True, tag="RunStopped"):
@@ -160,6 +188,7 @@ AnyEvent = (
     | FadeStarted
     | FadeEnded
     | ReferenceRefreshed
+    | OptimizerReset
     | StackAppended
     | StepCommitted
     | Validated

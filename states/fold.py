@@ -25,6 +25,7 @@ from rewind.states.events import (
     FadeEnded,
     FadeStarted,
     NonFiniteLoss,
+    OptimizerReset,
     ReferenceRefreshed,
     RunFinished,
     RunResumed,
@@ -39,6 +40,7 @@ from rewind.states.schedule import Schedule
 from rewind.states.state import (
     CheckpointRef,
     ForkSeed,
+    OptimizerResetRef,
     Reference,
     Stack,
     State,
@@ -89,6 +91,7 @@ def _transition(state: State, event: Event) -> State:
         case RunStarted(config=config, config_hash=config_hash, parent=parent, num_threads=num_threads):
             _require(not state.started, event, "the run has already started")
             schedule = Schedule(config)
+            baseline = "baseline_evaluation" in event.features and bool(config.training.evaluations)
             return State(
                 started=True,
                 config_hash=config_hash,
@@ -96,8 +99,12 @@ def _transition(state: State, event: Event) -> State:
                 tokens_per_step=schedule.tokens_per_step,
                 num_steps=schedule.num_steps,
                 reference_update_stages=sorted(schedule.reference_update_stages),
+                optimizer_reset_stages=sorted(config.optimization.reset_optimizer_stages),
                 parent_run=parent.run if parent else "",
                 num_threads=num_threads,
+                cpu_capability=event.cpu_capability,
+                features=list(event.features),
+                baseline_step=0 if baseline else -1,
             )
         case StageEntered(stage=stage):
             _require(stage == state.num_stages_entered, event, f"expected stage {state.num_stages_entered} next")
@@ -105,7 +112,27 @@ def _transition(state: State, event: Event) -> State:
             pending = state.pending_refreshes
             if stage in state.reference_update_stages:
                 pending = [*pending, stage]
-            return replace(state, stage=stage, num_stages_entered=stage + 1, pending_refreshes=pending)
+            resets = state.pending_optimizer_resets
+            if stage in state.optimizer_reset_stages:
+                resets = [*resets, stage]
+            return replace(
+                state,
+                stage=stage,
+                num_stages_entered=stage + 1,
+                pending_refreshes=pending,
+                pending_optimizer_resets=resets,
+            )
+        case OptimizerReset(stage=stage, lr_restarted=lr_restarted):
+            _require(
+                bool(state.pending_optimizer_resets) and state.pending_optimizer_resets[0] == stage,
+                event,
+                f"no optimizer reset is due for stage {stage} (due: {state.pending_optimizer_resets})",
+            )
+            return replace(
+                state,
+                pending_optimizer_resets=state.pending_optimizer_resets[1:],
+                last_optimizer_reset=OptimizerResetRef(stage=stage, step=event.step, lr_restarted=lr_restarted),
+            )
         case ReferenceRefreshed(stage=stage, checkpoint=checkpoint):
             _require(
                 bool(state.pending_refreshes) and state.pending_refreshes[0] == stage,
@@ -136,6 +163,7 @@ def _transition(state: State, event: Event) -> State:
                 f"expected {state.tokens + state.tokens_per_step} tokens",
             )
             _require(not state.pending_refreshes, event, "a reference refresh is due before the next step")
+            _require(not state.pending_optimizer_resets, event, "an optimizer reset is due before the next step")
             return replace(
                 state,
                 step=event.step,
@@ -152,6 +180,10 @@ def _transition(state: State, event: Event) -> State:
             return state
         case Evaluated(boundary=boundary):
             _require(event.step == state.step, event, f"expected step {state.step}")
+            if boundary == -1:  # the baseline: a fork's may come after its parent's boundary evaluations
+                return replace(
+                    state, last_evaluated_boundary=max(state.last_evaluated_boundary, -1), baseline_step=-1
+                )
             return replace(state, last_evaluated_boundary=boundary)
         case CheckpointCommitted():
             _require(event.step == state.step, event, f"a checkpoint labelled {event.step} at step {state.step}")
@@ -202,6 +234,7 @@ def _transition(state: State, event: Event) -> State:
                 num_stages=schedule.num_stages,
                 num_steps=schedule.num_steps,
                 reference_update_stages=sorted(schedule.reference_update_stages),
+                optimizer_reset_stages=sorted(config.optimization.reset_optimizer_stages),
                 last_evaluated_boundary=evaluated,
             )
         case RunFinished():
@@ -211,6 +244,7 @@ def _transition(state: State, event: Event) -> State:
                 f"only {state.num_stages_entered} of {state.num_stages} stages were entered",
             )
             _require(not state.pending_refreshes, event, "a reference refresh is still due")
+            _require(not state.pending_optimizer_resets, event, "an optimizer reset is still due")
             return replace(state, finished=True)
     raise IllegalTransition(event, "unknown event type")
 
@@ -266,6 +300,13 @@ def _seeded(state: State, event: RunResumed, seed: ForkSeed) -> State:
     _require(-1 <= seed.stage < max(seed.num_stages_entered, 1), event, f"stage {seed.stage} was not entered")
     _require(all(v >= 0 for v in seed.cursors.values()), event, "data cursors must be >= 0")
     _require(seed.num_skipped_steps >= 0, event, "skipped steps must be >= 0")
+    _require(
+        all(0 < s < seed.num_stages_entered for s in seed.pending_optimizer_resets),
+        event,
+        "a seeded optimizer reset is for a stage not entered",
+    )
+    reset = seed.last_optimizer_reset
+    _require(reset is None or 0 <= reset.step <= event.step, event, "the seed's last optimizer reset is after the fork")
     names = [c.checkpoint for c in seed.live_checkpoints]
     _require(event.checkpoint in names, event, f"the seed does not hold checkpoint {event.checkpoint}")
     _require(all(c.step <= event.step for c in seed.live_checkpoints), event, "a seeded checkpoint is after the fork")
@@ -301,6 +342,12 @@ def _seeded(state: State, event: RunResumed, seed: ForkSeed) -> State:
         live_checkpoints=seed.live_checkpoints,
         last_evaluated_boundary=seed.last_evaluated_boundary,
         last_validated_step=seed.last_validated_step,
+        # The parent's behaviours, so the child computes what the parent would have; its baseline (a
+        # decision of the child's own start) moves to the child's first step.
+        features=seed.features,
+        pending_optimizer_resets=seed.pending_optimizer_resets,
+        last_optimizer_reset=seed.last_optimizer_reset,
+        baseline_step=event.step if state.baseline_step >= 0 else -1,
         resumes=[resume],
         stopped_reason="",
     )

@@ -19,15 +19,18 @@ from dataclasses import dataclass
 
 from rewind.states.config import Config, config_hash
 from rewind.states.events import (
+    RUN_FEATURES,
     Event,
     FadeEnded,
     FadeStarted,
+    OptimizerReset,
     ReferenceRefreshed,
     RunFinished,
     RunStarted,
     StageEntered,
 )
 from rewind.states.fold import apply
+from rewind.states.lr import lr_at
 from rewind.states.schedule import Schedule
 from rewind.states.state import CheckpointReason, State
 
@@ -56,6 +59,14 @@ class RefreshReference:
 
 
 @dataclass(frozen=True, slots=True)
+class ResetOptimizer:
+    """Clear the optimizer's moments and step counts at the entry of `stage`."""
+
+    stage: int
+    lr_restarts: bool
+
+
+@dataclass(frozen=True, slots=True)
 class FinishRun:
     pass
 
@@ -72,7 +83,7 @@ class Validate:
 
 @dataclass(frozen=True, slots=True)
 class Evaluate:
-    boundary: int  # n - 1 = the end of the run
+    boundary: int  # n - 1 = the end of the run, -1 = the baseline before the first update
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +96,7 @@ class DeleteCheckpoints:
     names: tuple[str, ...]  # retention: oldest first
 
 
-ControlIntent = EnterStage | StartFade | EndFade | RefreshReference | FinishRun
+ControlIntent = EnterStage | StartFade | EndFade | RefreshReference | ResetOptimizer | FinishRun
 Intent = ControlIntent | RunStep | Validate | Evaluate | TakeCheckpoint | DeleteCheckpoints
 
 
@@ -96,6 +107,9 @@ def decide(state: State, schedule: Schedule) -> Intent | None:
     duty = pending_duty(state, schedule)
     if duty is not None:
         return duty
+    if state.step == state.baseline_step:
+        # Before the first update of the run (or of a fork): the weights it starts from, on record.
+        return Evaluate(-1)
     control = control_intent(state, schedule, state.step)
     if isinstance(control, RefreshReference) and not _checkpoint_at(state, state.step):
         return TakeCheckpoint("reference")  # the reference is named by a committed checkpoint
@@ -150,6 +164,10 @@ def control_intent(state: State, schedule: Schedule, step: int) -> ControlIntent
         return None
     if state.pending_refreshes:
         return RefreshReference(state.pending_refreshes[0])
+    # After the stage's refresh: a reference checkpoint taken for the refresh then holds the moments
+    # the reset clears, and a resume from it performs the reset again.
+    if state.pending_optimizer_resets:
+        return ResetOptimizer(state.pending_optimizer_resets[0], schedule.config.optimization.reset_restarts_lr)
     for ramp in schedule.fades:
         started = ramp.boundary in state.fades_started
         if not started and schedule.fade_start_step(ramp) <= step:
@@ -175,6 +193,8 @@ def control_event(intent: ControlIntent, step: int, tokens: int, checkpoint: str
             return FadeEnded(step=step, tokens=tokens, boundary=boundary)
         case RefreshReference(stage=stage):
             return ReferenceRefreshed(step=step, tokens=tokens, stage=stage, checkpoint=checkpoint)
+        case ResetOptimizer(stage=stage, lr_restarts=lr_restarts):
+            return OptimizerReset(step=step, tokens=tokens, stage=stage, lr_restarted=lr_restarts)
         case FinishRun():
             return RunFinished(step=step, tokens=tokens)
     raise TypeError(f"not a control intent: {intent!r}")
@@ -191,8 +211,27 @@ def due_events(state: State, schedule: Schedule, step: int) -> tuple[State, list
 
 
 def started_state(config: Config) -> tuple[RunStarted, State]:
-    started = RunStarted(step=0, tokens=0, config=config, config_hash=config_hash(config))
+    """The RunStarted of a new run of `config` (with this release's features) and the state after it."""
+    started = RunStarted(
+        step=0, tokens=0, config=config, config_hash=config_hash(config), features=list(RUN_FEATURES)
+    )
     return started, apply(State(), started)
+
+
+def step_lr(state: State, schedule: Schedule, step: int) -> float:
+    """The LR the step with index `step` trains at, in a run at `state`: the schedule's curve under the
+    run's own features (see rewind.states.lr), counted from the last optimizer reset that restarted it
+    (the ABCD trainer's tx.init restarts optax's step count, so its schedule replays from its step 0,
+    decay included only if the run gets that far again)."""
+    reset = state.last_optimizer_reset
+    count = step - reset.step if reset is not None and reset.lr_restarted else step
+    return lr_at(
+        schedule.config.optimization,
+        count,
+        schedule.num_steps,
+        schedule.entry_steps,
+        warmup_from_zero="lr_warmup_floor" not in state.features,
+    )
 
 
 def plan(schedule: Schedule, state: State | None = None, from_step: int = 0) -> Iterator[Event]:

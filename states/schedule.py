@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from rewind.states.config import Config
@@ -73,7 +74,9 @@ def allocate_rows(weights: tuple[float, ...] | list[float], num_rows: int) -> tu
 class Schedule:
     """Pure, precomputed view of a config's schedule. Cheap to build; every query is O(num_stages)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, features: Collection[str] | None = None):
+        """`features`: the behaviours of the run this schedule is for (RunStarted.features); None for a
+        run started today. They decide the LR of old runs' warmups (see rewind.states.lr)."""
         t = config.training
         self.config = config
         self.budgets: tuple[int, ...] = tuple(t.tokens)
@@ -101,6 +104,12 @@ class Schedule:
         # entry_steps[i]: first step whose primary stage is >= i (num_steps if the run ends first).
         self.entry_steps: tuple[int, ...] = (0, *(self.stage_entry_step(i) for i in range(1, self.num_stages)))
         self._transition_steps = self._find_transition_steps()
+        self.warmup_from_zero = features is not None and "lr_warmup_floor" not in features
+        # Steps at which an optimizer reset restarts the LR curve (reset_restarts_lr): the entries of the
+        # reset stages. What `rewind.states.plan.step_lr` gives a run that never changed its config.
+        opt = config.optimization
+        restarts = {self.entry_steps[s] for s in opt.reset_optimizer_stages if 0 < s < self.num_stages}
+        self.lr_restarts: tuple[int, ...] = tuple(sorted(restarts)) if opt.reset_restarts_lr else ()
 
     # --- positions and steps -------------------------------------------------------------------
     def step_of(self, tokens: float) -> int:
@@ -154,7 +163,11 @@ class Schedule:
         return self.primary_at(self.tokens_of(step))
 
     def lr(self, step: int) -> float:
-        return lr_at(self.config.optimization, step, self.num_steps)
+        restart = bisect.bisect_right(self.lr_restarts, step)
+        count = step - self.lr_restarts[restart - 1] if restart else step
+        return lr_at(
+            self.config.optimization, count, self.num_steps, self.entry_steps, warmup_from_zero=self.warmup_from_zero
+        )
 
     def beta(self, step: int) -> float:
         return self.betas[self.primary(step)]
@@ -168,7 +181,7 @@ class Schedule:
             stage=stage,
             weights=weights,
             rows=allocate_rows(weights, self.config.training.batch_size),
-            lr=lr_at(self.config.optimization, step, self.num_steps),
+            lr=self.lr(step),
             beta=self.betas[stage],
         )
 

@@ -34,6 +34,14 @@ class CheckpointRef(msgspec.Struct, frozen=True, kw_only=True):
     files: dict[str, str] = {}
 
 
+class OptimizerResetRef(msgspec.Struct, frozen=True, kw_only=True):
+    """The last OptimizerReset: the LR schedule counts from `step` when `lr_restarted`."""
+
+    stage: int
+    step: int
+    lr_restarted: bool
+
+
 class Stack(msgspec.Struct, frozen=True, kw_only=True):
     stack: int
     num_blocks: int
@@ -77,6 +85,11 @@ class ForkSeed(msgspec.Struct, frozen=True, kw_only=True):
     live_checkpoints: list[CheckpointRef] = []
     last_evaluated_boundary: int = -2
     last_validated_step: int = -1
+    # What the child must compute as the parent did (an unchanged fork is the parent, bit for bit). A
+    # seed written before these were recorded decodes as a parent without them, which it was.
+    features: list[str] = []
+    pending_optimizer_resets: list[int] = []
+    last_optimizer_reset: OptimizerResetRef | None = None
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,6 +110,11 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     # the stage number) so a crash between StageEntered and ReferenceRefreshed still refreshes.
     pending_refreshes: list[int] = []
     reference: Reference | None = None
+    # Stages whose entry clears the optimizer (the config's), and those entered whose OptimizerReset
+    # has not happened yet: state, like pending_refreshes, so a crash in between still resets.
+    optimizer_reset_stages: list[int] = []
+    pending_optimizer_resets: list[int] = []
+    last_optimizer_reset: OptimizerResetRef | None = None
     stacks: list[Stack] = []
     cursors: dict[str, int] = {}
     last_loss: float | None = None
@@ -109,6 +127,11 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     resumes: list[Superseded] = []
     parent_run: str = ""
     num_threads: int = 0  # CPU threads the run computes with (RunStarted's; 0 = not recorded)
+    cpu_capability: str = ""  # the CPU kernels it computes with (RunStarted's; "" = not recorded)
+    features: list[str] = []  # RunStarted's (a fork's: its parent's), see events.RUN_FEATURES
+    # The step before whose first update the baseline evaluation is due; -1 = none (done, or the run
+    # was started without the feature or without evaluations).
+    baseline_step: int = -1
     # The seq the next record gets. Folding only the effective records (superseded ones left out)
     # counts the same, because applying a RunResumed moves it past the range it supersedes.
     next_seq: int = 0

@@ -71,7 +71,7 @@ from rewind.states.schedule import Schedule
 from rewind.states.state import State
 
 CURVES: tuple[str, ...] = ("linear", "cosine", "sigmoid")
-LR_SCHEDULES: tuple[str, ...] = ("wsds", "wsd", "cosine", "sgdr", "constant")
+LR_SCHEDULES: tuple[str, ...] = ("wsds", "wsd", "cosine", "sgdr", "constant", "cosine_rewarm")
 
 # Small token blocks keep N small for realistic-looking budgets; the engine is not involved here.
 _BLOCK_SIZES = (4, 8, 16, 32)
@@ -145,6 +145,11 @@ def _config_dicts(
         "decay_lr_mult": draw(unit_floats()),
         "min_lr_ratio": draw(unit_floats()),
         "sgdr_period": draw(st.integers(1, max(1, max_steps // 4))),
+        "rewarm_lr": draw(st.sampled_from((1e-4, 3e-4, 2e-3))),
+        "reset_optimizer_stages": draw(st.lists(st.integers(1, max(num_stages - 1, 1)), unique=True))
+        if num_stages > 1
+        else [],
+        "reset_restarts_lr": draw(st.booleans()),
     }
     if kl:
         betas = st.lists(st.sampled_from((0.0, 0.1, 0.5)), min_size=num_stages, max_size=num_stages)
@@ -285,7 +290,12 @@ def simulate_run(config: Config, crash_after: Iterable[int] = ()) -> list[Event]
         log.append(event)
 
     while (intent := decide(state, schedule)) is not None:
-        if isinstance(intent, ControlIntent | RunStep) and state.step and pending_crashes and pending_crashes[-1] <= state.step:
+        if (
+            isinstance(intent, ControlIntent | RunStep)
+            and state.step
+            and pending_crashes
+            and pending_crashes[-1] <= state.step
+        ):
             pending_crashes.pop()  # the process dies with every duty of the step done; a new one resumes
             point = restore_point(list(enumerate(log)), state)
             emit(
@@ -308,7 +318,9 @@ def simulate_run(config: Config, crash_after: Iterable[int] = ()) -> list[Event]
             case Evaluate(boundary=boundary):
                 emit(Evaluated(**at, boundary=boundary, scores={"grammar": 1.0 / (1.0 + _loss(state.step))}))
             case TakeCheckpoint(reason=reason):
-                name = f"{state.step:08d}-{hashlib.sha256(f'{identity}:{state.step}'.encode()).hexdigest()[:8]}"
+                name = (
+                    f"{state.step:08d}-{hashlib.sha256(f'{identity}:{state.step}'.encode()).hexdigest()[:8]}"
+                )
                 manifest = hashlib.sha256(name.encode()).hexdigest()
                 emit(CheckpointCommitted(**at, checkpoint=name, manifest_sha256=manifest, reason=reason))
             case DeleteCheckpoints(names=names):

@@ -136,6 +136,18 @@ def check_config(config: Config) -> list[str]:
             add(f"optimization.{name}: must be in [0, 1], got {getattr(opt, name)}")
     if opt.sgdr_period <= 0:
         add(f"optimization.sgdr_period: must be positive, got {opt.sgdr_period}")
+    if not opt.rewarm_lr > 0:
+        add(f"optimization.rewarm_lr: must be positive, got {opt.rewarm_lr}")
+    for j, stage in enumerate(opt.reset_optimizer_stages):
+        if stage == 0:
+            add(
+                f"optimization.reset_optimizer_stages[{j}]: stage 0 has no moments to clear "
+                "(the optimizer starts empty); name a later stage"
+            )
+        elif not 0 < stage < max(n, 1):
+            add(f"optimization.reset_optimizer_stages[{j}]: stage {stage} is out of range 1..{n - 1}")
+    if len(set(opt.reset_optimizer_stages)) != len(opt.reset_optimizer_stages):
+        add("optimization.reset_optimizer_stages: stages must not repeat")
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(opt, name) < 1.0:
             add(f"optimization.{name}: must be in [0, 1), got {getattr(opt, name)}")

@@ -112,13 +112,19 @@ class _Spec:
     def owner(self, x: float) -> int:
         return min(bisect.bisect_right(self.boundaries, x), self.num_stages - 1)
 
-    def lr(self, k: int) -> float:
+    def lr(self, k: int, entries: list[int]) -> float:
+        """The LR of step k of a run started today; `entries`: each stage's entry step (checked
+        against the weights separately). Resets that restart the LR count k from the last one."""
         opt, n = self.opt, self.num_steps
+        if opt.reset_restarts_lr:
+            restarts = sorted(entries[s] for s in opt.reset_optimizer_stages if 0 < s < len(entries))
+            k -= max((r for r in restarts if r <= k), default=0)
         base, warmup = opt.lr, math.floor(n * opt.warmup_pct)
+        a, m = opt.warmup_lr_mult, opt.min_lr_ratio
         if opt.schedule in ("wsd", "wsds"):
             decay = math.floor(n * opt.decay_pct)
             stable = n - warmup - decay - (math.floor(n * opt.constant_pct) if opt.schedule == "wsds" else 0)
-            a, b = opt.warmup_lr_mult, opt.decay_lr_mult
+            b = opt.decay_lr_mult
             if k < warmup:
                 return base * (a + (1 - a) * k / warmup)
             if k < warmup + stable:
@@ -128,9 +134,18 @@ class _Spec:
             return base * b
         if opt.schedule == "constant":
             return base
-        if k < warmup:
-            return base * k / warmup
-        m = opt.min_lr_ratio
+        if opt.schedule == "cosine_rewarm":  # each stage: from m x lr up to its peak, cosine to m x peak
+            stage = max(i for i, start in enumerate(entries) if start <= k)
+            start, end = entries[stage], entries[stage + 1] if stage + 1 < len(entries) else n
+            length = max(end - start, 1)
+            peak = base if stage == 0 else opt.rewarm_lr
+            rewarm = max(1, math.floor(length * opt.warmup_pct))
+            if k - start < rewarm:
+                return m * base + (peak - m * base) * (k - start) / rewarm
+            progress = min((k - start - rewarm) / max(length - rewarm, 1), 1.0)
+            return peak * (m + (1 - m) * (1 + math.cos(math.pi * progress)) / 2)
+        if k < warmup:  # cosine and sgdr warm up from the floor a x lr, as wsd does
+            return base * (a + (1 - a) * k / warmup)
         if opt.schedule == "cosine":
             return base * (m + (1 - m) * (1 + math.cos(math.pi * (k - warmup) / (n - warmup))) / 2)
         period, start = opt.sgdr_period, warmup  # sgdr: restarts at warmup + period * (2^i - 1)
@@ -267,6 +282,7 @@ def _check_steps(
 ) -> None:
     entry_steps = [e.step for e in events if isinstance(e, StageEntered)]
     base_lr, n = spec.opt.lr, spec.num_stages
+    highest_lr = max(base_lr, spec.opt.rewarm_lr) if spec.opt.schedule == "cosine_rewarm" else base_lr
     fading: tuple[int, float, float] | None = None  # (boundary, incoming, outgoing) at the last step
     last_primary = 0
     for k in steps:
@@ -292,8 +308,8 @@ def _check_steps(
         problem = _rows_problem(w, step.rows, spec.batch_size)
         if problem:
             found.add("rows", f"step {k}: rows {step.rows} for weights {w}: {problem}")
-        expected = spec.lr(k)
-        in_range = 0.0 <= step.lr <= base_lr * (1 + TOLERANCE)
+        expected = spec.lr(k, entry_steps)
+        in_range = 0.0 <= step.lr <= highest_lr * (1 + TOLERANCE)
         if not in_range or not math.isclose(step.lr, expected, rel_tol=TOLERANCE, abs_tol=base_lr * 1e-12):
             found.add(
                 "lr", f"step {k}: LR {step.lr!r}, expected {expected!r} ({spec.opt.schedule}, peak {base_lr})"

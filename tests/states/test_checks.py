@@ -241,7 +241,7 @@ def test_a_curve_that_turns_back_is_a_violation(monkeypatch):
 
 def test_a_wrong_lr_is_a_violation(monkeypatch):
     original = schedule_module.lr_at
-    monkeypatch.setattr(schedule_module, "lr_at", lambda opt, step, n: original(opt, step, n) * 1.5)
+    monkeypatch.setattr(schedule_module, "lr_at", lambda opt, step, n, *a, **kw: original(opt, step, n, *a, **kw) * 1.5)
     report = check_schedule(config_of(schedule="cosine"))
     assert invariants_violated(report) == {"lr"}
     # A broken rule is reported a few times, then counted.

@@ -334,15 +334,16 @@ def test_config_changes_mid_run_and_the_config_in_force_at_the_end():
 
 
 def test_a_config_change_that_a_resume_superseded_does_not_count():
-    events = [*STRAIGHT[:7], seed_change(4)]  # RunStarted .. CheckpointCommitted(4), then the change
+    cut = next(i for i, e in enumerate(STRAIGHT) if isinstance(e, CheckpointCommitted) and e.step == 4) + 1
+    events = [*STRAIGHT[:cut], seed_change(4)]  # RunStarted .. CheckpointCommitted(4), then the change
     resumed = resumed_event(
-        fold(events[:7]),
+        fold(events[:cut]),
         fork=False,
         step=4,
         tokens=64,
-        checkpoint=events[6].checkpoint,
-        superseded_first_seq=7,
-        superseded_last_seq=7,
+        checkpoint=events[cut - 1].checkpoint,
+        superseded_first_seq=cut,
+        superseded_last_seq=cut,
     )
     records = seq_events([*events, resumed])
     assert config_changes(records) == [] and final_config(records) == CONFIG
