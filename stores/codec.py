@@ -1,24 +1,42 @@
 """Record framing and event (de)coding for the event log: pure bytes in, events out.
 
-Frame of one record (little endian):
+Frame of one record, format 2 (what every writer writes; little endian):
 
     offset    size  field
-    0         4     magic    b"\\x89RWL" (a non-ASCII first byte, so text never looks like a frame)
-    4         4     length   payload bytes (n)
+    0         4     magic    b"\\x89RLG" (a non-ASCII first byte, so text never looks like a frame)
+    4         4     length   payload bytes (n), at most MAX_PAYLOAD
     8         2     version  schema version the payload was written with (`SCHEMA_VERSION` today)
     10        8     seq      record number, contiguous over the whole log, first = 0
-    18        n     payload  msgspec msgpack encoding of one event (tagged: "type" = class name)
-    18 + n    4     crc      CRC32C of bytes [0, 18 + n) of the frame, started from RESIDUE
+    18        2     flags    bit 0: END_OF_GROUP, set on the last frame of each write a commit syncs
+    20        4     hcrc     CRC32C of bytes [0, 20) of the frame, started from RESIDUE
+    24        n     payload  msgspec msgpack encoding of one event (tagged: "type" = class name)
+    24 + n    4     crc      CRC32C of bytes [0, 24 + n) of the frame, started from RESIDUE
 
-A bit flip anywhere in a frame is caught by its CRC, which covers the whole frame, the length too (a
-flipped length moves the frame's end, and the CRC no longer matches).
+Format 1 (logs written before commit groups were marked; still read, never written):
 
-Why the CRC starts from RESIDUE (0x48674BC7) rather than 0: any CRC32C run over some bytes and then
-over its own value ends at that constant. So a frame leaves the CRC at RESIDUE, and a whole run of
-intact frames checks with one call, `extend(RESIDUE, bytes) == RESIDUE` -- the reader's fast path
-verifies each chunk of a segment it decodes (`SegmentChunks`, about a MiB of whole frames) at memory
-speed instead of paying a call per record (the cumulative-checksum idea of SQLite's WAL). Each frame
-still checks on its own, which is how damage is located.
+    0 magic b"\\x89RWL", 4 length, 8 version, 10 seq, 18 payload, 18 + n crc of [0, 18 + n)
+
+The magics differ in 7 bits, so a flipped bit never turns one format into the other. Length, version
+and seq sit at the same offsets in both.
+
+The end-of-group mark is what lets recovery tell "never acknowledged" from "damaged". A commit writes
+its frames and syncs them; only then does it return. So the frames after the last intact END_OF_GROUP
+frame of the log, if no intact END_OF_GROUP frame follows them, were never acknowledged: a torn tail,
+whatever they contain (a write cut short, a zero-filled hole where a block never reached the disk,
+then intact frames). An END_OF_GROUP frame whose header is intact but whose payload fails its CRC was
+acknowledged: that is damage, and nothing is cut. Hence the header's own CRC: it vouches for the flag
+(and the length) of a frame whose payload is bad. A format-1 frame is a group of its own (the rule
+before marks existed: damage with nothing intact after it is a torn tail).
+
+Why CRCs start from RESIDUE (0x48674BC7) rather than 0: any CRC32C run over some bytes and then over
+its own value ends at that constant. The header ends with its CRC, so the CRC of a whole frame is
+back at RESIDUE after the header; the trailer is therefore also the CRC of the payload alone
+(`extend(RESIDUE, payload)`), which checks a payload whose header is damaged. And a frame of either
+format leaves the CRC at RESIDUE, so a whole run of intact frames checks with one call,
+`extend(RESIDUE, bytes) == RESIDUE` -- the reader's fast path verifies each chunk of a segment it
+decodes (`SegmentChunks`, about a MiB of whole frames) at memory speed instead of paying a call per
+record (the cumulative-checksum idea of SQLite's WAL). Each frame still checks on its own, which is
+how damage is located.
 
 Schema evolution: a payload whose version equals `SCHEMA_VERSION` decodes straight into `AnyEvent`.
 An older one decodes into a dict, goes through `UPCASTERS[v]` (v -> v + 1) up to today's version and
@@ -37,14 +55,23 @@ import msgspec
 from rewind.states import events as _events
 from rewind.states.events import SCHEMA_VERSION, AnyEvent
 
-MAGIC = b"\x89RWL"
-HEADER = struct.Struct("<4sIHQ")  # magic, length, version, seq
+FRAME_FORMAT = 2  # what writers write (the module doc)
+MAGIC = b"\x89RLG"  # format 2
+MAGIC_V1 = b"\x89RWL"  # format 1
+HEADER = struct.Struct("<4sIHQHI")  # magic, length, version, seq, flags, header CRC
 HEADER_SIZE = HEADER.size
-_LENGTH_VERSION_SEQ = struct.Struct("<4xIHQ")  # the header without its magic
+HEADER_V1 = struct.Struct("<4sIHQ")  # magic, length, version, seq
+HEADER_SIZE_V1 = HEADER_V1.size
+_CHECKED_HEADER = struct.Struct("<4sIHQH")  # the part of a format-2 header its CRC covers
+_LENGTH_VERSION_SEQ = struct.Struct("<4xIHQ")  # the header without its magic (both formats)
 TRAILER = struct.Struct("<I")  # crc
 FRAME_OVERHEAD = HEADER_SIZE + TRAILER.size
+END_OF_GROUP = 1  # flags bit
 RESIDUE = 0x48674BC7  # CRC32C of any bytes followed by their own CRC32C (little endian)
-_MAX_PAYLOAD = (1 << 32) - 1
+# The largest payload a frame may carry: readers never believe a length above it, so that a damaged
+# or hostile length cannot make them allocate gigabytes. Events are a few hundred bytes.
+MAX_PAYLOAD = 64 << 20
+MAX_FRAME = MAX_PAYLOAD + FRAME_OVERHEAD
 
 # Upgrades the raw decoded dict of an event written with schema version v to version v + 1.
 # Register one whenever SCHEMA_VERSION is bumped; a log is only readable if the whole chain exists.
@@ -77,11 +104,17 @@ class UnsupportedSchemaError(LogError):
         super().__init__(f"unsupported event schema: {segment} at byte {offset}: {reason}")
 
 
-class BadFrame(Exception):
-    """Internal: the bytes at an offset are not a complete, intact frame (`reason` says why)."""
+class UnreadableSegmentError(LogError):
+    """A segment (or the events directory) that is no regular file this run owns: nothing is read."""
 
-    def __init__(self, reason: str):
+
+class BadFrame(Exception):
+    """Internal: the bytes at an offset are not a complete, intact frame (`reason` says why).
+    `header`: the frame's header where it is intact (its payload is what is wrong), else None."""
+
+    def __init__(self, reason: str, header: Header | None = None):
         self.reason = reason
+        self.header = header
         super().__init__(reason)
 
 
@@ -99,24 +132,51 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     event: Any
 
 
+class Header(NamedTuple):
+    """A frame's header, checked as far as it can be on its own (format 2: by its CRC)."""
+
+    format: int  # 1 or 2
+    seq: int
+    version: int
+    payload_start: int  # offsets in the bytes parsed
+    payload_end: int
+    end: int  # frame end
+    closing: bool  # ends a commit group: END_OF_GROUP set, or any format-1 frame
+
+
 class Frame(NamedTuple):
     seq: int
     version: int
     payload_start: int
     payload_end: int
     end: int  # frame end
+    closing: bool = True  # see Header
 
 
-def encode_frame(seq: int, payload: bytes, version: int = SCHEMA_VERSION) -> bytes:
-    """One frame around already-encoded payload bytes (tests and tools write odd versions with it)."""
-    if len(payload) > _MAX_PAYLOAD:
-        raise ValueError(f"event payload of {len(payload)} bytes exceeds the 4 GiB frame limit")
-    body = HEADER.pack(MAGIC, len(payload), version, seq) + payload
-    return body + TRAILER.pack(_extend(RESIDUE, body))
+def encode_frame(
+    seq: int,
+    payload: bytes,
+    version: int = SCHEMA_VERSION,
+    *,
+    end_of_group: bool = True,
+    frame_format: int = 2,
+) -> bytes:
+    """One frame around already-encoded payload bytes (tests and tools write odd versions, unmarked
+    frames and format-1 frames with it)."""
+    if len(payload) > MAX_PAYLOAD:
+        raise ValueError(
+            f"event payload of {len(payload)} bytes exceeds the {MAX_PAYLOAD >> 20} MiB frame limit"
+        )
+    if frame_format == 1:
+        body = HEADER_V1.pack(MAGIC_V1, len(payload), version, seq) + payload
+        return body + TRAILER.pack(_extend(RESIDUE, body))
+    head = _CHECKED_HEADER.pack(MAGIC, len(payload), version, seq, END_OF_GROUP if end_of_group else 0)
+    return head + TRAILER.pack(_extend(RESIDUE, head)) + payload + TRAILER.pack(_extend(RESIDUE, payload))
 
 
 class FrameEncoder:
-    """Appends framed events to a bytearray with one reused msgspec encoder."""
+    """Appends framed events to a bytearray with one reused msgspec encoder. Frames are written
+    without END_OF_GROUP; the writer marks the last one of each write with `mark_end_of_group`."""
 
     def __init__(self) -> None:
         self._encode = msgspec.msgpack.Encoder().encode
@@ -127,61 +187,76 @@ class FrameEncoder:
         """Frame `event` as record `seq` at the end of `buffer`; returns the frame size in bytes.
         (encode_frame inlined: this runs once per event.)"""
         payload = self._encode(event)
-        body = HEADER.pack(MAGIC, len(payload), self._version, seq) + payload
-        buffer += body
-        self.last_crc = crc = _extend(RESIDUE, body)
+        if len(payload) > MAX_PAYLOAD:
+            raise ValueError(
+                f"event payload of {len(payload)} bytes exceeds the {MAX_PAYLOAD >> 20} MiB frame limit"
+            )
+        head = _CHECKED_HEADER.pack(MAGIC, len(payload), self._version, seq, 0)
+        buffer += head
+        buffer += TRAILER.pack(_extend(RESIDUE, head))
+        buffer += payload
+        self.last_crc = crc = _extend(RESIDUE, payload)  # = the CRC of the whole frame (module doc)
         buffer += TRAILER.pack(crc)
-        return len(body) + 4
+        return len(payload) + FRAME_OVERHEAD
+
+
+def mark_end_of_group(buffer: bytearray, offset: int) -> None:
+    """Set END_OF_GROUP on the format-2 frame at `offset` of `buffer`, in place. Only the header CRC
+    changes: the trailer is the payload's CRC (module doc)."""
+    fields = list(_CHECKED_HEADER.unpack_from(buffer, offset))
+    fields[4] |= END_OF_GROUP
+    head = _CHECKED_HEADER.pack(*fields)
+    buffer[offset : offset + HEADER_SIZE] = head + TRAILER.pack(_extend(RESIDUE, head))
+
+
+def parse_header(data: bytes, offset: int) -> Header:
+    """The header of the frame at `offset`, checked on its own; BadFrame with the reason if it is not
+    intact as far as can be told (format 1 has no header CRC: only its magic and length)."""
+    left = len(data) - offset
+    magic = data[offset : offset + 4]
+    if magic == MAGIC:
+        if left < HEADER_SIZE:
+            raise BadFrame(f"incomplete record header ({left} of {HEADER_SIZE} bytes)")
+        _, length, version, seq, flags, crc = HEADER.unpack_from(data, offset)
+        if _extend(RESIDUE, data[offset : offset + HEADER_SIZE - 4]) != crc:
+            raise BadFrame("header CRC mismatch")
+        start, closing = offset + HEADER_SIZE, bool(flags & END_OF_GROUP)
+        frame_format = 2
+    elif magic == MAGIC_V1:
+        if left < HEADER_SIZE_V1:
+            raise BadFrame(f"incomplete record header ({left} of {HEADER_SIZE_V1} bytes)")
+        _, length, version, seq = HEADER_V1.unpack_from(data, offset)
+        start, closing, frame_format = offset + HEADER_SIZE_V1, True, 1
+    elif left < 4:
+        raise BadFrame(f"incomplete record header ({left} of {HEADER_SIZE} bytes)")
+    else:
+        raise BadFrame(f"no record starts here (magic {magic.hex()}, expected {MAGIC.hex()})")
+    if length > MAX_PAYLOAD:
+        raise BadFrame(f"implausible record length {length} (at most {MAX_PAYLOAD})")
+    return Header(frame_format, seq, version, start, start + length, start + length + TRAILER.size, closing)
 
 
 def parse_frame(data: bytes, offset: int) -> Frame:
     """Check the frame at `offset` on its own; raise BadFrame with the reason if it is not intact."""
-    left = len(data) - offset
-    if left < HEADER_SIZE:
-        raise BadFrame(f"incomplete record header ({left} of {HEADER_SIZE} bytes)")
-    magic, length, version, seq = HEADER.unpack_from(data, offset)
-    if magic != MAGIC:
-        raise BadFrame(f"no record starts here (magic {magic.hex()}, expected {MAGIC.hex()})")
-    payload_end = offset + HEADER_SIZE + length
-    end = payload_end + TRAILER.size
-    if end > len(data):
-        raise BadFrame(f"incomplete record ({left} of {end - offset} bytes)")
-    if _extend(RESIDUE, data[offset:payload_end]) != TRAILER.unpack_from(data, payload_end)[0]:
-        raise BadFrame("CRC mismatch")
-    return Frame(seq, version, offset + HEADER_SIZE, payload_end, end)
+    header = parse_header(data, offset)
+    if header.end > len(data):
+        raise BadFrame(f"incomplete record ({len(data) - offset} of {header.end - offset} bytes)", header)
+    # Format 2: the header checked to RESIDUE, so the payload's CRC is the frame's (module doc).
+    start = offset if header.format == 1 else header.payload_start
+    if _extend(RESIDUE, data[start : header.payload_end]) != TRAILER.unpack_from(data, header.payload_end)[0]:
+        raise BadFrame("CRC mismatch" if header.format == 1 else "payload CRC mismatch", header)
+    return Frame(
+        header.seq, header.version, header.payload_start, header.payload_end, header.end, header.closing
+    )
 
 
-def skip_records(data: bytes, offset: int, seq: int, target: int) -> tuple[int, int] | None:
-    """(offset, seq) of record `target` in `data`, walking frame headers from record `seq` at `offset`;
-    where the data ends first, (len(data), the seq that would come next).
-
-    Neither decodes nor checks CRCs (seeking into a segment costs a fraction of a microsecond per
-    record skipped): the caller parses from the offset found, which checks everything it returns.
-    None when a header is not where it should be or lacks the expected seq, or a frame runs past the
-    end: the caller then parses the whole segment, which names the damage or the torn tail."""
-    unpack = HEADER.unpack_from
-    while seq < target and offset < len(data):
-        if offset + HEADER_SIZE > len(data):
-            return None
-        magic, length, _, record_seq = unpack(data, offset)
-        if magic != MAGIC or record_seq != seq:
-            return None
-        offset += FRAME_OVERHEAD + length
-        seq += 1
-    return (offset, seq) if offset <= len(data) else None
-
-
-def find_next_frame(data: bytes, start: int) -> int | None:
-    """Offset of the first intact frame at or after `start`, or None: tells a torn tail (nothing
-    valid follows the damage) from corruption in the middle (valid records after it)."""
-    offset = data.find(MAGIC, start)
-    while offset >= 0:
-        try:
-            parse_frame(data, offset)
-            return offset
-        except BadFrame:
-            offset = data.find(MAGIC, offset + 1)
-    return None
+def frame_size(data: bytes, offset: int) -> int | None:
+    """The size the header at `offset` declares, if the header is intact; else None."""
+    try:
+        header = parse_header(data, offset)
+    except BadFrame:
+        return None
+    return header.end - offset
 
 
 class EventDecoder:

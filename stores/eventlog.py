@@ -31,8 +31,8 @@ import os
 import warnings
 from typing import Any, Literal
 
-from rewind.stores import fsio
-from rewind.stores.codec import FrameEncoder, LogError
+from rewind.stores import fsio, objectcommit
+from rewind.stores.codec import FrameEncoder, LogError, mark_end_of_group
 
 # Re-exported (`X as X`), so that every error of the log, the record type and the read side's public
 # names can still be imported from this module, as they always could.
@@ -43,8 +43,15 @@ from rewind.stores.fsio import Location
 from rewind.stores.lock import LogLockedError as LogLockedError
 from rewind.stores.lock import StaleLockBroken as StaleLockBroken
 from rewind.stores.lock import WriterLock
-from rewind.stores.logindex import SegmentStats, ensure_index, index_name, summarize, write_index
-from rewind.stores.logread import EVENTS_DIR, LogModeError, LogNotFoundError, LogReader, segment_name
+from rewind.stores.logindex import SegmentStats, ensure_index, index_name, write_index
+from rewind.stores.logread import (
+    EVENTS_DIR,
+    LogModeError,
+    LogNotFoundError,
+    LogReader,
+    check_events_dir,
+    segment_name,
+)
 from rewind.stores.logread import list_segments as list_segments
 from rewind.stores.logread import verify_log as verify_log
 
@@ -88,6 +95,8 @@ class EventLog(LogReader):
         # Buffered: framed records, and where in the buffer each segment's share starts.
         self._buffer = bytearray()
         self._chunks: list[tuple[int, int]] = []
+        self._chunk_last_frames: list[int] = []  # where the last frame of each share but the last starts
+        self._last_frame = 0  # where the frame appended last starts in the buffer
         self._next_seq = 0
         self._tail_index = -1
         self._tail_size: int | None = None  # None: the next record opens a new segment
@@ -119,6 +128,7 @@ class EventLog(LogReader):
         if check not in ("all", "tail"):
             raise ValueError(f"check must be 'all' or 'tail', got {check!r}")
         log = cls(fsio.filesystem(run_url), mode, segment_bytes)
+        check_events_dir(log._events_dir)
         if mode == "r":
             if not log._events_dir.exists():
                 raise LogNotFoundError(f"no event log at {log.run.url} (no {EVENTS_DIR}/ directory)")
@@ -163,6 +173,8 @@ class EventLog(LogReader):
         if tail_size is None or (tail_size and tail_size + size > self.segment_bytes):
             self._tail_index += 1
             tail_size = 0
+            if self._chunks:  # the segment before ends with the frame appended last
+                self._chunk_last_frames.append(self._last_frame)
             self._chunks.append((self._tail_index, start))
             self._tail_stats = self._unsealed[self._tail_index] = SegmentStats(seq)
         elif not self._chunks:
@@ -170,6 +182,7 @@ class EventLog(LogReader):
         self._tail_stats.add(seq, event, tail_size, size, self._encoder.last_crc)
         self._tail_size = tail_size + size
         self._next_seq = seq + 1
+        self._last_frame = start
         return seq
 
     def commit(self) -> int:
@@ -179,16 +192,21 @@ class EventLog(LogReader):
             return 0
         num_records = self._next_seq - self._num_committed
         ends = [start for _, start in self._chunks[1:]] + [len(self._buffer)]
-        # Copies of each segment's share: cheap next to a sync, and the buffer stays resizable.
+        # Copies of each segment's share: cheap next to a sync, and the buffer stays resizable. Each
+        # ends with END_OF_GROUP (marked in the copy: a retry after a failure marks afresh): what
+        # recovery takes for acknowledged, each write being synced before the next segment starts.
         pieces = [
             (index, self._buffer[start:end]) for (index, start), end in zip(self._chunks, ends, strict=True)
         ]
+        for (_, piece), (_, start), last in zip(
+            pieces, self._chunks, [*self._chunk_last_frames, self._last_frame], strict=True
+        ):
+            mark_end_of_group(piece, last - start)
         try:
             if self.run.is_local:
                 self._commit_local(pieces)
             else:
-                for index, data in pieces:
-                    self._events_dir.join(segment_name(index)).write_atomic(data)
+                objectcommit.put_segments(self._events_dir, self._lock, pieces)
         except OSError as exc:
             outcome = self._rollback()
             raise LogWriteError(
@@ -203,6 +221,7 @@ class EventLog(LogReader):
             self._tail_size = None  # objects are immutable: the next commit starts a new one
         self._buffer.clear()
         self._chunks.clear()
+        self._chunk_last_frames.clear()
         # Segments this commit moved past are sealed: only now, with all their records durable, do
         # they get their index file (a failed or rolled-back commit leaves none to go stale).
         for index in range(first_sealed, self._last_index):
@@ -254,10 +273,13 @@ class EventLog(LogReader):
         if check == "tail":
             summaries = [summary for summary, _ in self._summaries()]
         else:
-            summaries = [
-                summarize(segment_name(index), parsed.next_seq - len(parsed.items), parsed, data)
-                for index, data, parsed in self._read_segments(records=False)
-            ]
+            summaries = []
+            for index, chunks in self._walk(0, None, records=False):
+                stats = SegmentStats(chunks.next_seq)
+                for chunk in chunks:
+                    stats.add_chunk(chunk)
+                    chunk = None  # let go of it before the next one decodes
+                summaries.append(stats.scanned(segment_name(index), chunks.end, chunks.last_offset, chunks.last_crc))
         seq = summaries[-1].next_seq if summaries else 0
         torn = self.torn_tail
         if torn is not None:
@@ -290,6 +312,7 @@ class EventLog(LogReader):
         self._closed = self._refuse_writes = True
         self._buffer.clear()
         self._chunks.clear()
+        self._chunk_last_frames.clear()
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)

@@ -17,8 +17,7 @@ verify` compares each with the segment it describes.
 Index files are not synced: one torn by a power cut fails its CRC and is scanned around and rewritten,
 so a sync would only add two disk flushes to the commit that seals a segment.
 
-Seeking needs no index at all: `locate` finds the segment holding a seq by a binary search over the
-first record's header of each, and `part_chunks` decodes a segment from the record wanted on.
+Seeking needs no index at all (rewind.stores.logseek).
 """
 
 from __future__ import annotations
@@ -28,28 +27,33 @@ import os
 import secrets
 import struct
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import google_crc32c
 import msgspec
 
 from rewind.states.events import RunResumed
 from rewind.stores.codec import (
-    HEADER,
+    _LENGTH_VERSION_SEQ,
     HEADER_SIZE,
+    HEADER_SIZE_V1,
     MAGIC,
-    TRAILER,
+    MAGIC_V1,
+    MAX_FRAME,
     BadFrame,
-    EventDecoder,
     Record,
+    UnreadableSegmentError,
     parse_frame,
-    skip_records,
 )
 from rewind.stores.fsio import Location
-from rewind.stores.segparse import Problem, SegmentChunks, SegmentParse
+from rewind.stores.segparse import Problem, SegmentParse
+from rewind.stores.segsource import SegmentSource, open_segment
 
 INDEX_SUFFIX = ".idx"
 INDEX_FORMAT = 1  # bumped when the file's layout changes; other formats are ignored, then rewritten
+# An index holds a summary of a few hundred bytes (a few more per RunResumed): anything larger is not
+# one, and is not read.
+MAX_INDEX_BYTES = 1 << 20
 _CRC = struct.Struct("<I")
 
 
@@ -92,11 +96,11 @@ def superseded_ranges(summaries: Iterable[SegmentSummary]) -> list[tuple[int, in
     return [(m.first, m.last) for s in summaries for m in s.resumes if m.last >= m.first]
 
 
-def summarize(name: str, first_seq: int, parsed: SegmentParse, data: bytes) -> SegmentSummary:
+def summarize(name: str, first_seq: int, parsed: SegmentParse) -> SegmentSummary:
     """The summary of a segment parsed whole from its first record (`first_seq`) on."""
     stats = SegmentStats(first_seq)
     stats.add_chunk(parsed.items)
-    return stats.scanned(name, parsed.end, parsed.last_offset, data)
+    return stats.scanned(name, parsed.end, parsed.last_offset, parsed.last_crc)
 
 
 class SegmentStats:
@@ -157,12 +161,11 @@ class SegmentStats:
         ]
         self.next_seq = first + len(events)
 
-    def scanned(self, name: str, end: int, last_offset: int, data: bytes) -> SegmentSummary:
-        """The summary of segment `name` (bytes `data`) once a scan from its first record has added
-        every chunk: the intact records end at `end`, the last one starts at `last_offset`."""
+    def scanned(self, name: str, end: int, last_offset: int, last_crc: int) -> SegmentSummary:
+        """The summary of segment `name` once a scan from its first record has added every chunk:
+        the intact records end at `end`, the last one starts at `last_offset` and has CRC `last_crc`."""
         if self.next_seq > self.first_seq:
-            self.num_bytes, self.last_offset = end, last_offset
-            self.last_crc = TRAILER.unpack_from(data, end - TRAILER.size)[0]
+            self.num_bytes, self.last_offset, self.last_crc = end, last_offset, last_crc
         return self.summary(name)
 
     def summary(self, name: str) -> SegmentSummary:
@@ -220,10 +223,25 @@ def decode_index(blob: bytes) -> SegmentSummary:
         raise IndexUnusable(f"undecodable: {exc}") from None
 
 
+def read_index_bytes(location: Location) -> bytes:
+    """The bytes of an index file; IndexUnusable if it is no regular file or too large to be one."""
+    with _open_index(location) as source:
+        if source.size > MAX_INDEX_BYTES:
+            raise IndexUnusable(f"{source.size} bytes, more than an index file ever holds")
+        return source.read(0, source.size)
+
+
+def _open_index(location: Location) -> SegmentSource:
+    try:
+        return open_segment(location)
+    except UnreadableSegmentError:
+        raise IndexUnusable("not a regular file of the run") from None
+
+
 def read_index(events_dir: Location, segment: str) -> SegmentSummary | None:
     """The decoded index file of `segment`, or None when there is none or it cannot be used."""
     try:
-        return decode_index(events_dir.join(index_name(segment)).read_bytes())
+        return decode_index(read_index_bytes(events_dir.join(index_name(segment))))
     except (OSError, IndexUnusable):
         return None
 
@@ -257,112 +275,50 @@ def ensure_index(events_dir: Location, summary: SegmentSummary) -> None:
         write_index(events_dir, summary)
 
 
-def read_range(location: Location, start: int, end: int) -> bytes:
-    """Bytes [start, end) of a file (fewer where it is shorter)."""
-    if location.is_local:
-        with open(location.path, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-    return location.fs.cat_file(location.path, start=start, end=end)
-
-
 def load_index(events_dir: Location, segment: str, first_seq: int) -> SegmentSummary | None:
     """The summary of sealed `segment` (expected to start at record `first_seq`) from its index file,
-    if the file is intact and agrees with the segment; None otherwise (the caller scans it)."""
+    if the file is intact and agrees with the segment; None otherwise (the caller scans it). Raises
+    UnreadableSegmentError where the segment is no regular file."""
     summary = read_index(events_dir, segment)
     if summary is None or summary.segment != segment or summary.first_seq != first_seq:
         return None
-    location = events_dir.join(segment)
     try:
-        if location.size() != summary.num_bytes:
-            return None
-        if not summary.num_records:
-            return summary if summary.num_bytes == 0 else None
-        if not 0 <= summary.last_offset < summary.num_bytes:
-            return None
-        if summary.num_records > 1 and first_record_seq(location) != first_seq:
-            return None
-        last = read_range(location, summary.last_offset, summary.num_bytes)
+        with open_segment(events_dir.join(segment)) as source:
+            return _agrees(summary, source, first_seq)
     except OSError:
         return None
+
+
+def _agrees(summary: SegmentSummary, source: SegmentSource, first_seq: int) -> SegmentSummary | None:
+    if source.size != summary.num_bytes:
+        return None
+    if not summary.num_records:
+        return summary if summary.num_bytes == 0 else None
+    if (
+        not 0 <= summary.last_offset < summary.num_bytes
+        or summary.num_bytes - summary.last_offset > MAX_FRAME
+    ):
+        return None
+    if summary.num_records > 1 and first_record_seq(source) != first_seq:
+        return None
+    last = source.read(summary.last_offset, summary.num_bytes - summary.last_offset)
     try:
-        seq, _, _, _, end = parse_frame(last, 0)
+        seq, _, _, _, end, closing = parse_frame(last, 0)
     except BadFrame:
         return None
-    crc = TRAILER.unpack_from(last, end - TRAILER.size)[0]
-    if (seq, end, crc) != (summary.next_seq - 1, len(last), summary.last_crc):
+    # A sealed segment ends with the frame that closes its last commit group.
+    crc = int.from_bytes(last[end - 4 : end], "little")
+    if (seq, end, crc, closing) != (summary.next_seq - 1, len(last), summary.last_crc, True):
         return None
     return summary
 
 
-def first_record_seq(location: Location) -> int | None:
+def first_record_seq(source: SegmentSource) -> int | None:
     """The seq in the header of a segment's first record, or None when it holds no readable header."""
-    head = read_range(location, 0, HEADER_SIZE)
-    if len(head) < HEADER_SIZE:
+    head = source.read(0, HEADER_SIZE)
+    if len(head) < HEADER_SIZE_V1 or head[:4] not in (MAGIC, MAGIC_V1):
         return None
-    magic, _, _, seq = HEADER.unpack(head)
-    return seq if magic == MAGIC else None
-
-
-def locate(events_dir: Location, segments: Sequence[str], start_seq: int) -> tuple[int, int]:
-    """(position in `segments`, its first seq) of the segment that holds record `start_seq` (or the
-    last one), by a binary search over the first record's header of each: O(log n) small reads, no
-    index file needed. Starting too early is always right (the caller reads on to the end, skipping
-    what it does not want), so a segment whose header says nothing usable counts as starting too late.
-    Headers are not CRC-checked here; the records read from the segment found are."""
-    low, high, low_seq = 0, len(segments), 0  # invariant: segments[low] starts at low_seq <= start_seq
-    while high - low > 1:
-        middle = (low + high) // 2
-        seq = first_record_seq(events_dir.join(segments[middle]))
-        if seq is not None and low_seq < seq <= start_seq:
-            low, low_seq = middle, seq
-        else:
-            high = middle
-    return low, low_seq
-
-
-def part_chunks(
-    name: str,
-    data: bytes,
-    *,
-    first_seq: int,
-    start_seq: int,
-    stop_seq: int | None,
-    decoder: EventDecoder,
-    records: bool,
-) -> SegmentChunks:
-    """The records with start_seq <= seq < stop_seq of segment `name` (bytes `data`, first record
-    `first_seq`), a chunk at a time, decoding and CRC-checking only those when the frame headers lead
-    to them, else decoding from the first record and dropping those before `start_seq`. Offsets are
-    the segment's; `next_seq` ends as the seq after the last record parsed (at most `stop_seq`).
-
-    Damage inside a part cut short by `stop_seq` is judged against the whole segment, as a read to
-    its end would (an intact frame anywhere after it makes it corruption, raised at once), so that
-    the caller can tell a torn tail from corruption by `bad` alone."""
-    bounds = _part_bounds(data, first_seq, start_seq, stop_seq)
-    if bounds is not None:
-        begin, end, seq = bounds
-        return SegmentChunks(name, data, seq=seq, decoder=decoder, records=records, begin=begin, stop=end)
-    return SegmentChunks(
-        name, data, seq=first_seq, decoder=decoder, records=records, start_seq=start_seq, stop_seq=stop_seq
-    )
-
-
-def _part_bounds(
-    data: bytes, first_seq: int, start_seq: int, stop_seq: int | None
-) -> tuple[int, int, int] | None:
-    """(begin, end, seq at begin) of the bytes that hold records [start_seq, stop_seq), found by
-    walking frame headers; None where the headers do not lead there."""
-    begin, seq = 0, first_seq
-    if start_seq > first_seq:
-        found = skip_records(data, 0, first_seq, start_seq)
-        if found is None:
-            return None
-        begin, seq = found
-    if stop_seq is None:
-        return begin, len(data), seq
-    stop = skip_records(data, begin, seq, stop_seq)
-    return None if stop is None else (begin, stop[0], seq)
+    return _LENGTH_VERSION_SEQ.unpack_from(head)[2]
 
 
 # -- verification --------------------------------------------------------------------------------
@@ -382,7 +338,7 @@ def check_indexes(events_dir: Location, summaries: dict[str, SegmentSummary]) ->
         if expected is None:
             continue  # the segment is damaged: that is the problem reported
         try:
-            found = decode_index(events_dir.join(name).read_bytes())
+            found = decode_index(read_index_bytes(events_dir.join(name)))
         except (OSError, IndexUnusable) as exc:
             problems.append(Problem(name, 0, f"damaged index file ({exc}); readers scan {segment} instead"))
             continue

@@ -31,6 +31,7 @@ from rewind.stores.codec import (
     LogCorruptError,
     LogError,
     Record,
+    UnreadableSegmentError,
 )
 from rewind.stores.fsio import Location
 from rewind.stores.logindex import (
@@ -38,18 +39,18 @@ from rewind.stores.logindex import (
     SegmentSummary,
     check_indexes,
     load_index,
-    locate,
-    part_chunks,
     superseded_ranges,
 )
+from rewind.stores.logseek import locate, part_chunks
 from rewind.stores.segparse import (
     LogReport,
     Problem,
     SegmentChunks,
-    SegmentParse,
     TornTail,
-    audit_segments,
+    audit_segment,
 )
+from rewind.stores.segsource import open_segment
+from rewind.stores.trust import RecordChecker, check_carriers
 
 EVENTS_DIR = "events"
 _SEGMENT_SUFFIX = ".log"
@@ -65,6 +66,15 @@ class LogModeError(LogError):
 
 def segment_name(index: int) -> str:
     return f"{index:08d}{_SEGMENT_SUFFIX}"
+
+
+def check_events_dir(events: Location) -> None:
+    """UnreadableSegmentError where `events` exists but is no directory (a regular file: listing it
+    would find an empty log)."""
+    if events.exists() and not (
+        os.path.isdir(events.path) if events.is_local else events.fs.isdir(events.path)
+    ):
+        raise UnreadableSegmentError(f"{events.url}: not a directory; no event log can be read there")
 
 
 def _segment_indices(events: Location) -> list[int]:
@@ -104,7 +114,9 @@ class LogReader:
             self._summaries()
         return self._scanned_seq  # type: ignore[return-value]
 
-    def records(self, start_seq: int = 0, stop_seq: int | None = None) -> Iterator[Record]:
+    def records(
+        self, start_seq: int = 0, stop_seq: int | None = None, *, check: bool = True
+    ) -> Iterator[Record]:
         """The committed records with start_seq <= seq < stop_seq (to the end by default) in seq
         order, read from storage now. Reads only the segments that can hold them and decodes from the
         first one wanted. Raises LogCorruptError on damage in what it reads; a torn tail ends the
@@ -113,14 +125,26 @@ class LogReader:
         Streams: each segment decodes a chunk at a time (`rewind.stores.segparse.SegmentChunks`), every
         record checked before it is handed on, so a consumer that does not keep the records holds
         about one chunk of them (and the bytes of the segment being read), not a whole segment.
-        Records of a segment come before damage found later in it is raised."""
+        Records of a segment come before damage found later in it is raised.
+
+        A record that carries what no rewind run writes (a config rewind refuses, a checkpoint name
+        that is not one, an absurd fork seed: rewind.stores.trust) raises UntrustedRecord, unless
+        `check` is off (`rewind verify`, which reports it among the other problems)."""
+        checker = RecordChecker()
         for chunk in self._read_chunks(start_seq, stop_seq, records=True):
+            if check:
+                check_carriers(checker, chunk)
             yield from chunk
             chunk = None  # let go of it before the next one decodes
 
     def events(self) -> list[Any]:
-        """Every committed event, in order (the fast path: no Record wrappers)."""
-        return [event for chunk in self._read_chunks(records=False) for event in chunk]
+        """Every committed event, in order (the fast path: no Record wrappers), checked as `records`."""
+        found: list[Any] = []
+        checker = RecordChecker()
+        for chunk in self._read_chunks(records=False):
+            check_carriers(checker, chunk, first_seq=len(found))
+            found += chunk
+        return found
 
     def segment_summaries(self) -> list[SegmentSummary]:
         """What each segment holds (seqs, steps, bytes, resumes): from the index file of a sealed
@@ -137,6 +161,7 @@ class LogReader:
         wanted = functools.partial(SegmentSummary.may_hold_steps, low=low, high=high)
         summaries = self._summaries(keep=lambda record: low <= record.event.step <= high)
         ranges = superseded_ranges(s for s, _ in summaries) if effective else []
+        checker = RecordChecker()
         for position, (summary, kept) in enumerate(summaries):
             if not wanted(summary):
                 continue
@@ -145,6 +170,7 @@ class LogReader:
             kept = None  # the iterator holds it until it is handed on
             here = [(a, b) for a, b in ranges if a < summary.next_seq and b >= summary.first_seq]
             for chunk in chunks:
+                check_carriers(checker, chunk)
                 for record in chunk:
                     if low <= record.event.step <= high and not any(a <= record.seq <= b for a, b in here):
                         yield record
@@ -164,6 +190,7 @@ class LogReader:
         names = [segment_name(i) for i in list_segments(self._events_dir)]
         index, seq = locate(self._events_dir, names, start_seq) if start_seq > 0 else (0, 0)
         offset = 0
+        checker = RecordChecker()
         while True:
             stopping = stop is not None and stop()
             num_before = seq
@@ -171,13 +198,13 @@ class LogReader:
             while index < len(indices):
                 has_next = index + 1 < len(indices)  # listed before reading: if so, this one is final
                 name = segment_name(index)
-                data = self._events_dir.join(name).read_bytes(offset)
-                chunks = SegmentChunks(name, data, seq=seq, decoder=self._decoder, base=offset)
-                data = None  # the chunks hold it while they decode, and no longer
-                for chunk in chunks:
-                    yield from (record for record in chunk if record.seq >= start_seq)
-                    chunk = None  # let go of it before the next one decodes
-                seq, offset, bad = chunks.next_seq, offset + chunks.end, chunks.bad
+                with open_segment(self._events_dir.join(name)) as source:
+                    chunks = SegmentChunks(name, source, seq=seq, decoder=self._decoder, begin=offset)
+                    for chunk in chunks:
+                        check_carriers(checker, chunk)
+                        yield from (record for record in chunk if record.seq >= start_seq)
+                        chunk = None  # let go of it before the next one decodes
+                seq, offset, bad = chunks.next_seq, chunks.end, chunks.bad
                 chunks = None
                 if bad is not None and has_next:
                     raise LogCorruptError(name, offset, f"{bad[1]} (in a segment that is not the last)")
@@ -205,22 +232,24 @@ class LogReader:
             summary = None if index == indices[-1] else load_index(self._events_dir, name, seq)
             kept: list[Record] | None = None
             if summary is None:
-                data = self._events_dir.join(name).read_bytes()
-                chunks = SegmentChunks(name, data, seq=seq, decoder=self._decoder, records=keep is not None)
-                stats = SegmentStats(seq)
-                kept = [] if keep is not None else None
-                for chunk in chunks:
-                    stats.add_chunk(chunk)
-                    if kept is not None:
-                        most = max(most, len(chunk))
-                        kept += filter(keep, chunk)
-                        if num_kept + len(kept) > most:
-                            kept = None  # more than a chunk's worth: read again when wanted
-                    chunk = None  # let go of it before the next one decodes
+                with open_segment(self._events_dir.join(name)) as source:
+                    chunks = SegmentChunks(
+                        name, source, seq=seq, decoder=self._decoder, records=keep is not None
+                    )
+                    stats = SegmentStats(seq)
+                    kept = [] if keep is not None else None
+                    for chunk in chunks:
+                        stats.add_chunk(chunk)
+                        if kept is not None:
+                            most = max(most, len(chunk))
+                            kept += filter(keep, chunk)
+                            if num_kept + len(kept) > most:
+                                kept = None  # more than a chunk's worth: read again when wanted
+                        chunk = None  # let go of it before the next one decodes
                 num_kept += len(kept) if kept is not None else 0
-                torn = self._check_tail(index, indices, len(data), chunks.bad)
-                summary = stats.scanned(name, chunks.end, chunks.last_offset, data)
-                data = chunks = None
+                torn = self._check_tail(index, indices, source.size, chunks.bad)
+                summary = stats.scanned(name, chunks.end, chunks.last_offset, chunks.last_crc)
+                chunks = None
             found.append((summary, kept))
             seq = summary.next_seq
         self.torn_tail = torn
@@ -232,29 +261,18 @@ class LogReader:
     ) -> Iterator[list]:
         """The records in [start_seq, stop_seq) (Records, or bare events), a chunk at a time, from
         the segment that holds `start_seq` on. Sets `torn_tail` once it reaches the end."""
-        for _, _, chunks in self._walk(start_seq, stop_seq, records=records, keep_bytes=False):
+        for _, chunks in self._walk(start_seq, stop_seq, records=records):
             for chunk in chunks:
                 yield chunk
                 chunk = None  # let go of it before the next one decodes
 
-    def _read_segments(
-        self, start_seq: int = 0, stop_seq: int | None = None, *, records: bool
-    ) -> Iterator[tuple[int, bytes, SegmentParse]]:
-        """(index, bytes, parse) of each segment from the one that holds `start_seq` on, each parse
-        holding its records in [start_seq, stop_seq), decoded whole (for the writer's open, which
-        summarizes each segment from its parse). Sets `torn_tail` once it reaches the end."""
-        for index, data, chunks in self._walk(start_seq, stop_seq, records=records, keep_bytes=True):
-            items = [item for chunk in chunks for item in chunk]
-            yield index, data, SegmentParse(items, chunks.next_seq, chunks.end, chunks.bad, chunks.last_offset)
-
     def _walk(
-        self, start_seq: int, stop_seq: int | None, *, records: bool, keep_bytes: bool
-    ) -> Iterator[tuple[int, bytes | None, SegmentChunks]]:
-        """(index, bytes or None, chunks) of each segment from the one that holds `start_seq` on; the
-        caller decodes each segment's chunks before asking for the next. The one walk of both reading
-        paths: which segments, from where, and what the end of the last one means (`torn_tail`, set
-        once the walk reaches it). Without `keep_bytes` the segment's bytes live only as long as its
-        chunks decode."""
+        self, start_seq: int, stop_seq: int | None, *, records: bool
+    ) -> Iterator[tuple[int, SegmentChunks]]:
+        """(index, chunks) of each segment from the one that holds `start_seq` on; the caller
+        decodes each segment's chunks before asking for the next. The one walk of the reading paths:
+        which segments, from where, and what the end of the last one means (`torn_tail`, set once
+        the walk reaches it). A segment is open (a window of it in memory) while its chunks decode."""
         self._check_open()
         indices = list_segments(self._events_dir)
         names = [segment_name(index) for index in indices]
@@ -263,57 +281,52 @@ class LogReader:
         for index in indices[position:]:
             if stop_seq is not None and seq >= stop_seq:  # an empty range
                 return
-            data = self._events_dir.join(names[index]).read_bytes()
-            size = len(data)
-            chunks = part_chunks(
-                names[index],
-                data,
-                first_seq=seq,
-                start_seq=start_seq,
-                stop_seq=stop_seq,
-                decoder=self._decoder,
-                records=records,
-            )
-            if not keep_bytes:
-                data = None  # the chunks hold it while they decode, and no longer
-            yield index, data, chunks
-            data = None
+            with open_segment(self._events_dir.join(names[index])) as source:
+                chunks = part_chunks(
+                    names[index],
+                    source,
+                    first_seq=seq,
+                    start_seq=start_seq,
+                    stop_seq=stop_seq,
+                    decoder=self._decoder,
+                    records=records,
+                )
+                yield index, chunks
             seq, bad = chunks.next_seq, chunks.bad
             chunks = None
             if stop_seq is not None and seq >= stop_seq:  # done before the end: nothing to say about it
                 return
-            torn = self._check_tail(index, indices, size, bad)
+            torn = self._check_tail(index, indices, source.size, bad)
         self.torn_tail = torn
         self._scanned_seq = seq
 
     def _segment_chunks(self, summary: SegmentSummary) -> Iterator[list[Record]]:
         """The records of a segment `summary` describes (its intact records: up to `num_bytes`), a
         chunk at a time; damage there is corruption."""
-        data = self._events_dir.join(summary.segment).read_bytes()
-        chunks = SegmentChunks(
-            summary.segment, data, seq=summary.first_seq, decoder=self._decoder, stop=summary.num_bytes
-        )
-        data = None
-        for chunk in chunks:
-            yield chunk
-            chunk = None  # let go of it before the next one decodes
+        with open_segment(self._events_dir.join(summary.segment)) as source:
+            chunks = SegmentChunks(
+                summary.segment, source, seq=summary.first_seq, decoder=self._decoder, stop=summary.num_bytes
+            )
+            for chunk in chunks:
+                yield chunk
+                chunk = None  # let go of it before the next one decodes
         if chunks.bad is not None:
-            offset, reason = chunks.bad
+            offset, reason, _ = chunks.bad
             raise LogCorruptError(summary.segment, offset, f"{reason} (in a segment that is not the last)")
 
     @staticmethod
     def _check_tail(
-        index: int, indices: list[int], size: int, bad: tuple[int, str] | None
+        index: int, indices: list[int], size: int, bad: tuple[int, str, bool] | None
     ) -> TornTail | None:
-        """A damaged end (`bad`) of the last segment (`size` bytes) is a torn tail; of any other
-        segment, corruption."""
+        """An unacknowledged end (`bad`) of the last segment (`size` bytes) is a torn tail; of any
+        other segment, corruption (the writer syncs a segment whole before it starts the next)."""
         if bad is None:
             return None
-        offset, reason = bad
+        offset, reason, certain = bad
         name = segment_name(index)
         if index != indices[-1]:
             raise LogCorruptError(name, offset, f"{reason} (in a segment that is not the last)")
-        return TornTail(name, offset, size - offset, reason)
+        return TornTail(name, offset, size - offset, reason, certain)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -321,12 +334,15 @@ class LogReader:
 
 
 def verify_log(run_url: str | os.PathLike[str]) -> LogReport:
-    """Check framing, CRCs, sequence contiguity and decodability of every record, reporting every
-    problem (segment, offset) instead of stopping at the first, and every index file against its
-    segment (`index_problems`). Read-only."""
+    """Check framing, CRCs, commit groups, sequence contiguity and decodability of every record,
+    reporting every problem (segment, offset) instead of stopping at the first, and every index file
+    against its segment (`index_problems`). A torn tail (a commit that never returned, as a crash
+    leaves) is `torn_tail`, not a problem. Read-only; every read bounded. Raises LogError only where
+    no log can be read at all (no events directory, or it is no directory)."""
     events_dir = fsio.filesystem(run_url).join(EVENTS_DIR)
     if not events_dir.exists():
         raise LogNotFoundError(f"no event log at {run_url} (no {EVENTS_DIR}/ directory)")
+    check_events_dir(events_dir)
     indices = _segment_indices(events_dir)
     present = set(indices)
     missing = [i for i in range(indices[-1] if indices else 0) if i not in present]
@@ -335,27 +351,32 @@ def verify_log(run_url: str | os.PathLike[str]) -> LogReport:
     summaries: dict[str, SegmentSummary] = {}
     for index in indices:
         name = segment_name(index)
-        data = events_dir.join(name).read_bytes()
-        first = report.next_seq
-        # The fast path proves an intact segment a chunk at a time, keeping only the summary; only a
-        # damaged segment needs the audit.
-        chunks = SegmentChunks(name, data, seq=first, decoder=decoder, records=False)
-        stats = SegmentStats(first)
         try:
-            for chunk in chunks:
-                stats.add_chunk(chunk)
-                chunk = None  # let go of it before the next one decodes
-            intact = chunks.bad is None
-        except LogError:
-            intact = False
-        if not intact:
-            audit_segments([(name, data, index == indices[-1])], report)
-        else:
-            report.num_segments += 1
-            report.num_records += chunks.next_seq - first
-            report.num_bytes += len(data)
-            report.next_seq = chunks.next_seq
-            summaries[name] = stats.scanned(name, chunks.end, chunks.last_offset, data)
-        data = chunks = None  # before the next segment is read
+            source = open_segment(events_dir.join(name))
+        except (UnreadableSegmentError, OSError) as exc:
+            report.problems.append(Problem(name, 0, str(exc)))
+            continue
+        with source:
+            first = report.next_seq
+            # The fast path proves an intact segment a chunk at a time, keeping only the summary;
+            # only a damaged segment (or a torn tail) needs the audit.
+            chunks = SegmentChunks(name, source, seq=first, decoder=decoder, records=False)
+            stats = SegmentStats(first)
+            try:
+                for chunk in chunks:
+                    stats.add_chunk(chunk)
+                    chunk = None  # let go of it before the next one decodes
+                intact = chunks.bad is None
+            except LogError:
+                intact = False
+            if not intact:
+                audit_segment(name, source, index == indices[-1], report, decoder)
+            else:
+                report.num_segments += 1
+                report.num_records += chunks.next_seq - first
+                report.num_bytes += source.size
+                report.next_seq = chunks.next_seq
+                summaries[name] = stats.scanned(name, chunks.end, chunks.last_offset, chunks.last_crc)
+        chunks = None  # before the next segment is read
     report.index_problems = check_indexes(events_dir, summaries)
     return report

@@ -1,26 +1,31 @@
 """Parsing the segments of the event log: frames checked, decoded and handed on a chunk at a time.
 
-`rewind.stores.codec` defines one frame (layout, CRC, event decoding); this module walks whole segments
-of them. The fast path decodes a chunk of about a MiB of whole frames and checks its CRC with one call;
-anything else (damage, an older schema) falls back to a frame-by-frame parse that names what is wrong
-and where. A damaged frame with nothing intact after it is a torn tail (the caller decides whether that
-is allowed: only at the end of the last segment); with intact frames after it, it is corruption.
-`audit_segments` is the same walk for `rewind verify`, recording every problem instead of raising.
+`rewind.stores.codec` defines one frame (layout, CRCs, end-of-group marks, event decoding); this
+module walks whole segments of them, through bounded windows of a `SegmentSource`
+(`rewind.stores.segsource`): never a whole segment in memory. The fast path decodes a window of about
+a MiB of whole frames and checks its CRC with one call; anything else (damage, an older schema) falls
+back to a frame-by-frame parse that names what is wrong and where. Only records of commit groups that
+closed are handed on; what follows the last closed group, if it never closes, is a torn tail, and
+damage is told from it by the rules of `rewind.stores.segdamage` (the caller decides whether a torn
+tail is allowed: only at the end of the last segment).
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Iterator
+import struct
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import msgspec
 
 from rewind.states import events as _events
 from rewind.stores.codec import (
-    _LENGTH_VERSION_SEQ,
     HEADER_SIZE,
+    MAGIC,
+    MAGIC_V1,
     RESIDUE,
+    TRAILER,
     BadFrame,
     EventDecoder,
     LogCorruptError,
@@ -28,67 +33,108 @@ from rewind.stores.codec import (
     SchemaUnreadable,
     UnsupportedSchemaError,
     _extend,
-    find_next_frame,
+    frame_size,
     parse_frame,
 )
+from rewind.stores.segdamage import (  # re-exported: the read side imports them from here
+    FrameWalker,
+    LogReport,
+    Problem,
+    TornTail,
+    audit_segment,
+    judge_tail,
+)
+from rewind.stores.segsource import SegmentSource, as_source
+
+__all__ = [
+    "LogReport",
+    "Problem",
+    "SegmentChunks",
+    "SegmentParse",
+    "TornTail",
+    "audit_segment",
+    "parse_segment",
+]
 
 # Readers decode a segment this many bytes (whole frames) at a time, handing each chunk's records on
 # before decoding the next (`SegmentChunks`): what a streaming reader holds is about one chunk of
-# decoded records (~4.5 times its bytes in objects), whatever the segment size. 1 MiB: a CRC call
-# and a few Python calls per chunk cost nothing next to decoding its ~5,000 records.
+# decoded records (~4.5 times its bytes in objects) and its bytes, whatever the segment size. 1 MiB:
+# a CRC call and a few Python calls per chunk cost nothing next to decoding its ~5,000 records.
 DECODE_CHUNK_BYTES = 1 << 20
+_SLACK_BYTES = 16 << 10  # read past a chunk's end, where its last frame ends (events are ~200 bytes)
+# Format 2's header up to its flags, the magic read as its third byte only (format 1's header and 2
+# bytes more): that byte tells the formats apart, and the chunk's CRC covers the rest of the magic.
+_FAST_HEADER = struct.Struct("<2xBxIHQH")
+_KIND_V2, _KIND_V1 = MAGIC[2], MAGIC_V1[2]
 
 
 class SegmentParse(NamedTuple):
     items: list  # Records, or bare events
     next_seq: int
-    end: int  # offset (relative to the parsed bytes) just after the last intact record
-    bad: tuple[int, str] | None  # (offset, reason) of a damaged tail with nothing intact after it
-    last_offset: int = -1  # offset in the segment (base included) where the last record starts
+    end: int  # offset just after the last record of a closed commit group
+    bad: tuple[int, str, bool] | None  # (offset, reason, certain) of a torn tail: see SegmentChunks
+    last_offset: int = -1  # offset in the segment where the last record starts
+    last_crc: int = 0  # the CRC of the last record
 
 
 def parse_segment(
-    name: str, data: bytes, *, seq: int, decoder: EventDecoder, records: bool = True, base: int = 0
+    name: str, data: bytes | SegmentSource, *, seq: int, decoder: EventDecoder, records: bool = True
 ) -> SegmentParse:
-    """Decode the records in `data` (the bytes of segment `name` from byte `base` on, which must be
-    a frame boundary), the first expected to carry `seq`: all of `SegmentChunks` in one list.
-
-    Stops at a damaged frame when no intact frame follows it (`bad`; the caller decides whether that
-    is a torn tail or corruption); raises LogCorruptError for anything else that is wrong.
-    """
+    """Decode the records of segment `name` (bytes, or a source), the first expected to carry `seq`:
+    all of `SegmentChunks` in one list. Stops at a torn tail (`bad`; the caller decides whether that
+    is allowed); raises LogCorruptError for anything else that is wrong."""
     collecting = gc.isenabled()
     gc.disable()  # for the whole parse, not only for each chunk (see SegmentChunks)
     try:
-        chunks = SegmentChunks(name, data, seq=seq, decoder=decoder, records=records, base=base)
+        chunks = SegmentChunks(name, as_source(data, name), seq=seq, decoder=decoder, records=records)
         items: list = []
         for chunk in chunks:
             items += chunk
-        return SegmentParse(items, chunks.next_seq, chunks.end, chunks.bad, chunks.last_offset)
+        return SegmentParse(
+            items, chunks.next_seq, chunks.end, chunks.bad, chunks.last_offset, chunks.last_crc
+        )
     finally:
         if collecting:
             gc.enable()
+
+
+class _Parsed(NamedTuple):
+    """What one window parsed into (offsets the segment's): `items` up to `frames_end`, of which the
+    first `num_closed` end with a frame that closes a commit group, at `closed`; `bad`: the offset
+    and the reason where a frame is not intact (None: the window ended on whole frames)."""
+
+    items: list
+    frames_end: int
+    closed: int
+    num_closed: int
+    last: int  # where the last item's frame starts
+    last_closed: int  # where the last closing frame starts
+    bad: tuple[int, BadFrame] | None = None
 
 
 class SegmentChunks:
     """The records of segment `name` decoded a chunk at a time: iterating yields a list per chunk of
     whole frames of about DECODE_CHUNK_BYTES (never an empty one), each decoded only when asked for.
 
-    `data` holds the segment's bytes from byte `base` on (a frame boundary); what is decoded is
-    `data[begin:stop]` (all of it by default; `begin` a frame boundary), the first record there
-    expected to carry `seq`. With `start_seq`/`stop_seq`, only the records with start_seq <= seq <
-    stop_seq are yielded, and decoding ends once `stop_seq` is reached.
+    `source` holds the segment's bytes (read a window at a time: never whole); what is decoded is
+    [begin, stop) (all of it by default; `begin` a frame boundary), the first record there expected to
+    carry `seq`; `group_start` is where the commit group holding that record starts (`begin` by
+    default). With `start_seq`/`stop_seq`, only the records with start_seq <= seq < stop_seq are
+    yielded, and decoding ends once `stop_seq` is reached.
 
-    Every record yielded has been checked like a whole-segment read checks it: a chunk whose frames
-    are all intact and of today's schema is decoded at msgspec's speed and CRC-checked with one call
-    over the whole chunk (see the module doc); any other chunk is parsed frame by frame. Damage
-    followed by an intact frame anywhere in `data` (not only in the chunk or in [begin, stop)) raises
-    LogCorruptError with the segment and byte offset; damage with nothing intact after it ends the
-    iteration and is left in `bad` for the caller to judge (torn tail or corruption).
+    Every record yielded has been checked like a whole-segment read checks it, and belongs to a
+    commit group that closed (its END_OF_GROUP frame is intact: in the chunk, or found further on
+    before the records are handed on). A window whose frames are all intact and of today's schema is
+    decoded at msgspec's speed and CRC-checked with one call over the whole window (see the codec's
+    module doc); any other is parsed frame by frame. Damage where it is corruption (the rules of
+    `rewind.stores.segdamage`, which look at the whole segment, not only [begin, stop)) raises
+    LogCorruptError with the segment and byte offset; a commit group that never closed (a torn tail)
+    ends the iteration and is left in `bad` for the caller to judge (allowed only at the end).
 
     Progress, readable at any time and final once the iteration ends: `next_seq` (the seq after the
-    last record decoded), `end` (offset in `data` just after it), `bad` ((offset in `data`, reason)
-    or None) and `last_offset` (segment offset, `base` included, where the last record decoded
-    starts; -1 if none). As in `SegmentParse`, which `parse_segment` builds from them.
+    last record decoded), `end` (offset just after it), `bad` ((offset where the unclosed group
+    starts, reason, certain) or None), `last_offset` (where the last record decoded starts; -1 if
+    none) and `last_crc` (its CRC). As in `SegmentParse`, which `parse_segment` builds from them.
 
     Python's cyclic garbage collector is paused while a chunk decodes, and only then (never while
     the consumer holds the chunk): decoding makes tens of thousands of containers per MiB, each
@@ -103,15 +149,17 @@ class SegmentChunks:
 
     __slots__ = (
         "bad",
-        "base",
-        "data",
         "decoder",
         "end",
+        "group_start",
+        "last_crc",
         "last_offset",
         "name",
         "next_seq",
         "promote",
+        "proven",
         "records",
+        "source",
         "start_seq",
         "stop",
         "stop_seq",
@@ -120,29 +168,31 @@ class SegmentChunks:
     def __init__(
         self,
         name: str,
-        data: bytes,
+        source: SegmentSource | bytes,
         *,
         seq: int,
         decoder: EventDecoder,
         records: bool = True,
-        base: int = 0,
         begin: int = 0,
         stop: int | None = None,
         start_seq: int | None = None,
         stop_seq: int | None = None,
+        group_start: int | None = None,
     ) -> None:
         self.name = name
-        self.data = data
+        self.source = as_source(source, name)
         self.decoder = decoder
         self.records = records
-        self.base = base
-        self.stop = len(data) if stop is None else stop
+        self.stop = self.source.size if stop is None else min(stop, self.source.size)
         self.start_seq = start_seq
         self.stop_seq = stop_seq
         self.next_seq = seq
         self.end = begin
-        self.bad: tuple[int, str] | None = None
+        self.group_start = begin if group_start is None else group_start
+        self.bad: tuple[int, str, bool] | None = None
         self.last_offset = -1
+        self.last_crc = 0
+        self.proven = -1  # frames ending at or before this offset are known to be in a closed group
         self.promote = True  # until something is found frozen (see _promote_young_objects)
 
     def __iter__(self) -> Iterator[list]:
@@ -161,27 +211,65 @@ class SegmentChunks:
                 yield items
             items = None  # before the next chunk decodes: the consumer may have let go of this one
 
+    def _window(self, begin: int) -> tuple[bytes, int]:
+        """The bytes of the next chunk, and where in them the last frame of the chunk must start:
+        about DECODE_CHUNK_BYTES and a slack for that frame to end in, or the first frame if it is
+        larger (its intact header says how large, at most MAX_FRAME)."""
+        left = self.stop - begin
+        want = max(DECODE_CHUNK_BYTES, 1)
+        data = self.source.read(begin, min(want + _SLACK_BYTES, left))
+        need = frame_size(data, 0)
+        if need is not None and len(data) < need:
+            data = self.source.read(begin, min(need, left))
+        return data, min(want, len(data))
+
     def _decode_chunk(self) -> list:
         """Decode the next chunk, from `end` on; update the progress; return its items."""
         begin = self.end
-        limit = min(begin + max(DECODE_CHUNK_BYTES, 1), self.stop)
         collecting = gc.isenabled()
         gc.disable()
         try:
-            args = (self.name, self.data, self.next_seq, self.decoder, self.records, self.base, begin, limit)
-            fast = _parse_fast(*args, self.stop)
-            if fast is not None:
-                items, self.end, last = fast
-            else:
-                items, self.end, last, self.bad = _parse_checked(*args)
+            data, limit = self._window(begin)
+            at_end = begin + len(data) >= self.stop
+            args = (self.name, data, begin, limit, self.next_seq, self.decoder, self.records, at_end)
+            parsed = _parse_fast(*args) or _parse_checked(*args)
         finally:
             if self.promote:
                 self.promote = _promote_young_objects()
             if collecting:
                 gc.enable()
+        items, end, last = parsed.items, parsed.frames_end, parsed.last
+        if parsed.bad is None and parsed.num_closed and parsed.closed < end < self.stop:
+            # The window ends inside a commit group, after others closed: end the chunk where the
+            # last one did (the next decodes the rest again; cheaper than looking ahead for its end).
+            del items[parsed.num_closed :]
+            end, last = parsed.closed, parsed.last_closed
+        elif parsed.bad is None and parsed.closed < end and end > self.proven:
+            # The window ends inside a commit group: its records count only if the group closes.
+            walker = FrameWalker(self.source, window=16 << 10)  # a commit's rest: usually a few KiB
+            group_end, bad_at, exc = walker.group_end(end)
+            if bad_at is None:
+                self.proven = group_end
+            elif exc is not None and walker.next_intact(bad_at + 1, closing=True) is not None:
+                self.proven = bad_at  # acknowledged up to damage that a later chunk raises
+            else:
+                parsed = parsed._replace(bad=(bad_at, exc))
+        if parsed.bad is not None:
+            # Damage, or the end of the segment, inside a group: corruption (raised) or a torn tail.
+            group_start = parsed.closed if parsed.num_closed else self.group_start
+            bad_at, exc = parsed.bad
+            walker = FrameWalker(self.source)
+            reason, certain = judge_tail(self.source, self.name, bad_at, exc, group_start, walker)
+            self.bad = (group_start, reason, certain)
+            del items[parsed.num_closed :]
+            end, last = (parsed.closed, parsed.last_closed) if parsed.num_closed else (begin, -1)
         if items:
             self.next_seq += len(items)
             self.last_offset = last
+            self.last_crc = TRAILER.unpack_from(data, end - begin - TRAILER.size)[0]
+        if parsed.num_closed:
+            self.group_start = parsed.closed
+        self.end = end
         return items
 
 
@@ -213,159 +301,109 @@ def _promote_young_objects() -> bool:
 def _parse_fast(
     name: str,
     data: bytes,
+    begin: int,
+    limit: int,
     seq: int,
     decoder: EventDecoder,
     records: bool,
-    base: int,
-    begin: int,
-    limit: int,
-    stop: int,
-) -> tuple[list, int, int] | None:
+    at_end: bool,
+) -> _Parsed | None:
     """The common case -- today's schema, every frame intact -- at close to msgspec's own speed.
 
-    Decodes the frames from `begin` on until one ends at or past `limit` (at most at `stop`), then
-    checks the CRC of all of them with one call, which also covers what this loop skips (the magic).
-    Returns (items, offset after the last frame, segment offset of the last frame), or None at the
-    first sign of anything else: the careful path then starts over at `begin` and says what is wrong."""
+    Decodes the frames of `data` (the bytes of the segment from `begin` on) that start before
+    `limit`, the last one running on into the slack after it, then checks the CRC of all of them
+    with one call, which also covers what this loop skips (the magic but its third byte, the header
+    CRCs). None at the first sign of anything else (or a frame that runs past `data`): the careful
+    path then starts over and says what is wrong."""
     items: list = []
     add = items.append
     view = memoryview(data)
-    unpack = _LENGTH_VERSION_SEQ.unpack_from
+    unpack = _FAST_HEADER.unpack_from
     decode = decoder.decode_current
     current = _events.SCHEMA_VERSION  # read at call time, so tests can pretend to be newer code
-    offset = begin
-    last = -1
+    offset = closed = num_closed = 0
+    last = last_closed = -1
     try:
+        # One format per loop (a segment changes format at most once, where a new writer appended to
+        # an old log: the careful path takes that chunk), so the common loop tests one byte per frame.
+        kind = data[2] if limit > 0 else _KIND_V2
+        size, closes = (HEADER_SIZE, 0) if kind == _KIND_V2 else (18, 1)  # format 1: every frame closes
+        if kind not in (_KIND_V2, _KIND_V1):
+            return None
         while offset < limit:
-            length, version, record_seq = unpack(data, offset)
-            last = offset
-            start = offset + HEADER_SIZE
-            offset = start + length + 4
-            if record_seq != seq or version != current:
+            this_kind, length, version, record_seq, flags = unpack(data, offset)
+            if this_kind != kind or record_seq != seq or version != current:
                 return None
-            event = decode(view[start : offset - 4])
-            add(Record(seq, version, name, base + start - HEADER_SIZE, event) if records else event)
+            last = offset
+            start = offset + size
+            offset = start + length + 4
+            event = decode(view[start : offset - 4])  # cut short by the end of `data`: see below
+            add(Record(seq, version, name, begin + last, event) if records else event)
             seq += 1
+            if (flags | closes) & 1:  # END_OF_GROUP
+                closed, num_closed, last_closed = offset, len(items), last
     except Exception:  # a partial header (struct.error), bytes that are no event (msgspec raises more
         return None  # than DecodeError on garbage)
-    if offset > stop:
+    if offset > len(data):  # the last frame runs past the window's slack (or the segment's end)
         return None
-    chunk = data if (begin, offset) == (0, len(data)) else data[begin:offset]  # extend() takes no memoryview
+    chunk = data if offset == len(data) else data[:offset]  # extend() takes no memoryview
     if _extend(RESIDUE, chunk) != RESIDUE:
         return None
-    return items, offset, base + last
+    return _Parsed(items, begin + offset, begin + closed, num_closed, begin + last, begin + last_closed)
 
 
 def _parse_checked(
-    name: str, data: bytes, seq: int, decoder: EventDecoder, records: bool, base: int, begin: int, limit: int
-) -> tuple[list, int, int, tuple[int, str] | None]:
-    """Frame by frame from `begin` until a frame ends at or past `limit`, each checked on its own:
-    finds and names whatever made the fast path give up. Returns (items, offset after the last
-    intact frame, segment offset of the last one (-1 if none), bad)."""
+    name: str,
+    data: bytes,
+    begin: int,
+    limit: int,
+    seq: int,
+    decoder: EventDecoder,
+    records: bool,
+    at_end: bool,
+) -> _Parsed:
+    """Frame by frame through `data` (as in `_parse_fast`), each checked on its own: finds and names
+    whatever made the fast path give up. Stops at the first frame that is not intact (`bad`), or at
+    one that runs past the window when more of the segment follows (a chunk boundary, not damage)."""
     items: list = []
     view = memoryview(data)
-    offset = begin
-    last = -1
+    offset = closed = num_closed = 0
+    last = last_closed = -1
+    bad = None
     while offset < limit:
         try:
-            record_seq, version, start, payload_end, end = parse_frame(data, offset)
+            record_seq, version, start, payload_end, end, closing = parse_frame(data, offset)
         except BadFrame as exc:
-            if find_next_frame(data, offset + 1) is not None:
-                raise LogCorruptError(name, base + offset, f"{exc.reason}, intact records follow") from None
-            return items, offset, last, (offset, exc.reason)
-        _check_seq(name, base + offset, record_seq, seq)
+            cut = exc.header.end > len(data) if exc.header is not None else len(data) - offset < HEADER_SIZE
+            if not (cut and not at_end and offset > 0):
+                bad = (begin + offset, exc)
+                if exc.header is not None:
+                    shift = begin
+                    exc.header = exc.header._replace(
+                        payload_start=exc.header.payload_start + shift,
+                        payload_end=exc.header.payload_end + shift,
+                        end=exc.header.end + shift,
+                    )
+            break
+        _check_seq(name, begin + offset, record_seq, seq)
         try:
             event = decoder.decode(version, view[start:payload_end])
         except (msgspec.DecodeError, ValueError) as exc:  # msgspec raises UnicodeDecodeError on bad UTF-8
             raise LogCorruptError(
-                name, base + offset, f"undecodable payload of record {seq}: {exc}"
+                name, begin + offset, f"undecodable payload of record {seq}: {exc}"
             ) from None
         except SchemaUnreadable as exc:
-            raise UnsupportedSchemaError(name, base + offset, str(exc)) from None
-        items.append(Record(seq, version, name, base + offset, event) if records else event)
-        last = base + offset
+            raise UnsupportedSchemaError(name, begin + offset, str(exc)) from None
+        items.append(Record(seq, version, name, begin + offset, event) if records else event)
+        last = offset
         seq += 1
         offset = end
-    return items, offset, last, None
+        if closing:
+            closed, num_closed, last_closed = end, len(items), last
+    return _Parsed(items, begin + offset, begin + closed, num_closed, begin + last, begin + last_closed, bad)
 
 
 def _check_seq(name: str, offset: int, found: int, expected: int) -> None:
     if found != expected:
         kind = "gap" if found > expected else "duplicate or out of order"
         raise LogCorruptError(name, offset, f"sequence {kind}: record {found}, expected {expected}")
-
-
-class TornTail(msgspec.Struct, frozen=True):
-    """Bytes at the end of the last segment that are not a complete record (a write cut short)."""
-
-    segment: str
-    offset: int
-    num_bytes: int
-    reason: str = ""
-
-
-class Problem(msgspec.Struct, frozen=True):
-    segment: str
-    offset: int
-    message: str
-
-
-class LogReport(msgspec.Struct, kw_only=True):
-    """What a verification found: every problem with its location, and a torn tail (not a problem:
-    opening the log for writing repairs it). `index_problems` are about the segment index files
-    (`rewind.stores.logindex`), a cache that readers check before use: the log itself is fine."""
-
-    num_segments: int = 0
-    num_records: int = 0
-    num_bytes: int = 0
-    next_seq: int = 0
-    problems: list[Problem] = []
-    torn_tail: TornTail | None = None
-    index_problems: list[Problem] = []
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems and not self.index_problems
-
-
-def audit_segments(segments: Iterable[tuple[str, bytes, bool]], report: LogReport) -> LogReport:
-    """Check (name, bytes, is_last) segments in order like parse_segment, but record every problem
-    in `report` instead of raising, skipping each damaged stretch to the next intact frame."""
-    decoder = EventDecoder()
-    seq = report.next_seq
-    for name, data, is_last in segments:
-        offset = 0
-        while offset < len(data):
-            try:
-                record_seq, version, start, payload_end, end = parse_frame(data, offset)
-            except BadFrame as exc:
-                resume = find_next_frame(data, offset + 1)
-                if resume is None and is_last:
-                    report.torn_tail = TornTail(name, offset, len(data) - offset, exc.reason)
-                    break
-                skipped = f"{len(data) - offset if resume is None else resume - offset} bytes skipped"
-                report.problems.append(Problem(name, offset, f"{exc.reason}; {skipped}"))
-                if resume is None:
-                    break
-                offset = resume
-                continue
-            if record_seq != seq:
-                kind = "gap" if record_seq > seq else "duplicate or out of order"
-                report.problems.append(
-                    Problem(name, offset, f"sequence {kind}: record {record_seq}, expected {seq}")
-                )
-            try:
-                decoder.decode(version, data[start:payload_end])
-            except (msgspec.DecodeError, ValueError) as exc:
-                report.problems.append(
-                    Problem(name, offset, f"undecodable payload of record {record_seq}: {exc}")
-                )
-            except SchemaUnreadable as exc:
-                report.problems.append(Problem(name, offset, f"unsupported schema: {exc}"))
-            report.num_records += 1
-            seq = max(seq, record_seq + 1)
-            offset = end
-        report.num_segments += 1
-        report.num_bytes += len(data)
-    report.next_seq = seq
-    return report

@@ -51,4 +51,11 @@ def v1_to_v2(raw: dict) -> dict:
     return upgraded
 
 
+def v2_to_v3(raw: dict) -> dict:
+    """Schema 2 -> 3 only added an event type and fields with defaults; their absence is meaningful:
+    a RunStarted without `features` is a run started before them, which keeps its old behaviours."""
+    return raw
+
+
 UPCASTERS[1] = v1_to_v2
+UPCASTERS[2] = v2_to_v3

@@ -1,8 +1,8 @@
-"""Write the golden log of today's schema version (run: python tests/stores/make_golden.py).
+"""Write the golden log of today's schema version and frame format (run: python tests/stores/make_golden.py).
 
-Only when adding a golden log for a *new* schema version: the committed ones are the record of what
-logs of their versions look like, and the golden test exists to notice when they stop reading. It
-refuses to overwrite one.
+Only when adding a golden log for a *new* schema version or frame format: the committed ones are the
+record of what logs of their versions look like, and the golden test exists to notice when they stop
+reading. It refuses to overwrite one. (`run/` and `run-v2/` predate frame format 2; `run-vS-fF` is schema S in frame format F.)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import msgspec
 
 from rewind.states.config import Config
 from rewind.states.events import EVENT_TYPES, SCHEMA_VERSION
+from rewind.stores.codec import FRAME_FORMAT
 from rewind.stores.eventlog import EventLog
 from tests.stores.test_golden import GOLDEN_CONFIG, GOLDEN_DIR, GOLDEN_SEGMENT_BYTES, golden_events
 
@@ -26,9 +27,9 @@ def main() -> None:
     missing = set(EVENT_TYPES) - {type(e).__name__ for e in events}
     if missing:
         raise SystemExit(f"golden_events() lacks event types: {', '.join(sorted(missing))}")
-    out = GOLDEN_DIR / f"run-v{SCHEMA_VERSION}"
+    out = GOLDEN_DIR / f"run-v{SCHEMA_VERSION}-f{FRAME_FORMAT}"
     if out.exists():
-        raise SystemExit(f"{out} exists: golden logs are written once per schema version")
+        raise SystemExit(f"{out} exists: golden logs are written once per schema version and frame format")
     with EventLog.open(out, "w", segment_bytes=GOLDEN_SEGMENT_BYTES) as log:
         for i, event in enumerate(events):
             log.append(event)

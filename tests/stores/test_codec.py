@@ -19,6 +19,7 @@ from rewind.stores.codec import (
     EventDecoder,
     FrameEncoder,
     encode_frame,
+    mark_end_of_group,
     parse_frame,
 )
 from rewind.stores.eventlog import (
@@ -56,7 +57,13 @@ def test_a_framed_event_decodes_to_itself(event, seq):
     size = FrameEncoder().append(buffer, seq, event)
     frame = bytes(buffer[4:])
     assert size == len(frame) and frame.startswith(MAGIC)
-    assert parse_frame(frame, 0) == (seq, SCHEMA_VERSION, HEADER_SIZE, len(frame) - 4, len(frame))
+    assert parse_frame(frame, 0) == (seq, SCHEMA_VERSION, HEADER_SIZE, len(frame) - 4, len(frame), False)
+    unclosed = parse_segment("s", frame, seq=seq, decoder=EventDecoder())  # a commit that never returned
+    assert unclosed.items == [] and unclosed.bad[0] == 0 and unclosed.next_seq == seq
+    mark_end_of_group(buffer, 4)  # what commit() does to the last frame it writes
+    frame = bytes(buffer[4:])
+    assert parse_frame(frame, 0) == (seq, SCHEMA_VERSION, HEADER_SIZE, len(frame) - 4, len(frame), True)
+    assert frame[HEADER_SIZE:] == bytes(buffer[4 + HEADER_SIZE :]) and len(frame) == size  # header only
     parsed = parse_segment("s", frame, seq=seq, decoder=EventDecoder())
     assert parsed.items[0].event == event and parsed.bad is None and parsed.next_seq == seq + 1
 

@@ -65,10 +65,15 @@ def test_appends_return_contiguous_seqs_and_commit_makes_them_readable(run_url):
 def test_record_locations_point_at_their_frames(run_url):
     events = sample_events(6)
     write_log(run_url, events, commit_every=2, segment_bytes=400)
-    for record in EventLog.open(run_url).records():
+    records = list(EventLog.open(run_url).records())
+    assert len({r.segment for r in records}) > 2
+    for record, after in zip(records, [*records[1:], None], strict=True):
         data = segment(run_url, int(record.segment.split(".")[0])).read_bytes()
-        assert data[record.offset : record.offset + 4] == b"\x89RWL"
-        assert int.from_bytes(data[record.offset + 10 : record.offset + HEADER_SIZE], "little") == record.seq
+        assert data[record.offset : record.offset + 4] == b"\x89RLG"  # frame format 2
+        assert int.from_bytes(data[record.offset + 10 : record.offset + 18], "little") == record.seq
+        flags = int.from_bytes(data[record.offset + 18 : record.offset + HEADER_SIZE - 4], "little")
+        # END_OF_GROUP: the last record of each commit, and the last it wrote to each segment
+        assert flags == (record.seq % 2 == 1 or after is None or after.segment != record.segment)
 
 
 def test_segments_roll_over_at_the_size_limit(run_url):
@@ -165,7 +170,7 @@ def test_damage_before_the_end_raises_with_its_location(run_url):
     data = bytearray(first.read_bytes())
     data[HEADER_SIZE + 3] ^= 0x10  # inside the first payload
     first.write_atomic(bytes(data))
-    with pytest.raises(LogCorruptError, match=r"00000000\.log at byte 0: CRC mismatch") as info:
+    with pytest.raises(LogCorruptError, match=r"00000000\.log at byte 0: payload CRC mismatch") as info:
         read_events(run_url)
     assert (info.value.segment, info.value.offset) == ("00000000.log", 0)
     with pytest.raises(LogCorruptError):

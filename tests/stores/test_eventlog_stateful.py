@@ -97,25 +97,20 @@ class LogMachine(RuleBasedStateMachine):
         sizes = {name: self.events_dir.join(name).size() for name in self.events_dir.list_names()}
         in_flight = self.pending
         if self.backend == "local":
-            target, name = fsio, "sync_fd"  # dies after the first write, before its sync
-            replacement = _raise_crash
-        else:
-            target, name = fsio.Location, "write_atomic"  # dies after the first object put
-            real_put = fsio.Location.write_atomic
-
-            def replacement(location, payload):
-                real_put(location, payload)
-                raise SimulatedCrash
-
-        original = getattr(target, name)
-        setattr(target, name, replacement)
+            patches = {(fsio, "sync_fd"): _raise_crash}  # dies after the first write, before its sync
+        else:  # dies after the first object put, however the commit puts it
+            patches = {(fsio.Location, put): _put_then_crash(put) for put in ("write_atomic", "create_exclusive")}
+        originals = {key: getattr(*key) for key in patches}
+        for (target, name), replacement in patches.items():
+            setattr(target, name, replacement)
         try:
             self.log.commit()
             raise AssertionError("the commit should have crashed")
         except SimulatedCrash:
             pass
         finally:
-            setattr(target, name, original)
+            for (target, name), original in originals.items():
+                setattr(target, name, original)
         if self.backend == "local":  # power loss: part of what was never synced is gone too
             for segment in sorted(self.events_dir.list_names()):
                 path = self.events_dir.join(segment).path
@@ -154,6 +149,16 @@ class LogMachine(RuleBasedStateMachine):
         with EventLog.open(self.url) as reader:
             summaries = reader.segment_summaries()
         assert summaries == [] or summaries[-1].next_seq == len(self.committed)
+
+
+def _put_then_crash(name: str):
+    real_put = getattr(fsio.Location, name)
+
+    def replacement(location, payload):
+        real_put(location, payload)
+        raise SimulatedCrash
+
+    return replacement
 
 
 def _raise_crash(*args: object) -> None:

@@ -11,6 +11,8 @@ golden log for the new version next to these and keep every test.
 
 from __future__ import annotations
 
+import shutil
+import warnings
 from pathlib import Path
 
 import msgspec
@@ -28,6 +30,7 @@ from rewind.states.events import (
     FadeStarted,
     ForkOrigin,
     NonFiniteLoss,
+    OptimizerReset,
     ReferenceRefreshed,
     RunFinished,
     RunResumed,
@@ -39,11 +42,16 @@ from rewind.states.events import (
     Validated,
 )
 from rewind.states.state import CheckpointRef, ForkSeed, Reference
+from rewind.stores.codec import FRAME_FORMAT, MAGIC, MAGIC_V1
 from rewind.stores.eventlog import EventLog, verify_log
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDEN_RUN = GOLDEN_DIR / "run"  # schema 1
-GOLDEN_RUNS = {1: GOLDEN_RUN, 2: GOLDEN_DIR / "run-v2"}
+GOLDEN_RUNS = {1: GOLDEN_RUN, 2: GOLDEN_DIR / "run-v2", 3: GOLDEN_DIR / "run-v3-f2"}  # 1, 2: frame format 1
+# By frame format: format 2 marks the end of each commit group (stores/codec.py).
+GOLDEN_FRAME_RUNS = {1: GOLDEN_DIR / "run-v2", 2: GOLDEN_DIR / "run-v3-f2"}
+# Event types a schema version added, which the goldens of older versions cannot hold.
+ADDED_IN = {"OptimizerReset": 3}
 GOLDEN_CONFIG = GOLDEN_DIR / "config.json"  # Config() as it was when the log was written
 GOLDEN_SEGMENT_BYTES = 1024  # small, so the golden log spans several segments
 HASH = "9f2c4e1a" * 8
@@ -59,9 +67,11 @@ def golden_config() -> Config:
     return msgspec.json.decode(GOLDEN_CONFIG.read_bytes(), type=Config)
 
 
-def golden_events(config: Config | None = None) -> list:
-    """One of every event type, with realistic field values, as today's code decodes them."""
+def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -> list:
+    """One of every event type of schema `version`, with realistic field values, as today's code decodes
+    them (a field added since decodes to its default)."""
     config = config if config is not None else golden_config()
+    newer = version >= 3
     checkpoint = CheckpointRef(
         checkpoint="00000120-3fa85f64",
         step=120,
@@ -91,6 +101,7 @@ def golden_events(config: Config | None = None) -> list:
             config_hash=DEFAULT_CONFIG_HASH,
             rewind_version="0.1.0",
             parent=ForkOrigin(run="runs/base", step=400, checkpoint="00000400-deadbeef", config_hash=HASH),
+            features=["lr_warmup_floor", "baseline_evaluation"] if newer else [],
         ),
         Evaluated(step=0, tokens=0, boundary=-1, scores={"add": 0.0625, "sort": 0.125}, losses={"add": 4.5}),
         StageEntered(step=0, tokens=0, stage=0),
@@ -118,7 +129,9 @@ def golden_events(config: Config | None = None) -> list:
             cursors={"grammar": 16},
             skipped=True,
         ),
-        NonFiniteLoss(step=2, tokens=1024, loss=float("inf"), action="skip"),
+        NonFiniteLoss(
+            step=2, tokens=1024, loss=float("inf"), action="skip", quantity="grad_norm" if newer else "loss"
+        ),
         Validated(step=2, tokens=1024, losses={"grammar": 5.25, "reverse": 5.5}),
         FadeStarted(step=50, tokens=25600, boundary=0),
         CheckpointCommitted(
@@ -131,6 +144,7 @@ def golden_events(config: Config | None = None) -> list:
         ),
         StageEntered(step=100, tokens=51200, stage=1),
         ReferenceRefreshed(step=100, tokens=51200, stage=1, checkpoint="00000100-0b1c2d3e"),
+        *([OptimizerReset(step=100, tokens=51200, stage=1, lr_restarted=True)] if newer else []),
         FadeEnded(step=110, tokens=56320, boundary=0),
         CheckpointDeleted(step=120, tokens=61440, checkpoint="00000040-1234abcd"),
         RunStopped(step=120, tokens=61440, reason="interrupted (SIGINT)"),
@@ -152,8 +166,8 @@ def golden_events(config: Config | None = None) -> list:
 
 @pytest.mark.parametrize("version", sorted(GOLDEN_RUNS))
 def test_the_golden_log_still_reads_event_for_event(version):
-    records = list(EventLog.open(GOLDEN_RUNS[version]).records())
-    assert [r.event for r in records] == golden_events()
+    records = list(EventLog.open(GOLDEN_RUNS[version]).records(check=False))
+    assert [r.event for r in records] == golden_events(version=version)
     assert [r.seq for r in records] == list(range(len(records)))
     assert {r.version for r in records} == {version}
     assert len({r.segment for r in records}) > 1
@@ -162,9 +176,44 @@ def test_the_golden_log_still_reads_event_for_event(version):
 @pytest.mark.parametrize("version", sorted(GOLDEN_RUNS))
 def test_the_golden_log_verifies_clean_and_covers_every_type(version):
     report = verify_log(GOLDEN_RUNS[version])
-    assert report.ok and report.torn_tail is None and report.next_seq == len(golden_events())
-    assert {type(e).__name__ for e in golden_events()} == set(EVENT_TYPES)
+    events = golden_events(version=version)
+    assert report.ok and report.torn_tail is None and report.next_seq == len(events)
+    expected = {name for name in EVENT_TYPES if ADDED_IN.get(name, 1) <= version}
+    assert {type(e).__name__ for e in events} == expected
 
 
 def test_there_is_a_golden_log_of_todays_schema():
     assert SCHEMA_VERSION in GOLDEN_RUNS
+
+
+@pytest.mark.parametrize("frame_format", sorted(GOLDEN_FRAME_RUNS))
+def test_the_golden_log_of_each_frame_format_reads_and_verifies(frame_format):
+    run = GOLDEN_FRAME_RUNS[frame_format]
+    assert frame_format in GOLDEN_FRAME_RUNS and FRAME_FORMAT in GOLDEN_FRAME_RUNS
+    records = list(EventLog.open(run).records(check=False))
+    version = 3 if frame_format == 2 else 2
+    assert [r.event for r in records][: len(golden_events(version=version))] == golden_events(version=version)
+    magic = MAGIC if frame_format == 2 else MAGIC_V1
+    segments = {r.segment: (run / "events" / r.segment).read_bytes() for r in records}
+    assert all(segments[r.segment][r.offset : r.offset + 4] == magic for r in records)
+    report = verify_log(run)
+    assert report.ok and report.torn_tail is None and report.next_seq == len(records)
+
+
+@pytest.mark.parametrize("frame_format", sorted(GOLDEN_FRAME_RUNS))
+def test_a_golden_log_of_each_frame_format_stays_appendable(frame_format, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(GOLDEN_FRAME_RUNS[frame_format], run)
+    extra = RunFinished(step=300, tokens=153600)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to recover in a golden log
+        with EventLog.open(run, "w") as log:
+            num_before = log.next_seq
+            log.append(extra)
+            log.commit()
+    records = list(EventLog.open(run).records(check=False))
+    assert [r.event for r in records[num_before:]] == [extra] and len(records) == num_before + 1
+    last = records[-1]
+    data = (run / "events" / last.segment).read_bytes()
+    assert data[last.offset : last.offset + 4] == MAGIC  # writers always write today's format
+    assert verify_log(run).ok

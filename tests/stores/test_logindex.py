@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rewind.states.events import RunResumed, StageEntered, StepCommitted
-from rewind.stores import fsio
+from rewind.stores import fsio, segparse
 from rewind.stores.codec import EventDecoder, encode_frame
 from rewind.stores.eventlog import (
     EVENTS_DIR,
@@ -269,7 +269,7 @@ def test_summaries_of_a_scan_and_of_the_writer_agree_on_resumes(local_run):
     for summary in summaries:
         data = events_dir.join(summary.segment).read_bytes()
         parsed = parse_segment(summary.segment, data, seq=summary.first_seq, decoder=EventDecoder())
-        assert summarize(summary.segment, summary.first_seq, parsed, data) == summary
+        assert summarize(summary.segment, summary.first_seq, parsed) == summary
 
 
 @pytest.mark.parametrize("start", [0, 3, 7])
@@ -284,14 +284,13 @@ def test_follow_from_a_seq_starts_there(run_url, start):
 def test_narrow_queries_read_only_the_segments_they_need(local_run, monkeypatch):
     write(local_run, [step_event(s) for s in range(200)], commit_every=10)
     read: list[str] = []
-    real_read = fsio.Location.read_bytes
+    real_window = segparse.SegmentChunks._window
 
-    def counting_read(location, start=0):
-        if location.name.endswith(".log"):
-            read.append(location.name)
-        return real_read(location, start)
+    def counting_window(chunks, begin):  # the reads that decode a segment (not a header's peek)
+        read.append(chunks.name)
+        return real_window(chunks, begin)
 
-    monkeypatch.setattr(fsio.Location, "read_bytes", counting_read)
+    monkeypatch.setattr(segparse.SegmentChunks, "_window", counting_window)
     with EventLog.open(local_run) as log:
         summaries = log.segment_summaries()
         assert len(summaries) > 20
@@ -323,16 +322,16 @@ def test_a_writer_that_checks_only_the_tail_reads_only_unindexed_segments(local_
     last = Path(events_dir, segments[-1])
     last.write_bytes(last.read_bytes() + encode_frame(50, b"\x81")[:-2])  # a torn tail
     read: list[str] = []
-    real_read = fsio.Location.read_bytes
+    real_window = segparse.SegmentChunks._window
     monkeypatch.setattr(
-        fsio.Location, "read_bytes", lambda loc, start=0: read.append(loc.name) or real_read(loc, start)
+        segparse.SegmentChunks, "_window", lambda chunks, begin: read.append(chunks.name) or real_window(chunks, begin)
     )
     with pytest.warns(TornTailTruncated), EventLog.open(local_run, "w", check="tail") as log:
         assert log.next_seq == 50
         for event in events[50:]:
             log.append(event)
         log.commit()
-    assert [n for n in read if n.endswith(".log")] == [segments[2], segments[-1]]
+    assert list(dict.fromkeys(read)) == [segments[2], segments[-1]]
     monkeypatch.undo()
     assert read_events(local_run) == events
     assert verify_log(local_run).ok  # the missing index was written on open

@@ -218,7 +218,11 @@ def test_damage_in_a_later_chunk_raises_at_its_offset_after_the_chunks_before_it
 
 @pytest.mark.parametrize("cut", [1, 17, -1])
 def test_a_torn_tail_in_a_later_chunk_ends_the_read_before_it(local_run, cut):
-    starts = big_segment(local_run, 300)
+    starts = big_segment(local_run, 299)
+    with EventLog.open(local_run, "w") as log:  # a commit of its own, which a crash then cuts short
+        log.append(same_size_step(299))
+        log.commit()
+        starts.append(log._last_size - (starts[1] - starts[0]))
     frame = starts[1] - starts[0]
     path = Path(local_run, EVENTS_DIR, segment_name(0))
     blob = path.read_bytes()
@@ -228,6 +232,27 @@ def test_a_torn_tail_in_a_later_chunk_ends_the_read_before_it(local_run, cut):
             assert [r.seq for r in log.records()] == list(range(299))
             assert (log.torn_tail.offset, log.torn_tail.num_bytes) == (starts[-1], cut % frame)
             assert [r.seq for r in log.records(250, 310)] == list(range(250, 299))
+
+
+@pytest.mark.parametrize("cut", [1, 17, -1])
+def test_a_commit_cut_short_is_a_torn_tail_from_its_first_record(local_run, cut):
+    starts = big_segment(local_run, 100)  # one commit: the first 100 records
+    frame = starts[1] - starts[0]
+    with EventLog.open(local_run, "w") as log:  # a second commit of 200 records, cut short below
+        for i in range(100, 300):
+            log.append(same_size_step(i))
+        log.commit()
+    path = Path(local_run, EVENTS_DIR, segment_name(0))
+    blob = path.read_bytes()
+    path.write_bytes(blob[: 299 * frame + (cut % frame)])  # 199 records of it complete, no end mark
+    for size in (1, 7 * frame, WHOLE):
+        with chunk_size(size), EventLog.open(local_run) as log:
+            assert [r.seq for r in log.records()] == list(range(100))
+            assert (log.torn_tail.offset, log.torn_tail.num_bytes) == (100 * frame, 199 * frame + cut % frame)
+            assert log.torn_tail.certain and "never acknowledged" in log.torn_tail.reason
+            assert [r.seq for r in log.records(50, 310)] == list(range(50, 100))
+            assert [r.seq for r in log.records(150, 310)] == []
+            assert log.torn_tail.offset == 100 * frame  # a read from inside the group says the same
 
 
 class Live:

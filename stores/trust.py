@@ -1,0 +1,182 @@
+"""Records read from a log are untrusted input: checks the fold does not make, before it runs.
+
+The fold (rewind.states.fold) checks that each event may follow the state before it. It does not check
+what a record carries for later use: a RunStarted's config is adopted as it decodes (batch_size = 0
+divides by zero in the schedule, num_threads = 100000 crashes the OpenMP runtime), and checkpoint names
+and file names become paths. `RecordChecker` applies to every record the rules a user's own input
+meets (a config gets the same `check_config` as a config file) and refuses the first one that breaks
+them with `UntrustedRecord`, a LogError: one line naming the record's seq, exit 1, from any command.
+A fork's seed (RunResumed.seed) is the parent's state, which the child's log cannot derive: the fold
+range-checks it; here it is also held to the run's length and to what its step could have consumed.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+from rewind.states.config import Config
+from rewind.states.events import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    ConfigChanged,
+    Event,
+    ReferenceRefreshed,
+    RunResumed,
+    RunStarted,
+    StepCommitted,
+    event_tag,
+)
+from rewind.states.schedule import Schedule
+from rewind.states.state import ForkSeed, State
+from rewind.states.validation import check_config
+from rewind.stores.codec import LogError
+
+# More CPU threads than any machine rewind runs on has: a recorded count beyond it is not a real run's,
+# and handing it to torch.set_num_threads crashes the OpenMP runtime.
+MAX_THREADS = 1024
+_CHECKPOINT_NAME = re.compile(r"(\d{8,})-[0-9a-f]{8}")
+_FILE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\.safetensors")
+
+
+class UntrustedRecord(LogError):
+    """A record that decodes and may even fold, but carries something no rewind run could have written."""
+
+    def __init__(self, seq: int, event: Event, problem: str):
+        self.seq = seq
+        self.problem = problem
+        super().__init__(f"event log record {seq} ({event_tag(event)} at step {event.step}): {problem}")
+
+
+def config_problem(config: Config) -> str:
+    """The first thing `check_config` finds wrong with a config carried by a record ("" if none)."""
+    problems = check_config(config)
+    if not problems:
+        return ""
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"its config is not one rewind accepts: {problems[0]}{more}"
+
+
+_CAPABILITY = re.compile(r"[A-Za-z0-9_]{0,16}")
+
+
+def capability_problem(capability: str) -> str:
+    """A CPU capability is a short name (it goes into ATEN_CPU_CAPABILITY)."""
+    return "" if _CAPABILITY.fullmatch(capability) else f"cpu_capability {capability[:40]!r} is not a capability name"
+
+
+def threads_problem(num_threads: int) -> str:
+    if 0 <= num_threads <= MAX_THREADS:
+        return ""
+    return f"num_threads {num_threads} is out of range 0..{MAX_THREADS}"
+
+
+def state_problem(state: State, config: Config) -> str:
+    """Why a cached state (a snapshot) cannot be used ("" if it can): the same rules as the records."""
+    return config_problem(config) or threads_problem(state.num_threads) or capability_problem(state.cpu_capability)
+
+
+def _name_problem(name: str, step: int | None, *, empty_ok: bool) -> str:
+    if empty_ok and name == "":
+        return ""
+    match = _CHECKPOINT_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        return f"{name!r} is not a checkpoint name (<step:08d>-<8 hex digits>)"
+    if step is not None and int(match.group(1)) != step:
+        return f"checkpoint {name} is named for step {int(match.group(1))}, not {step}"
+    return ""
+
+
+def _files_problem(files: dict[str, str]) -> str:
+    bad = [name for name in files if not _FILE_NAME.fullmatch(name)]
+    return f"file name {bad[0]!r} is not a plain <group>.safetensors name" if bad else ""
+
+
+# The records whose contents a reader acts on beyond folding them (a config, names that become paths,
+# a fork's seed): what every read of a log checks. The rest are checked where they are folded into a
+# live run (stores.folding), which is where a negative cursor could do harm.
+CARRIERS = (RunStarted, ConfigChanged, RunResumed, CheckpointCommitted, CheckpointDeleted, ReferenceRefreshed)
+
+
+_CARRIER_TYPES = frozenset(CARRIERS)
+_event_of = operator.attrgetter("event")
+
+
+def check_carriers(checker: RecordChecker, records: list, first_seq: int | None = None) -> None:
+    """Check the CARRIERS among `records` (Records; or bare events numbered from `first_seq`). A chunk
+    without one (almost every chunk: steps) costs one pass of C-level type lookups, no Python loop."""
+    events = records if first_seq is not None else list(map(_event_of, records))
+    if _CARRIER_TYPES.isdisjoint(map(type, events)):
+        return
+    for position, event in enumerate(events):
+        if type(event) in _CARRIER_TYPES:
+            checker.check(first_seq + position if first_seq is not None else records[position].seq, event)
+
+
+class RecordChecker:
+    """Checks records in log order, keeping the config in force (a seed is checked against it)."""
+
+    def __init__(self, config: Config | None = None):
+        self.config = config
+
+    def check(self, seq: int, event: Event) -> None:
+        if problem := self.problem(event):
+            raise UntrustedRecord(seq, event, problem)
+
+    def problem(self, event: Event) -> str:
+        if event.step < 0 or event.tokens < 0:
+            return "step and tokens must be >= 0"
+        match event:
+            case RunStarted():
+                problem = (
+                    config_problem(event.config)
+                    or threads_problem(event.num_threads)
+                    or capability_problem(event.cpu_capability)
+                )
+                if not problem:
+                    self.config = event.config
+                return problem
+            case ConfigChanged():
+                problem = config_problem(event.config)
+                if not problem:
+                    self.config = event.config
+                return problem
+            case StepCommitted(cursors=cursors):
+                negative = [name for name, value in cursors.items() if value < 0]
+                return f"data cursor {negative[0]!r} is negative" if negative else ""
+            case CheckpointCommitted():
+                return _name_problem(event.checkpoint, event.step, empty_ok=False) or _files_problem(
+                    event.files
+                )
+            case CheckpointDeleted() | ReferenceRefreshed():
+                return _name_problem(event.checkpoint, None, empty_ok=isinstance(event, ReferenceRefreshed))
+            case RunResumed():
+                problem = _name_problem(
+                    event.checkpoint, event.step if event.checkpoint else None, empty_ok=True
+                )
+                if problem or event.seed is None:
+                    return problem
+                return self._seed_problem(event, event.seed)
+        return ""
+
+    def _seed_problem(self, event: RunResumed, seed: ForkSeed) -> str:
+        # The run's length: the seed's own, else the config's (unknown to a reader starting mid-log).
+        num_steps = seed.num_steps or (Schedule(self.config).num_steps if self.config is not None else None)
+        if num_steps is not None and event.step > num_steps:
+            return f"the fork seed's step {event.step} is past the run's end (step {num_steps})"
+        if any(value < 0 for value in seed.cursors.values()):
+            return "the fork seed's data cursors must be >= 0"
+        # Every sample drawn is at least one token of those the steps consumed.
+        if sum(seed.cursors.values()) > event.tokens:
+            return f"the fork seed's data cursors add up to more samples than its {event.tokens} tokens hold"
+        if not (0 <= seed.num_skipped_steps <= event.step and seed.last_validated_step <= event.step):
+            return "the fork seed's step counts are not within its step"
+        for ref in seed.live_checkpoints:
+            problem = _name_problem(ref.checkpoint, ref.step, empty_ok=False) or _files_problem(ref.files)
+            if problem or not 0 <= ref.step <= event.step:
+                return f"the fork seed's checkpoint list: {problem or f'{ref.checkpoint} is not within its step'}"
+        if seed.reference is not None and (
+            problem := _name_problem(seed.reference.checkpoint, None, empty_ok=False)
+        ):
+            return f"the fork seed's reference: {problem}"
+        return ""
