@@ -11,19 +11,60 @@
 
 Raw-fd helpers (`write_all`, `sync_fd`, `fsync_dir`) are module functions so that fault tests can
 replace them to simulate a full disk or a crash between write and sync.
+
+Errors: a URL whose filesystem cannot be had (its fsspec backend is not installed, or the protocol is
+unknown) raises `FilesystemUnavailable`, a `LogError`, naming the package to install. What the
+filesystem itself refuses (ENOSPC, EROFS, EACCES, ...) is never caught here: it leaves as the OSError
+it is, errno and filename intact, for the command line to put in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
 from typing import NamedTuple
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
+from rewind.stores.codec import LogError
+
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
+# The pip package behind each protocol whose backend lives outside fsspec (fsspec's own message, the
+# fallback, names some of them but not all, and in different words).
+BACKEND_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "adl": "adlfs",
+    "hf": "huggingface_hub",
+    "sftp": "paramiko",
+    "ssh": "paramiko",
+    "webdav": "webdav4",
+    "dropbox": "dropboxdrivefs",
+    "oci": "ocifs",
+    "oss": "ossfs",
+    "hdfs": "pyarrow",
+    "smb": "smbprotocol",
+}
+
+# Where a link cannot be made for want of support (not for want of space or permission, which must
+# surface as they are): the filesystem has no hard links, or not across these two names.
+_NO_LINK_ERRNOS = frozenset(
+    {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
+)
+
+
+class FilesystemUnavailable(LogError):
+    """The filesystem of a URL cannot be used here: unknown protocol, or its backend is not installed."""
 
 
 class Location(NamedTuple):
@@ -44,6 +85,10 @@ class Location(NamedTuple):
 
     def join(self, *names: str) -> Location:
         return self._replace(path="/".join([self.path.rstrip("/"), *names]))
+
+    @property
+    def parent(self) -> Location:
+        return self._replace(path=self.path.rstrip("/").rsplit("/", 1)[0] or "/")
 
     def exists(self) -> bool:
         return os.path.exists(self.path) if self.is_local else self.fs.exists(self.path)
@@ -74,6 +119,21 @@ class Location(NamedTuple):
                     f.seek(start)
                 return f.read()
         return self.fs.cat_file(self.path, start=start or None)
+
+    def read_head(self, max_bytes: int) -> bytes:
+        """At most `max_bytes + 1` bytes from the start of a file that may be hostile (a lock file):
+        one byte more than asked tells the caller it is too large. Locally only a regular file is
+        read, never through a symbolic link and never waiting on a FIFO: anything else raises an
+        OSError (ELOOP, or EINVAL for a FIFO, device, socket or directory)."""
+        if not self.is_local:
+            return self.fs.cat_file(self.path, start=0, end=max_bytes + 1)
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", self.path)
+            return os.pread(fd, max_bytes + 1, 0)
+        finally:
+            os.close(fd)
 
     def write_atomic(self, data: bytes | bytearray) -> None:
         """Replace the file with `data` all at once: readers see the old bytes or the new, never a mix.
@@ -109,9 +169,9 @@ class Location(NamedTuple):
             _write_new_file(tmp, data)
             try:
                 os.link(tmp, self.path)
-            except FileExistsError:
-                raise
-            except OSError:  # no hard links on this filesystem
+            except OSError as exc:
+                if exc.errno not in _NO_LINK_ERRNOS:
+                    raise  # FileExistsError, and a full disk or a refusal, as they are
                 _write_new_file(self.path, data)
             finally:
                 os.unlink(tmp)
@@ -165,13 +225,44 @@ class Location(NamedTuple):
 
 
 def filesystem(url: str | os.PathLike[str]) -> Location:
-    """The filesystem behind a plain path or an fsspec URL, the path on it, and whether it is local."""
-    fs, path = fsspec.core.url_to_fs(os.fspath(url))
+    """The filesystem behind a plain path or an fsspec URL, the path on it, and whether it is local.
+
+    Raises FilesystemUnavailable (one line, naming what to install) when fsspec cannot provide it."""
+    url = os.fspath(url)
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        raise _unavailable(url, exc) from None
+    except ValueError as exc:
+        if not str(exc).startswith("Protocol not known"):
+            raise
+        raise _unavailable(url, exc) from None
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     is_local = bool(LOCAL_PROTOCOLS.intersection(protocols))
     if is_local:
         path = os.path.abspath(path)
     return Location(fs, path, is_local)
+
+
+def _unavailable(url: str, exc: Exception) -> FilesystemUnavailable:
+    """Which protocol of `url` (a chain such as `simplecache::s3://...` has several) failed, and why."""
+    for part in url.split("::"):
+        protocol = fsspec.core.split_protocol(part)[0]
+        if protocol is None:
+            continue
+        if protocol not in fsspec.available_protocols():
+            return FilesystemUnavailable(f"{url}: unknown protocol {protocol!r}")
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as missing:
+            package = BACKEND_PACKAGES.get(protocol)
+            if package is None:
+                return FilesystemUnavailable(f"{url}: protocol {protocol!r} is not available: {missing}")
+            return FilesystemUnavailable(
+                f"{url}: protocol {protocol!r} needs the package {package}, which is not installed "
+                f"(pip install {package})"
+            )
+    return FilesystemUnavailable(f"{url}: cannot open this filesystem: {exc}")
 
 
 def _write_new_file(path: str, data: bytes | bytearray) -> None:

@@ -46,7 +46,8 @@ def test_a_second_writer_is_refused_with_the_holder_named(run_url):
             LogLockedError, match=f"pid {os.getpid()} on host {socket.gethostname()} since 20"
         ) as info:
             EventLog.open(run_url, "w")
-        assert info.value.holder == holder
+        refused_by = info.value.holder
+        assert (refused_by.host, refused_by.pid, refused_by.token) == (holder.host, holder.pid, holder.token)
         log.append(EVENT)
         log.commit()  # the refused writer did not disturb the holder
     assert read_lock(lock_file(run_url)) is None  # closing released it
