@@ -30,8 +30,10 @@ def checkpoint_groups(parts: Parts) -> tuple[Groups, dict]:
     return {"model": snapshot.model_tensors(parts.model), "optimizer": optimizer_tensors}, optimizer_meta
 
 
-def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason) -> CheckpointCommitted:
-    """Write the live tensors durably; returns the event that announces them (not yet appended)."""
+def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_seq: int) -> CheckpointCommitted:
+    """Write the live tensors durably; returns the event that announces them (not yet appended).
+    `log_seq`: the last record durable in the log as it is written (every record before it is, see
+    rewind.engine.journal); a log found to end before it lost acknowledged records (stores.orphans)."""
     groups, optimizer_meta = checkpoint_groups(parts)
     meta = {
         "optimizer": optimizer_meta,
@@ -39,6 +41,7 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason) -> Ch
         # The control state the tensors belong to; `rewind verify` checks it against the fold.
         "control": control_summary(state),
         "reference": state.reference.checkpoint if state.reference is not None else "",
+        "log_seq": log_seq,
     }
     written = parts.store.write(state.step, groups, meta)
     return CheckpointCommitted(

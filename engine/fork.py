@@ -22,7 +22,13 @@ import msgspec
 from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
 from rewind.engine.parts import RunError, build_parts, fresh_parts, open_datasets
-from rewind.engine.session import REWIND_VERSION, continuation_problem, metrics_for, prepare_directory
+from rewind.engine.session import (
+    REWIND_VERSION,
+    adopt_cpu_capability,
+    continuation_problem,
+    metrics_for,
+    prepare_directory,
+)
 from rewind.states.config import Config, config_hash
 from rewind.states.events import ConfigChanged, ForkOrigin, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, fold, seed_of
@@ -31,6 +37,7 @@ from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import read_seq_events
+from rewind.stores.trust import RecordChecker
 
 replace = msgspec.structs.replace
 
@@ -99,6 +106,9 @@ def open_fork(
     records = read_seq_events(parent_dir)
     if not records or not isinstance(records[0][1], RunStarted):
         raise RunError(f"{parent_dir}: the event log is empty or does not start with RunStarted", 1)
+    checker = RecordChecker()  # the parent's log is untrusted input like any other
+    for seq, event in records:
+        checker.check(seq, event)
     last_step = fold(e for _, e in records).step
     if not 0 <= at_step <= last_step:
         raise RunError(f"--at-step {at_step}: {parent_dir} has reached step {last_step} (choose 0..{last_step})")
@@ -117,6 +127,7 @@ def open_fork(
         rewind_version=REWIND_VERSION,
         parent=origin,
         num_threads=point.state.num_threads,  # the parent's: an unchanged fork must compute the same bits
+        cpu_capability=point.state.cpu_capability,
     )
     preamble = [started]
     if point.checkpoint:
@@ -148,6 +159,7 @@ def open_fork(
     except IllegalTransition as exc:
         raise RunError(f"cannot fork {parent_dir} at step {point.step}: {exc.reason}") from None
     datasets = open_datasets(config)
+    adopt_cpu_capability(state.cpu_capability)  # the parent's kernels, before the first tensor is computed
     # The live objects for the child's config, from the parent's checkpoint, before the child's
     # directory is touched (a checkpoint that does not load must leave nothing behind).
     try:

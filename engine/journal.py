@@ -5,6 +5,10 @@ The rule, enforced here and nowhere else:
 
 - A run's opening records (RunStarted; RunResumed and a ConfigChanged that goes with it) are committed
   before any tensor is computed: a process that dies later resumes from them.
+- Every record before a checkpoint is committed before its files are written, and the manifest names
+  the last of them (`log_seq`): a checkpoint on disk then proves how far the log reached, so a log that
+  ends before that lost acknowledged records (rewind.stores.orphans), while a checkpoint no record names
+  at the log's end is only what a crash between writing it and recording it leaves.
 - A CheckpointCommitted is committed on the spot: a checkpoint exists for rewind only once its record is
   durable, and only then may retention delete older files.
 - CheckpointDeleted records are committed before their files are removed, so a crash can leave an

@@ -18,18 +18,22 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from rewind.engine.checkpointing import write_checkpoint
 from rewind.engine.cursors import assemble_batch
 from rewind.engine.effects import apply_effect
 from rewind.engine.evaluation import evaluate, validate
 from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
-from rewind.engine.step import train_step
+from rewind.engine.step import nonfinite_quantity, train_step
 from rewind.states.events import (
+    RUN_FEATURES,
     CheckpointDeleted,
     Evaluated,
     Event,
     NonFiniteLoss,
+    RunStarted,
     RunStopped,
     StepCommitted,
     Validated,
@@ -43,6 +47,7 @@ from rewind.states.plan import (
     Validate,
     control_event,
     decide,
+    step_lr,
 )
 from rewind.states.state import CheckpointReason, State
 from rewind.stores.folding import save_snapshot
@@ -56,11 +61,47 @@ class Run:
     journal: Journal
 
 
+# Updates withheld for a non-finite loss (on_nonfinite = "skip"), as a share of the run's steps: more
+# than SKIPPED_WARNING_SHARE gets a warning in the outcome's message, more than SKIPPED_FAILURE_SHARE at
+# the end makes the outcome "nonfinite" (see `skipped_verdict`).
+SKIPPED_WARNING_SHARE = 0.1
+SKIPPED_FAILURE_SHARE = 0.5
+
+
 @dataclass(frozen=True)
 class Outcome:
     status: str  # "finished" | "stopped" (step limit) | "interrupted" (Ctrl-C) | "nonfinite"
     state: State
-    message: str = ""
+    message: str = ""  # for the user; with "finished", a warning (or "")
+    num_skipped_updates: int = 0  # over the whole run (every process), not only this one
+
+
+def skipped_verdict(state: State) -> tuple[bool, str]:
+    """(failed, warning) for the updates the run skipped so far: state.num_skipped_steps of its
+    state.step steps. More than SKIPPED_WARNING_SHARE (10%) of them skipped: a warning naming the count.
+    More than SKIPPED_FAILURE_SHARE (half): failed, since the weights are then mostly not what the
+    schedule trained, and a run that ends so must not exit 0 ("nonfinite", exit 1), though every step
+    is on record and the run is finished. At most 10% skipped: (False, "")."""
+    skipped, steps = state.num_skipped_steps, state.step
+    if steps == 0 or skipped <= SKIPPED_WARNING_SHARE * steps:
+        return False, ""
+    failed = skipped > SKIPPED_FAILURE_SHARE * steps
+    warning = (
+        f"{skipped} of {steps} updates ({skipped / steps:.0%}) were skipped for a non-finite loss "
+        f'(training.on_nonfinite = "skip")'
+    )
+    if failed:
+        warning += ": more than half, so the weights are mostly untrained; see `rewind log --type NonFiniteLoss`"
+    return failed, warning
+
+
+def _with_warning(outcome: Outcome) -> Outcome:
+    failed, warning = skipped_verdict(outcome.state)
+    skipped = outcome.state.num_skipped_steps
+    if outcome.status == "finished" and failed:
+        return Outcome("nonfinite", outcome.state, f"the run finished, but {warning}", skipped)
+    message = "; ".join(part for part in (outcome.message, warning) if part)
+    return Outcome(outcome.status, outcome.state, message, skipped)
 
 
 class StopRequest:
@@ -91,13 +132,18 @@ class StopRequest:
 def record(run: Run, state: State, event: Event) -> State:
     """Record an event and give it its effect on the live objects: the only way a run changes state
     (an illegal event raises in the journal, before anything is written or changed)."""
+    if isinstance(event, RunStarted) and not state.started and not event.features:
+        # A run starts with what this engine does (its features), whoever built the event: resume,
+        # replay and forks then keep computing the way the run started.
+        event = msgspec.structs.replace(event, features=list(RUN_FEATURES))
     new_state = run.journal.record(state, event)
     run.parts = apply_effect(run.parts, state, event)
     return new_state
 
 
 def checkpoint(run: Run, state: State, reason: CheckpointReason) -> State:
-    committed = write_checkpoint(run.parts, state, reason)
+    run.journal.commit()  # everything before the checkpoint is durable before its files exist (journal)
+    committed = write_checkpoint(run.parts, state, reason, log_seq=run.journal.log.num_committed - 1)
     state = record(run, state, committed)
     # The record is committed (journal); cache the fold up to it, so opening the run costs its tail.
     save_snapshot(run.parts.run_dir, state, committed, run.parts.config)
@@ -119,6 +165,7 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
     so a re-execution is the very code path that produced the log."""
     config, k = parts.config, state.step
     plan = parts.schedule.step_plan(k)
+    lr = step_lr(state, parts.schedule, k)  # the run's own curve: its features, its restarts
     tokens, mask, cursors, _ = assemble_batch(config.run.seed, config, plan.rows, state.cursors, parts.datasets)
     result = train_step(
         parts.model,
@@ -126,7 +173,7 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
         tokens,
         mask,
         config=config,
-        lr=plan.lr,
+        lr=lr,
         beta=plan.beta,
         reference=parts.reference,
         step=k,
@@ -135,7 +182,7 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
         step=k + 1,
         tokens=(k + 1) * parts.schedule.tokens_per_step,
         stage=plan.stage,
-        lr=plan.lr,
+        lr=lr,
         beta=plan.beta,
         loss=result.loss,
         kl=result.kl,
@@ -151,7 +198,9 @@ def run_one_step(run: Run, state: State) -> tuple[State, bool]:
     committed = execute_step(run.parts, state)
     if committed.skipped:
         action = run.parts.config.training.on_nonfinite
-        state = record(run, state, NonFiniteLoss(step=state.step, tokens=state.tokens, loss=committed.loss, action=action))
+        quantity = nonfinite_quantity(committed.loss, committed.kl, committed.grad_norm)
+        at = {"step": state.step, "tokens": state.tokens}
+        state = record(run, state, NonFiniteLoss(**at, loss=committed.loss, action=action, quantity=quantity))
         if action == "stop":
             return state, False
     return record(run, state, committed), True
@@ -189,7 +238,18 @@ def drive(
     progress: Callable[[State], None] | None = None,
 ) -> Outcome:
     """Run until the end, a stop request, a non-finite loss (with on_nonfinite = "stop") or
-    `max_steps` steps in this process."""
+    `max_steps` steps in this process. The outcome counts the updates the run skipped, and warns or
+    fails by `skipped_verdict`."""
+    return _with_warning(_drive(run, state, max_steps=max_steps, progress=progress))
+
+
+def _drive(
+    run: Run,
+    state: State,
+    *,
+    max_steps: int | None,
+    progress: Callable[[State], None] | None,
+) -> Outcome:
     steps_here = 0
     with StopRequest() as stop_request:
         while (intent := decide(state, run.parts.schedule)) is not None:

@@ -9,6 +9,8 @@ from the run's is refused unless the caller forks in place (then a ConfigChanged
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -17,19 +19,23 @@ import torch
 from rewind.engine.datasets import DatasetRegistry
 from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
-from rewind.engine.parts import RunError, build_parts, fresh_parts, open_datasets
+from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts, open_datasets
 from rewind.states.config import Config, config_differences, config_hash
-from rewind.states.events import ConfigChanged, RunResumed, RunStarted
+from rewind.states.events import ConfigChanged, Event, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, apply
 from rewind.states.history import point_of, skip_ranges
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
-from rewind.stores.checkpoints import CheckpointStore
-from rewind.stores.eventlog import EventLog
-from rewind.stores.folding import fold_log, save_snapshot
+from rewind.stores import snapshots
+from rewind.stores.checkpoints import ORPHANED_DIR, CheckpointStore
+from rewind.stores.eventlog import EventLog, LogNotFoundError
+from rewind.stores.folding import FoldedLog, fold_log, save_snapshot
+from rewind.stores.fsio import filesystem
 from rewind.stores.metrics import MetricsProjection
+from rewind.stores.orphans import LogEnd, lost_record_problems
+from rewind.stores.trust import MAX_THREADS
 
-__all__ = ["REWIND_VERSION", "RunError", "adopt_threads", "open_datasets", "open_run"]
+__all__ = ["REWIND_VERSION", "RunError", "adopt_cpu_capability", "adopt_threads", "open_datasets", "open_run"]
 
 try:
     REWIND_VERSION = metadata.version("rewind")
@@ -37,12 +43,22 @@ except metadata.PackageNotFoundError:  # running from a checkout that was never 
     REWIND_VERSION = "0+unknown"
 
 
-def prepare_directory(run_dir: str) -> None:
+def check_directory(run_dir: str) -> None:
+    """Refuse a run directory that could never be written, before anything is read or built."""
     if "://" in run_dir:
-        return  # object stores: nothing to create up front
+        return
     path = Path(run_dir)
     if path.exists() and not path.is_dir():  # mkdir(exist_ok=True) would only say "File exists"
         raise RunError(f"{run_dir}: not a directory")
+    if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+        raise RunError(f"{run_dir}: the run directory is not writable")
+
+
+def prepare_directory(run_dir: str) -> None:
+    if "://" in run_dir:
+        return  # object stores: nothing to create up front
+    check_directory(run_dir)
+    path = Path(run_dir)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -57,10 +73,36 @@ def adopt_threads(num_threads: int) -> str:
     """Compute with the run's recorded CPU thread count (resume, fork, replay). Returns a note for the
     user when that differs from this process's default, else ""."""
     before = torch.get_num_threads()
+    if num_threads > MAX_THREADS:  # folds refuse such a log (stores.trust); never hand it to OpenMP
+        return f"the run records {num_threads} CPU threads, beyond any machine: computing with {before} instead"
     if num_threads <= 0 or num_threads == before:
         return ""
     torch.set_num_threads(num_threads)
     return f"computing with {num_threads} CPU thread(s) as the run was started (this process had {before}): bit for bit"
+
+
+def adopt_cpu_capability(recorded: str) -> None:
+    """Compute with the CPU kernels the run was started with (resume, fork, replay): torch dispatches to
+    AVX2 or AVX512 kernels (...) by the CPU, and their float sums differ in the last bits. It reads
+    ATEN_CPU_CAPABILITY once, at its first kernel, so this must run before any tensor is computed;
+    a CPU without the recorded kernels cannot run them, and the user is warned that bits will differ."""
+    if not recorded:
+        return
+    # Asked for before torch is asked what it uses: its answer is fixed by the first question too.
+    os.environ["ATEN_CPU_CAPABILITY"] = recorded.lower()
+    now = torch.backends.cpu.get_cpu_capability()
+    if now != recorded:
+        warnings.warn(
+            f"the run was started with {recorded} CPU kernels and this process computes with {now}: from "
+            "here on its bits differ from an uninterrupted run's (resume it on a CPU with "
+            f"{recorded}, in a process that has computed nothing before)",
+            CapabilityChanged,
+            stacklevel=2,
+        )
+
+
+class CapabilityChanged(UserWarning):
+    """A run goes on with other CPU kernels than it started with: not bit for bit from here on."""
 
 
 def continuation_problem(old: Config, new: Config) -> str:
@@ -93,36 +135,112 @@ def config_mismatch(run_dir: str, logged: Config, new: Config) -> str:
 
 
 def metrics_for(run_dir: str, enabled: bool) -> MetricsProjection | None:
-    return MetricsProjection(run_dir) if enabled and "://" not in run_dir else None
+    """The metrics projection of a run on a local filesystem (a path or a file:// URL). Object stores
+    get none: TensorBoard's writer appends to local files; the summary says so and `rewind export
+    tensorboard` rebuilds them anywhere from the log."""
+    return MetricsProjection(run_dir) if enabled and filesystem(run_dir).is_local else None
 
 
 def open_run(
     config: Config, run_dir: str, *, fork: bool = False, metrics: bool = True, datasets: DatasetRegistry | None = None
 ) -> tuple[Run, State, str]:
     """Returns (run, state, how) with how in {"started", "resumed", "finished"}. The log stays open
-    (and locked) in run.journal; the caller closes it."""
-    prepare_directory(run_dir)
+    (and locked) in run.journal; the caller closes it.
+
+    In two phases, so that a start or resume that fails leaves the directory as it was: the log is
+    read (no lock, nothing written), every check made and the live objects built; only then is the
+    log opened for writing (which takes the lock and cuts a torn tail) and the opening records appended."""
+    check_directory(run_dir)
     datasets = open_datasets(config, datasets)
+    opening = _plan(config, run_dir, fork=fork, datasets=datasets)
+    prepare_directory(run_dir)
     # "tail": the writer trusts sealed segments whose index checks out, so a resume reads the tail;
     # damage further back is found by whoever reads it (`rewind verify` reads everything).
     log = EventLog.open(run_dir, "w", check="tail")
     try:
+        _check_unchanged(run_dir, log, opening.end_seq)
         journal = Journal(log, None, config.logging.report_interval)
-        if log.next_seq:
-            return _resume(config, run_dir, journal, fork=fork, metrics=metrics, datasets=datasets)
-        return _start(config, run_dir, journal, metrics=metrics, datasets=datasets)
+        return opening.carry_out(journal, metrics)
     except BaseException:
         log.close()
         raise
 
 
-def _start(config: Config, run_dir: str, journal: Journal, *, metrics: bool, datasets) -> tuple[Run, State, str]:
+@dataclass
+class _Opening:
+    """What the read phase decided, with the live objects built: `carry_out` only records it."""
+
+    run_dir: str
+    how: str  # "started", "resumed" or "finished"
+    parts: Parts
+    end_seq: int  # the log's last record when it was read (-1: no log yet)
+    state: State = field(default_factory=State)
+    events: tuple[Event, ...] = ()  # the opening records, in order
+    folded: FoldedLog | None = None
+    restore_seq: int = -1
+    restore_step: int = 0
+
+    def carry_out(self, journal: Journal, metrics: bool) -> tuple[Run, State, str]:
+        run = Run(self.parts, journal)
+        if self.how == "finished":
+            return run, self.state, "finished"
+        journal.metrics = metrics_for(self.run_dir, metrics)
+        if self.how == "started":
+            if journal.metrics is not None:
+                journal.metrics.resume(-1, 0)  # a directory left by a start that died before its first record
+            return run, record(run, State(), self.events[0]), "started"
+        assert self.folded is not None
+        if journal.metrics is not None:
+            _catch_up_metrics(journal.metrics, journal.log, self.folded, self.restore_seq, self.restore_step)
+        snapshots.discard_after(self.run_dir, journal.log.next_seq - 1)  # caches of records now gone
+        state = self.state
+        for event in self.events:  # a ConfigChanged's effect rebuilds the live objects for the new config
+            state = record(run, state, event)
+        save_snapshot(self.run_dir, state, self.events[-1], run.parts.config)
+        journal.report_interval = run.parts.config.logging.report_interval
+        # With the resume on record and the lock held, the store's own temporaries are debris; any other
+        # directory no live event names is kept, moved aside: it may be a checkpoint whose record was lost.
+        _, moved = run.parts.store.set_aside_orphans(c.checkpoint for c in state.live_checkpoints)
+        if moved:
+            warnings.warn(OrphansSetAside(self.run_dir, moved), stacklevel=2)
+        return run, state, "resumed"
+
+
+class OrphansSetAside(UserWarning):
+    """Resume moved checkpoints the log does not name under checkpoints/orphaned/ (kept, not deleted)."""
+
+    def __init__(self, run_dir: str, names: list[str]):
+        super().__init__(
+            f"{run_dir}: {len(names)} checkpoint(s) the log does not name moved to "
+            f"checkpoints/{ORPHANED_DIR}/ (kept; delete them when no longer wanted): {', '.join(names)}"
+        )
+        self.names = names
+
+
+def _plan(config: Config, run_dir: str, *, fork: bool, datasets) -> _Opening:
+    try:
+        log = EventLog.open(run_dir)  # read-only: no lock, nothing written
+    except LogNotFoundError:
+        return _plan_start(config, run_dir, datasets)
+    with log:
+        if not log.next_seq:  # a start that died before its first record
+            return _plan_start(config, run_dir, datasets)
+        return _plan_resume(config, run_dir, log, fork=fork, datasets=datasets)
+
+
+def _check_unchanged(run_dir: str, log: EventLog, end_seq: int) -> None:
+    """The log, now locked, still ends where it did when it was read (a torn tail cut off apart)."""
+    if log.next_seq - 1 != end_seq:
+        raise RunError(f"{run_dir}: another process wrote to the run while it was being opened; try again", 1)
+
+
+def _plan_start(config: Config, run_dir: str, datasets) -> _Opening:
     schedule = Schedule(config)
     if schedule.num_steps == 0:
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
-    run = Run(fresh_parts(config, run_dir, datasets), journal)  # built before the first record
+    parts = fresh_parts(config, run_dir, datasets)  # built before the first record
     started = RunStarted(
         step=0,
         tokens=0,
@@ -130,30 +248,40 @@ def _start(config: Config, run_dir: str, journal: Journal, *, metrics: bool, dat
         config_hash=config_hash(config),
         rewind_version=REWIND_VERSION,
         num_threads=torch.get_num_threads(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
     )
-    journal.metrics = metrics_for(run_dir, metrics)
-    if journal.metrics is not None:
-        journal.metrics.resume(-1, 0)  # a directory left by a start that died before its first record
-    return run, record(run, State(), started), "started"
+    return _Opening(run_dir, "started", parts, end_seq=-1, events=(started,))
 
 
-def _resume(config, run_dir, journal: Journal, *, fork: bool, metrics: bool, datasets) -> tuple[Run, State, str]:
+def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool, datasets) -> _Opening:
     # From the newest snapshot that agrees with the log and with its checkpoint's manifest.
-    folded = fold_log(journal.log, run_dir, CheckpointStore(run_dir))
+    store = CheckpointStore(run_dir)
+    folded = fold_log(log, run_dir, store)
     current, logged_config = folded.state, folded.config
     if not current.started:
         raise RunError(f"{run_dir}: the event log does not start with RunStarted", 1)
     if current.finished:
-        return Run(fresh_parts(logged_config, run_dir, datasets), journal), current, "finished"
+        parts = fresh_parts(logged_config, run_dir, datasets)
+        return _Opening(run_dir, "finished", parts, end_seq=folded.end_seq, state=current)
     refusal = config_mismatch(run_dir, logged_config, config)
     if refusal and not fork:
         raise RunError(refusal)
     point = point_of(current)
     if refusal and point.checkpoint and (problem := continuation_problem(logged_config, config)):
         raise RunError(f"{run_dir}: {problem}")
+    end = LogEnd(folded.end_seq, current.step, lambda: max((r.event.step for r in log.records()), default=0))
+    live = [c.checkpoint for c in current.live_checkpoints]
+    lost = lost_record_problems(store, live, point.checkpoint, end, logged_config.logging.report_interval)
+    if lost:
+        raise RunError(
+            f"{run_dir}: the event log lost acknowledged records, nothing was changed ({lost[0]}; "
+            f"`rewind verify {run_dir}` lists what is missing)",
+            1,
+        )
+    adopt_cpu_capability(current.cpu_capability)  # before the first tensor is computed
     # Built for the config the run goes on under (the new one when forking in place, so that the old
     # config's datasets, perhaps moved since, are never opened), from the restore point's tensors.
-    run = Run(build_parts(config if refusal else logged_config, run_dir, point.state, datasets), journal)
+    parts = build_parts(config if refusal else logged_config, run_dir, point.state, datasets)
     resumed = RunResumed(
         step=point.state.step,
         tokens=point.state.tokens,
@@ -162,34 +290,26 @@ def _resume(config, run_dir, journal: Journal, *, fork: bool, metrics: bool, dat
         superseded_last_seq=folded.end_seq,
         config_hash=point.state.config_hash,
     )
-    change = None
-    if refusal:
+    events: tuple[Event, ...] = (resumed,)
+    try:  # every check before the first record
         state_after = apply(current, resumed)
-        change = ConfigChanged(
-            step=state_after.step,
-            tokens=state_after.tokens,
-            config=config,
-            config_hash=config_hash(config),
-            previous_hash=state_after.config_hash,
-        )
-        try:  # every check before the first record
+        if refusal:
+            change = ConfigChanged(
+                step=state_after.step,
+                tokens=state_after.tokens,
+                config=config,
+                config_hash=config_hash(config),
+                previous_hash=state_after.config_hash,
+            )
             apply(state_after, change)
-        except IllegalTransition as exc:
-            raise RunError(f"{run_dir}: cannot fork in place: {exc}") from None
-    journal.metrics = metrics_for(run_dir, metrics)
-    if journal.metrics is not None:
-        _catch_up_metrics(journal.metrics, journal.log, folded, point.seq, point.state.step)
-    state = record(run, current, resumed)
-    if change is not None:
-        state = record(run, state, change)  # its effect rebuilds the live objects for the new config
-    save_snapshot(run_dir, state, change or resumed, run.parts.config)
-    journal.report_interval = run.parts.config.logging.report_interval
-    # With the resume on record and the lock held, checkpoint directories no live event names are
-    # garbage by construction: half-written ones, ones written after the restore point (never
-    # acknowledged, since the restore point is the last committed checkpoint), retention deletions
-    # the dead process did not finish.
-    run.parts.store.remove_orphans(c.checkpoint for c in state.live_checkpoints)
-    return run, state, "resumed"
+            events = (resumed, change)
+    except IllegalTransition as exc:
+        # The new config cannot go on from here (2, a config problem); the log's own resume cannot (1).
+        raise RunError(f"{run_dir}: cannot {'fork in place' if refusal else 'resume'}: {exc}", 2 if refusal else 1) from None
+    return _Opening(
+        run_dir, "resumed", parts, end_seq=folded.end_seq, state=current, events=events, folded=folded,
+        restore_seq=point.seq, restore_step=point.state.step,
+    )
 
 
 def _catch_up_metrics(projection: MetricsProjection, log: EventLog, folded, through_seq: int, step: int) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from rewind.stores import confine
 from rewind.stores.fsio import filesystem, fsync_dir, sync_fd, write_all
 from rewind.stores.manifest import FORMAT_VERSION as FORMAT_VERSION
 from rewind.stores.manifest import MANIFEST as MANIFEST
@@ -50,8 +51,14 @@ from rewind.stores.manifest import group_file as group_file
 GROUPS = ("model", "optimizer", "reference", "adapters")
 CHECKPOINTS_DIR = "checkpoints"
 TMP_PREFIX = ".tmp-"
+# Where resume moves complete checkpoints the log does not name: kept, never deleted, and out of the
+# way of a rewrite under the same name. Not a checkpoint name, so nothing treats it as one.
+ORPHANED_DIR = "orphaned"
 NAME_PATTERN = re.compile(r"\d{8,}-[0-9a-f]{8}")
 _CHUNK_BYTES = 1 << 22
+# A manifest is a few hundred bytes per tensor: this is far beyond any real one, and keeps a forged
+# one from taking the memory of the process that reads it.
+MAX_MANIFEST_BYTES = 64 << 20
 GroupsIn = Mapping[str, Mapping[str, torch.Tensor]]  # group -> tensor name -> tensor
 
 
@@ -63,8 +70,10 @@ class CheckpointStore:
     """Checkpoints of one run, under `run_dir` (a local path or an fsspec URL such as `memory://...`)."""
 
     def __init__(self, run_dir: str | os.PathLike[str]):
-        location = filesystem(run_dir).join(CHECKPOINTS_DIR)
+        run = filesystem(run_dir)
+        location = run.join(CHECKPOINTS_DIR)
         self._fs, self.root, self._is_local = location.fs, location.path, location.is_local
+        self._run_root = run.path  # what every local read is confined to
 
     def write(self, step: int, groups: GroupsIn, meta: Mapping[str, Any] | None = None) -> CheckpointWritten:
         """Write a checkpoint durably and return its name and hashes; only then may the log name it."""
@@ -126,7 +135,7 @@ class CheckpointStore:
 
     def load_manifest(self, name: str) -> Manifest:
         """The manifest, checked against the hash embedded in the checkpoint's name."""
-        return decode_manifest(name, self._read(name, MANIFEST))
+        return decode_manifest(name, self._read(name, MANIFEST, max_size=MAX_MANIFEST_BYTES))
 
     def load(
         self,
@@ -146,7 +155,7 @@ class CheckpointStore:
             if group not in entries:
                 raise CheckpointError(f"checkpoint {name} has no {group!r} group (has: {', '.join(entries)})")
             entry = entries[group]
-            result[group] = deserialize_group(name, entry, self._read(name, entry.name))
+            result[group] = deserialize_group(name, entry, self._read(name, entry.name, expected_size=entry.num_bytes))
         return result
 
     def verify(self, name: str, files: Mapping[str, str] | None = None) -> list[str]:
@@ -158,9 +167,11 @@ class CheckpointStore:
         found = logged_file_problems(manifest, files)
         for entry in manifest.files:
             try:
-                problem = hash_problem(self._hash_file(_join(self.root, name, entry.name)), entry)
+                problem = hash_problem(self._hash_file(name, entry), entry)
             except FileNotFoundError:
                 problem = "missing"
+            except confine.NotConfined as exc:
+                problem = str(exc)
             if problem:
                 found.append((entry.name, problem))
         return [str(CheckpointCorrupt(name, file, problem)) for file, problem in found]
@@ -180,11 +191,40 @@ class CheckpointStore:
         committed = set(committed_names)
         return [name for name in self.names_on_disk() if name.startswith(TMP_PREFIX) or name not in committed]
 
-    def remove_orphans(self, committed_names: Iterable[str]) -> list[str]:
-        removed = self.orphans(committed_names)
-        for name in removed:
-            self._remove(name)
-        return removed
+    def set_aside_orphans(self, committed_names: Iterable[str]) -> tuple[list[str], list[str]]:
+        """(removed, moved): this store's own temporaries are removed (nothing was ever committed from
+        them, or their deletion was on record), every other orphan is moved under `orphaned/`, never
+        deleted: a checkpoint the log does not name may be one whose record was lost. Lock held."""
+        removed, moved = [], []
+        for name in self.orphans(committed_names):
+            if name.startswith(TMP_PREFIX):
+                self._remove(name)
+                removed.append(name)
+            else:
+                self._set_aside(name)
+                moved.append(name)
+        return removed, moved
+
+    def set_aside_names(self) -> list[str]:
+        """What resumes moved under `orphaned/` so far."""
+        try:
+            listing = self._fs.ls(_join(self.root, ORPHANED_DIR), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(os.path.basename(str(path).rstrip("/")) for path in listing)
+
+    def _set_aside(self, name: str) -> None:
+        aside = _join(self.root, ORPHANED_DIR)
+        target, num_taken = _join(aside, name), 0
+        while self._fs.exists(target):  # an earlier orphan of the same name: keep both
+            num_taken += 1
+            target = _join(aside, f"{name}.{num_taken}")
+        if self._is_local:
+            _make_dirs_durably(aside)
+            os.rename(_join(self.root, name), target)
+            fsync_dir(self.root)
+            return
+        self._fs.mv(_join(self.root, name), target, recursive=True)
 
     def delete(self, name: str) -> None:
         """Remove a checkpoint; deleting one that is already gone is not an error (crash recovery)."""
@@ -203,19 +243,26 @@ class CheckpointStore:
                 self._fs.rm_file(_join(path, MANIFEST))
             self._fs.rm(path, recursive=True)
 
-    def _read(self, name: str, file: str) -> bytes:
+    def _read(self, name: str, file: str, *, expected_size: int | None = None, max_size: int | None = None) -> bytes:
         _check_name(name)
         directory = _join(self.root, name)
         try:
+            if self._is_local:
+                where = [CHECKPOINTS_DIR, name, file]
+                return confine.read_file(self._run_root, where, expected_size=expected_size, max_size=max_size)
             return self._fs.cat_file(_join(directory, file))
+        except confine.NotConfined as exc:
+            raise CheckpointCorrupt(name, file, str(exc)) from None
         except FileNotFoundError:
             if not self._fs.isdir(directory):
                 raise CheckpointNotFound(f"checkpoint {name} not found under {self.root}") from None
             raise CheckpointCorrupt(name, file, "missing") from None
 
-    def _hash_file(self, path: str) -> str:
+    def _hash_file(self, name: str, entry: FileEntry) -> str:
+        if self._is_local:
+            return confine.hash_file(self._run_root, [CHECKPOINTS_DIR, name, entry.name], expected_size=entry.num_bytes)
         digest = hashlib.sha256()
-        with self._fs.open(path, "rb") as handle:
+        with self._fs.open(_join(self.root, name, entry.name), "rb") as handle:
             while chunk := handle.read(_CHUNK_BYTES):
                 digest.update(chunk)
         return digest.hexdigest()

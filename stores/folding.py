@@ -4,11 +4,14 @@
 (the record at its seq exists, with the event type and step it claims) and folds only the records
 after it; with none, it folds the whole log. The result is the same either way: the snapshot is a
 cache of exactly that fold. Used by resume (which then writes a fresh snapshot) and by the tools.
+
+Every record folded here is first held to rewind.stores.trust (a config carried in the log gets the
+checks a config file gets), and so is a snapshot's state before it is used: a log is untrusted input.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from rewind.states.config import Config
@@ -19,6 +22,7 @@ from rewind.states.state import State
 from rewind.stores import snapshots
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog, Record
+from rewind.stores.trust import RecordChecker, state_problem
 
 
 @dataclass(frozen=True)
@@ -68,21 +72,31 @@ def fold_log(log: EventLog, run_dir: str, store: CheckpointStore | None = None) 
     """`store` given (a resume): use only a snapshot that also agrees with its checkpoint's manifest."""
     end_seq = log.next_seq - 1
     for snapshot in snapshots.candidates(run_dir, end_seq):
+        if state_problem(snapshot.state, snapshot.config):
+            continue  # the full fold below names the record that carries the problem
         if store is not None and not _matches_its_checkpoint(snapshot, store):
             continue
         records = _agrees(log, snapshot)
         if records is None:
             continue
-        tail = [(r.seq, r.event) for r in records]
+        tail = _checked(((r.seq, r.event) for r in records), RecordChecker(snapshot.config))
         try:
             state = fold((e for _, e in tail), snapshot.state)
         except IllegalTransition:
             continue  # the full fold below says what is wrong, from the log alone
         return FoldedLog(state, _config_after(snapshot.config, tail), tail, end_seq, snapshot.seq)
-    records = [(r.seq, r.event) for r in log.records()]
+    records = _checked(((r.seq, r.event) for r in log.records()), RecordChecker())
     state = fold(e for _, e in records)
     config = config_in_force(records) if records and isinstance(records[0][1], RunStarted) else Config()
     return FoldedLog(state, config, records, records[-1][0] if records else -1, -1)
+
+
+def _checked(records: Iterable[SeqEvent], checker: RecordChecker) -> list[SeqEvent]:
+    checked = []
+    for seq, event in records:
+        checker.check(seq, event)  # UntrustedRecord, before the fold could act on what it carries
+        checked.append((seq, event))
+    return checked
 
 
 def fold_to(log: EventLog, run_dir: str, *, at_step: int | None = None, at_seq: int | None = None) -> tuple[State, Config]:
@@ -92,6 +106,8 @@ def fold_to(log: EventLog, run_dir: str, *, at_step: int | None = None, at_seq: 
     ranges = log.superseded_ranges() if at_step is not None else []
     start: tuple[State, Config | None, Iterator[Record] | None] = (State(), None, None)
     for snapshot in snapshots.candidates(run_dir, log.next_seq - 1 if at_seq is None else at_seq):
+        if state_problem(snapshot.state, snapshot.config):
+            continue
         if at_step is not None and (snapshot.state.step > at_step or is_superseded(snapshot.seq, ranges)):
             continue  # past the step, or a state that superseded records counted in
         records = _agrees(log, snapshot)
@@ -99,10 +115,12 @@ def fold_to(log: EventLog, run_dir: str, *, at_step: int | None = None, at_seq: 
             start = (snapshot.state, snapshot.config, records)
             break
     state, config, records = start
+    checker = RecordChecker(config)
     stream = ((r.seq, r.event) for r in (records if records is not None else log.records()))
     for seq, event in skip_ranges(stream, ranges):
         if (at_seq is not None and seq > at_seq) or (at_step is not None and event.step > at_step):
             break  # the effective records' steps never decrease
+        checker.check(seq, event)
         state = apply(state, event)
         if isinstance(event, RunStarted | ConfigChanged):
             config = event.config

@@ -13,6 +13,7 @@ never unpickles: bytes are hashed first, then parsed by `safetensors.torch.load`
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,8 @@ SUFFIX = ".safetensors"
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 SUPPORTED_DTYPES = frozenset({*_FLOAT_DTYPES, *_INTEGER_DTYPES})
+_GROUP_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class CheckpointError(Exception):
@@ -174,7 +177,29 @@ def decode_manifest(name: str, data: bytes) -> Manifest:
     if manifest.format_version > FORMAT_VERSION:
         version = manifest.format_version
         raise CheckpointError(f"checkpoint {name} has format {version}, newer than this rewind reads")
+    if problem := _shape_problem(name, manifest):
+        raise CheckpointCorrupt(name, MANIFEST, problem)
     return manifest
+
+
+def _shape_problem(name: str, manifest: Manifest) -> str:
+    """What makes a manifest that decodes unusable ("" if nothing): its file entries are names read
+    from an untrusted directory, so each must be a plain `<group>.safetensors` name, listed once, with
+    a size and a sha256 a real file can have; the step must be the one the checkpoint's name gives."""
+    prefix = name.split("-", 1)[0]
+    if not prefix.isdigit() or int(prefix) != manifest.step:
+        return f"records step {manifest.step}, the checkpoint's name says {prefix}"
+    seen: set[str] = set()
+    for entry in manifest.files:
+        group = entry.name.removesuffix(SUFFIX)
+        if not entry.name.endswith(SUFFIX) or not _GROUP_NAME.fullmatch(group):
+            return f"file entry {entry.name!r} is not a plain <group>{SUFFIX} name"
+        if entry.name in seen:
+            return f"file entry {entry.name!r} is listed twice"
+        seen.add(entry.name)
+        if entry.num_bytes < 0 or not _SHA256.fullmatch(entry.sha256):
+            return f"file entry {entry.name!r} has an impossible size or sha256"
+    return ""
 
 
 def deserialize_group(name: str, entry: FileEntry, data: bytes) -> dict[str, torch.Tensor]:

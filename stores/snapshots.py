@@ -29,6 +29,7 @@ import msgspec
 
 from rewind.states.config import Config
 from rewind.states.state import State
+from rewind.stores import confine
 from rewind.stores.fsio import filesystem
 
 SNAPSHOTS_DIR = "snapshots"
@@ -96,6 +97,33 @@ def decode(data: bytes) -> Snapshot | None:
     return snapshot if (snapshot.format, snapshot.schema) == (FORMAT, SCHEMA) else None
 
 
+class _Header(msgspec.Struct):
+    """The fields every snapshot format has, to tell another release's snapshot from a damaged one."""
+
+    format: int
+    schema: str
+
+
+def written_elsewhere(run_dir: str, seq: int) -> bool:
+    """Whether the snapshot at `seq` is intact but of another release's format or schema (so unused:
+    an expected sight after an upgrade, not damage)."""
+    directory = _directory(run_dir)
+    if directory is None:
+        return False
+    try:
+        data = confine.read_file(os.path.dirname(directory), [SNAPSHOTS_DIR, _name(seq)], max_size=64 << 20)
+    except (OSError, confine.NotConfined):
+        return False
+    body, crc = data[: -_CRC.size], data[-_CRC.size :]
+    if len(data) < _CRC.size or google_crc32c.value(body) != _CRC.unpack(crc)[0]:
+        return False
+    try:
+        header = msgspec.msgpack.decode(body, type=_Header)
+    except (msgspec.DecodeError, ValueError):
+        return False
+    return (header.format, header.schema) != (FORMAT, SCHEMA)
+
+
 def make(seq: int, event: Any, state: State, config: Config) -> Snapshot:
     """The snapshot of `state`, the fold up to record `seq`, which holds `event`."""
     return Snapshot(
@@ -133,6 +161,16 @@ def write(run_dir: str, snapshot: Snapshot) -> None:
             os.remove(os.path.join(directory, _name(old)))
 
 
+def discard_after(run_dir: str, end_seq: int) -> None:
+    """Remove the snapshots past a log's end (records a crash or a cut took away): the writer is about to
+    give those seqs to other records, and a cache of another history would be taken for a stale one."""
+    directory = _directory(run_dir)
+    for seq in list_seqs(run_dir):
+        if seq > end_seq and directory is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, _name(seq)))
+
+
 def list_seqs(run_dir: str) -> list[int]:
     directory = _directory(run_dir)
     if directory is None or not os.path.isdir(directory):
@@ -145,14 +183,11 @@ def read(run_dir: str, seq: int) -> Snapshot | None:
     directory = _directory(run_dir)
     if directory is None:
         return None
-    path = os.path.join(directory, _name(seq))
-    try:
-        if not os.path.isfile(path) or os.path.getsize(path) > 64 << 20:  # a cache, never a reason to OOM
-            return None
-        with open(path, "rb") as handle:
-            snapshot = decode(handle.read())
-    except OSError:
+    try:  # a cache: only a regular file inside the run, and never a reason to OOM
+        data = confine.read_file(os.path.dirname(directory), [SNAPSHOTS_DIR, _name(seq)], max_size=64 << 20)
+    except (OSError, confine.NotConfined):
         return None
+    snapshot = decode(data)
     return snapshot if snapshot is not None and snapshot.seq == seq else None
 
 

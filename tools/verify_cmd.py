@@ -1,17 +1,22 @@
 """`rewind verify RUN`: is this run's record intact and self-consistent?
 
 Checks, reporting every problem with its exact location:
-1. log framing, CRCs, sequence contiguity, decodability (segment and byte offset); a torn tail is
-   reported as such (it is what a crash mid-write leaves, and `rewind train` would cut it off); every
+1. log framing, CRCs, sequence contiguity, decodability (segment and byte offset); a torn tail (bytes
+   after the last commit mark, which no commit acknowledged: what a crash mid-write leaves, and what
+   `rewind train` cuts off) is a note, not a problem, while damage before a commit mark is one; every
    segment index file (`events/NNNNNNNN.idx`, a cache of what a segment holds) against its segment:
    a damaged or stale one is named;
-2. the fold succeeds (no illegal transition);
+2. the fold succeeds (no illegal transition), and no record carries what no rewind run could have
+   written (rewind.stores.trust: a config `check_config` refuses, an absurd thread count, a fork seed
+   past the run's end, a checkpoint or file name that is not a plain name);
 3. every checkpoint the log still holds live exists and matches the hashes its CheckpointCommitted
    recorded, file by file;
 4. each live checkpoint's manifest agrees with the control state folded from the log at that point
    (step, tokens, cursors, stage, config);
 5. what a resume would load (the restore point's checkpoint and its KL reference) is live;
-6. every state snapshot beside the log (`snapshots/`, a cache that lets resume fold only the tail) is
+6. no checkpoint on disk that the log does not name proves that the log lost acknowledged records
+   (rewind.stores.orphans: which checkpoint, and the step the log should reach);
+7. every state snapshot beside the log (`snapshots/`, a cache that lets resume fold only the tail) is
    exactly the fold of the log up to its record, under the config then in force; a damaged or wrong
    one is named (it is never used over the log, and deleting it is safe).
 Exit 0 when clean, 1 otherwise.
@@ -34,21 +39,25 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
     """(problems, notes). Problems make the run fail verification; notes are informational."""
     from rewind.states.events import CheckpointCommitted, ConfigChanged, RunStarted
     from rewind.states.fold import IllegalTransition, apply
-    from rewind.states.state import State, control_summary
+    from rewind.states.state import State, anchor_checkpoint, control_summary
     from rewind.stores import snapshots
     from rewind.stores.checkpoints import CheckpointStore
     from rewind.stores.eventlog import EventLog, verify_log
+    from rewind.stores.orphans import LogEnd, lost_record_problems
+    from rewind.stores.trust import RecordChecker
 
     problems: list[str] = []
     notes: list[str] = []
     report = verify_log(run_dir)
     problems += [f"log: {p.segment} offset {p.offset}: {p.message}" for p in report.problems]
-    if report.torn_tail is not None:
+    if report.torn_tail is not None:  # what a crash mid-commit leaves: expected, not damage
         t = report.torn_tail
-        problems.append(
-            f"log: torn tail in {t.segment} at offset {t.offset} ({t.num_bytes} bytes never acknowledged); "
-            "`rewind train`/`resume` cuts it off"
+        notes.append(
+            f"log: torn tail in {t.segment} at offset {t.offset}: {t.num_bytes} bytes of a commit that never "
+            f"returned (the expected state after a crash; `rewind train`/`resume` cuts it off): {t.reason}"
         )
+        if not t.certain:
+            notes.append("log: (rewind 0.2 frames carry no commit marks: a damaged last record would look the same)")
     problems += [
         f"log index: {p.segment}: {p.message} (deleting it is safe; opening the log for writing rewrites it)"
         for p in report.index_problems
@@ -62,21 +71,37 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
     config = None
     at_checkpoint: dict[str, dict] = {}
     cached = {seq: snapshots.read(run_dir, seq) for seq in snapshots.list_seqs(run_dir)}
+    checker, max_step, end_seq = RecordChecker(), 0, -1
+    elsewhere: list[int] = []  # snapshots of another release: unused, replaced at the next checkpoint
     with EventLog.open(run_dir) as log:
-        for record in log.records():
+        for record in log.records(check=False):  # checked below, so each problem is reported
+            where = f"seq {record.seq} ({record.segment} offset {record.offset})"
+            if problem := checker.problem(record.event):
+                problems.append(f"record: {where}: {problem}")
+                return problems, notes  # the fold would act on what the record carries
+            max_step, end_seq = max(max_step, record.event.step), record.seq
             try:
                 state = apply(state, record.event)
             except IllegalTransition as exc:
-                problems.append(f"fold: seq {record.seq} ({record.segment} offset {record.offset}): {exc}")
+                problems.append(f"fold: {where}: {exc}")
                 return problems, notes
             if isinstance(record.event, RunStarted | ConfigChanged):
                 config = record.event.config
             if isinstance(record.event, CheckpointCommitted):
                 at_checkpoint[record.event.checkpoint] = control_summary(state)
             if record.seq in cached:
-                problems += _snapshot_problems(record.seq, cached.pop(record.seq), record.event, state, config)
+                snapshot = cached.pop(record.seq)
+                if snapshot is None and snapshots.written_elsewhere(run_dir, record.seq):
+                    elsewhere.append(record.seq)
+                    continue
+                problems += _snapshot_problems(record.seq, snapshot, record.event, state, config)
     problems += [f"snapshot {seq:012d}: past the end of the log (record {seq} does not exist)" for seq in cached]
     notes.append(f"fold: ok (step {state.step}, {'finished' if state.finished else 'not finished'})")
+    if elsewhere:
+        notes.append(
+            f"snapshots: {len(elsewhere)} written by another release (not used: opening folds the log instead, "
+            "and the next checkpoint writes a new one)"
+        )
     num_bad = 0
     for ref in state.live_checkpoints:
         found = store.verify(ref.checkpoint, ref.files)
@@ -97,9 +122,16 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
             problems.append(f"restore point: its {role} {ref.checkpoint} is not live: a resume could not load it")
     verdict = f"{num_bad} with problems" if num_bad else "verified"
     notes.append(f"checkpoints: {len(state.live_checkpoints)} live, {verdict}")
-    orphans = store.orphans(c.checkpoint for c in state.live_checkpoints)
+    live_names = [c.checkpoint for c in state.live_checkpoints]
+    end = LogEnd(end_seq, state.step, lambda: max_step)
+    interval = config.logging.report_interval if config is not None else 1
+    lost = lost_record_problems(store, live_names, anchor_checkpoint(anchor) if anchor else "", end, interval)
+    problems += [f"log: lost acknowledged records: {line}" for line in lost]
+    orphans = store.orphans(live_names)
     if orphans:
         notes.append(f"checkpoints on disk that no live event names (ignored by rewind): {', '.join(orphans)}")
+    if aside := store.set_aside_names():
+        notes.append(f"checkpoints a resume set aside under checkpoints/orphaned/ (kept, unused): {', '.join(aside)}")
     return problems, notes
 
 

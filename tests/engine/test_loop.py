@@ -45,6 +45,7 @@ from rewind.states.events import (
 )
 from rewind.states.fold import apply, fold
 from rewind.states.history import effective
+from rewind.states.plan import step_lr
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointStore
@@ -178,12 +179,14 @@ def test_step_commits_are_contiguous_and_follow_the_schedule(straight):
     schedule = Schedule(config)
     steps = [e for e in events_of(straight) if isinstance(e, StepCommitted)]
     assert [e.step for e in steps] == list(range(1, schedule.num_steps + 1))
+    state = fold(events_of(straight)[:1])  # the LR is the run's own: a new run's warmup floor
+    assert steps[0].lr == pytest.approx(0.01 * config.optimization.lr)  # step 0 is not spent at LR 0
     for event in steps:
         k = event.step - 1
         assert sum(event.rows) == config.training.batch_size
         assert event.rows == list(schedule.rows(k))
         assert event.tokens == event.step * schedule.tokens_per_step
-        assert event.lr == schedule.lr(k) and event.beta == schedule.beta(k)
+        assert event.lr == step_lr(state, schedule, k) and event.beta == schedule.beta(k)
         assert event.stage == schedule.primary(k)
         assert not event.skipped and math.isfinite(event.loss)
     # The fades really mixed stages: some step drew rows from two of them.
@@ -205,11 +208,14 @@ def test_reference_refresh_points_at_a_checkpoint_of_the_refresh_step(straight):
         assert (straight / "checkpoints" / refresh.checkpoint / "model.safetensors").is_file()
 
 
-def test_one_evaluation_per_stage_boundary(straight):
+def test_a_baseline_then_one_evaluation_per_stage_boundary(straight):
     schedule = Schedule(config_of(straight))
-    evaluations = [e for e in events_of(straight) if isinstance(e, Evaluated)]
+    events = events_of(straight)
+    evaluations = [e for e in events if isinstance(e, Evaluated)]
     ends = [*schedule.entry_steps[1:], schedule.num_steps]  # stage i ends where stage i + 1 starts
-    assert [(e.boundary, e.step) for e in evaluations] == list(enumerate(ends))
+    # The untrained weights first, right after RunStarted, before any update.
+    assert events.index(evaluations[0]) == 1 and (evaluations[0].boundary, evaluations[0].step) == (-1, 0)
+    assert [(e.boundary, e.step) for e in evaluations[1:]] == list(enumerate(ends))
     for event in evaluations:
         assert set(event.scores) == {"reverse", "sort"} and set(event.losses) == {"reverse", "sort"}
         assert all(0.0 <= s <= 1.0 for s in event.scores.values())
@@ -260,7 +266,7 @@ def test_metrics_have_one_train_line_per_step(straight):
     steps = [e for e in events_of(straight) if isinstance(e, StepCommitted)]
     assert [line["step"] for line in train] == [e.step for e in steps]
     assert [line["loss"] for line in train] == [e.loss for e in steps]
-    assert [line["boundary"] for line in lines if line["type"] == "evaluation"] == [0, 1, 2]
+    assert [line["boundary"] for line in lines if line["type"] == "evaluation"] == [-1, 0, 1, 2]
 
 
 def test_export_writes_the_final_checkpoints_model(straight, tmp_path):
@@ -405,3 +411,99 @@ def test_ctrl_c_finishes_the_step_checkpoints_stops_and_resumes_exactly(straight
         exported_weights(run, tmp_path / "b.safetensors"),
     )
     assert effective_steps(run) == effective_steps(straight)
+
+
+# --- which quantity, and how many skipped -----------------------------------------------------------
+
+SHORT = (*OVERRIDES[1:], "training.tokens=[1280,512,512]", 'training.on_nonfinite="skip"')  # 5 + 2 + 2 steps
+
+
+def poison_steps(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int], quantity: str = "loss") -> None:
+    """Make `quantity` non-finite in the steps with the given indices (the others run as they are)."""
+    real_train_step, real_losses, real_clip = (
+        loop.train_step,
+        step_module.fused_losses,
+        torch.nn.utils.clip_grad_norm_,
+    )
+
+    def nan_losses(*args, **kwargs):
+        losses = real_losses(*args, **kwargs)
+        field = {"loss": "ce", "kl": "kl"}[quantity]
+        return dataclasses.replace(losses, **{field: torch.full_like(getattr(losses, field), math.nan)})
+
+    def nan_norm(*args, **kwargs):
+        real_clip(*args, **kwargs)
+        return torch.tensor(math.inf)
+
+    def train_step(model, optimizer, *args, step, **kwargs):
+        if step not in bad_steps:
+            return real_train_step(model, optimizer, *args, step=step, **kwargs)
+        with monkeypatch.context() as patch:
+            if quantity == "grad_norm":
+                patch.setattr(torch.nn.utils, "clip_grad_norm_", nan_norm)
+            else:
+                patch.setattr(step_module, "fused_losses", nan_losses)
+            return real_train_step(model, optimizer, *args, step=step, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", train_step)
+
+
+@pytest.mark.parametrize("quantity", ["loss", "kl", "grad_norm"])
+def test_a_non_finite_step_names_the_quantity_that_was_not_finite(tmp_path, monkeypatch, quantity):
+    poison_steps(monkeypatch, {6}, quantity)  # index 6 is in stage 1, where the KL term is on
+    run = tmp_path / "run"
+    code, _, err = run_cli(*train_args(run, "--max-steps", "7", overrides=SHORT))
+    assert code == 0, err
+    events = events_of(run)
+    (nonfinite,) = [e for e in events if isinstance(e, NonFiniteLoss)]
+    assert (nonfinite.step, nonfinite.action, nonfinite.quantity) == (6, "skip", quantity)
+    assert math.isnan(nonfinite.loss) == (quantity == "loss")
+    assert fold(events).num_skipped_steps == 1
+
+
+def test_a_run_that_skips_most_of_its_updates_fails_with_one_line(tmp_path, monkeypatch):
+    poison_steps(monkeypatch, set(range(2, 9)))  # 7 of 9 updates
+    run = tmp_path / "run"
+    code, _, err = run_cli(*train_args(run, overrides=SHORT))
+    assert code == 1
+    line = one_line(err)
+    assert "7 of 9 updates (78%) were skipped" in line and "more than half" in line
+    state = fold(events_of(run))
+    assert state.finished and state.num_skipped_steps == 7  # on record all the same
+
+
+def test_a_run_that_skips_some_updates_finishes_with_a_warning(tmp_path, monkeypatch):
+    from rewind.engine.session import open_run
+    from rewind.states.config import loads_config
+
+    poison_steps(monkeypatch, {1, 4})  # 2 of 9: more than 10%, not more than half
+    config = loads_config(TINY.read_text(), overrides=list(SHORT))
+    run, state, how = open_run(config, str(tmp_path / "run"), metrics=False)
+    try:
+        outcome = loop.drive(run, state)
+    finally:
+        run.journal.close()
+    assert how == "started" and outcome.status == "finished" and outcome.num_skipped_updates == 2
+    assert outcome.message.startswith("2 of 9 updates (22%) were skipped") and "half" not in outcome.message
+    # From the command line: exit 0, and the warning on stderr, not a silent success.
+    code, out, err = run_cli(*train_args(tmp_path / "cli", overrides=SHORT))
+    assert code == 0 and "answer-token accuracy" in out
+    assert one_line(err) == f"rewind: warning: {outcome.message}"
+
+
+@pytest.mark.parametrize(
+    ("skipped", "steps", "failed", "warned"),
+    [
+        (0, 20, False, False),
+        (2, 20, False, False),
+        (3, 20, False, True),
+        (10, 20, False, True),
+        (11, 20, True, True),
+        (0, 0, False, False),
+    ],
+)
+def test_the_skipped_share_rule(skipped, steps, failed, warned):
+    verdict_failed, warning = loop.skipped_verdict(State(step=steps, num_skipped_steps=skipped))
+    assert (verdict_failed, bool(warning)) == (failed, warned)
+    if warned:
+        assert warning.startswith(f"{skipped} of {steps} updates")

@@ -340,9 +340,16 @@ def test_a_crash_before_the_rename_leaves_only_an_orphan(tmp_path, monkeypatch):
     monkeypatch.undo()
     orphans = store.orphans([kept.name])
     assert len(orphans) == 2 and orphans[0].startswith(".tmp-00000003-") and orphans[1] == uncommitted.name
-    assert store.remove_orphans([kept.name]) == orphans
+    # The temporary goes; the complete checkpoint the log does not name is kept, out of the way.
+    assert store.set_aside_orphans([kept.name]) == ([orphans[0]], [uncommitted.name])
     assert store.names_on_disk() == [kept.name]
     assert store.verify(kept.name, kept.files) == []
+    aside = tmp_path / "checkpoints" / checkpoints.ORPHANED_DIR / uncommitted.name
+    assert sorted(p.name for p in aside.iterdir()) == ["manifest.json", "model.safetensors"]
+    # Set aside again under the same name (the step re-written, then orphaned again): both are kept.
+    assert store.write(2, {"model": {"w": torch.full((2,), 2.0)}}).name == uncommitted.name
+    assert store.set_aside_orphans([kept.name]) == ([], [uncommitted.name])
+    assert aside.is_dir() and aside.with_name(f"{uncommitted.name}.1").is_dir()
 
 
 def test_object_stores_get_the_manifest_last_and_an_incomplete_write_is_an_orphan(monkeypatch):
@@ -365,8 +372,9 @@ def test_object_stores_get_the_manifest_last_and_an_incomplete_write_is_an_orpha
     with pytest.raises(CheckpointCorrupt, match=rf"{MANIFEST}: missing"):
         store.load(written.name)
     assert store.orphans([]) == [written.name]
-    assert store.remove_orphans([]) == [written.name]
+    assert store.set_aside_orphans([]) == ([], [written.name])
     assert store.names_on_disk() == []
+    assert store._fs.exists(f"{store.root}/{checkpoints.ORPHANED_DIR}/{written.name}/model.safetensors")
     store._fs.rm(root, recursive=True)
 
 
