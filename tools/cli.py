@@ -1,8 +1,10 @@
-"""The `rewind` command. Each subcommand lives in its own module and is imported only when used, so
-`rewind schedule` never pays for (or needs) torch.
+"""The `rewind` command. Each subcommand lives in its own module, which imports what it needs (torch,
+the stores) only when it runs, so `rewind schedule` never pays for (or needs) torch.
 
 Every error a user can cause ends as one line on stderr and a non-zero exit: 2 for usage and config
-problems, 1 for a run or data that is not as expected, 130 for Ctrl-C. Never a traceback.
+problems, 1 for a run or data that is not as expected (damage, or the filesystem refusing: a full
+disk, a read-only mount, no permission, a file where a directory belongs), 130 for Ctrl-C. Never a
+traceback.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import warnings
 COMMAND_MODULES = [
     "rewind.tools.train_cmd",
     "rewind.tools.schedule_cmd",
+    "rewind.tools.import_cmd",
     "rewind.tools.log_cmd",
     "rewind.tools.state_cmd",
     "rewind.tools.timeline_cmd",
@@ -28,13 +31,30 @@ COMMAND_MODULES = [
 ]
 
 
+DESCRIPTION = (
+    "rewind trains language models as an explicit state machine: every transition is an event in an "
+    "append-only, checksummed log. Kill a run anywhere and resume it bit for bit; inspect, diff and "
+    "replay runs from their logs."
+)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse prints usage + exits 2; we keep it to one line
         self.exit(2, f"{self.prog}: {message}\n")
 
 
+def version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("rewind")
+    except metadata.PackageNotFoundError:  # a checkout that was never installed
+        return "0+unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="rewind", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="rewind", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"rewind {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name in COMMAND_MODULES:
@@ -58,8 +78,10 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def _run(args: argparse.Namespace) -> int:
     from rewind.states.config import ConfigError
     from rewind.tools.errors import CommandError
+    from rewind.tools.rundir import check_run_dirs
 
     try:
+        check_run_dirs(args)
         return int(args.run(args) or 0)
     except ConfigError as exc:
         for line in exc.lines():
@@ -73,6 +95,9 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # the filesystem said no: ENOSPC, EROFS, EACCES, ENOTDIR, EISDIR, ...
+        print(f"rewind: {describe_os_error(exc, args)}", file=sys.stderr)
+        return 1
     except Exception as exc:
         if not _is_damage(exc):
             raise
@@ -88,7 +113,20 @@ _DAMAGE = {
     ("rewind.stores.manifest", "CheckpointError"),
     ("rewind.states.fold", "IllegalTransition"),  # a log that does not fold (tampered, or a buggy writer)
     ("rewind.states.history", "HistoryError"),
+    ("rewind.stores.metrics", "MetricsError"),  # the metrics projection cannot be written or read
 }
+
+
+def describe_os_error(exc: OSError, args: argparse.Namespace) -> str:
+    """One line naming the path the system call was about (or else the run), and why it failed."""
+    why = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is not None:
+        where = str(exc.filename)
+        if exc.filename2 is not None:
+            where += f" -> {exc.filename2}"
+        return f"{where}: {why}"
+    run_dir = getattr(args, "run_dir", None)
+    return f"{run_dir}: {why}" if run_dir else why
 
 
 def _is_damage(exc: Exception) -> bool:

@@ -2,25 +2,89 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+import stat
 from pathlib import Path
 
 from rewind.states.config import Config, ConfigError, loads_config
 from rewind.tools.errors import UsageError
 
+# Configs are a few kilobytes; a file far past this is a wrong path (a dataset, a log), and reading
+# it whole would only waste memory before the TOML parser refuses it.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+SET_HELP = (
+    "change one config field, repeatable (later ones win): PATH is dotted keys with [i] for a list "
+    "entry, as the config's error messages print them (training.fade.overlap=0.2, training.tokens[1]=50000, "
+    "training.datasets[0][1].name=sort, optimization.kl.betas[0]=0.1); VALUE is parsed as a TOML value "
+    "(16, 1e-3, [1, 2], \"text\"; a bare word is taken as a string)"
+)
+
+
+def add_set_option(parser: argparse.ArgumentParser) -> None:
+    """The `--set PATH=VALUE` option, with the same help wherever it is accepted."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
+
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Load and validate a TOML config; raises ConfigError (all problems) or UsageError (no file)."""
     file = Path(path)
-    if not file.exists():
-        raise UsageError(f"{path}: no such config file")
-    if file.is_dir():
-        raise UsageError(f"{path}: is a directory, expected a TOML config file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path}: cannot read config ({exc})") from None
+    text = read_config_text(file, str(path))
     config = loads_config(text, source=str(path), overrides=overrides)
     return _resolve_data_paths(config, file.parent)
+
+
+def read_config_text(file: Path, shown: str) -> str:
+    """The file's text, refusing anything but a regular file of at most MAX_CONFIG_BYTES. The file is
+    opened without blocking and checked through its descriptor, so a FIFO (whose open would wait for a
+    writer) or a device such as /dev/zero (which never ends) is refused, never read, and a file
+    swapped for one between a check and the read cannot slip through."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise UsageError(f"{shown}: no such config file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{shown}: is a directory, expected a TOML config file") from None
+    except OSError as exc:
+        raise UsageError(f"{shown}: cannot open config ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise UsageError(f"{shown}: is a directory, expected a TOML config file")
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"{shown}: not a regular file ({_kind(info.st_mode)}), expected a TOML config file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise UsageError(
+                f"{shown}: {info.st_size:,} bytes is too large for a config file (at most {MAX_CONFIG_BYTES:,})"
+            )
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            # One byte past the limit: a file that grew since fstat is caught without reading it all.
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"{shown}: cannot read config ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise UsageError(f"{shown}: grew past {MAX_CONFIG_BYTES:,} bytes while it was read, too large for a config file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{shown}: not UTF-8 text (byte {exc.start}), expected a TOML config file") from None
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a plain file"
 
 
 def _resolve_data_paths(config: Config, base: Path) -> Config:
@@ -38,4 +102,4 @@ def _resolve_data_paths(config: Config, base: Path) -> Config:
     return msgspec.structs.replace(config, data=data)
 
 
-__all__ = ["ConfigError", "load_config"]
+__all__ = ["MAX_CONFIG_BYTES", "SET_HELP", "ConfigError", "add_set_option", "load_config"]

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import secrets
+import stat
 from pathlib import Path
 
 from rewind.tools.errors import CommandError, UsageError
@@ -25,8 +29,11 @@ def run(args: argparse.Namespace) -> int:
         return export_metrics(args.run_dir)
     if args.run_dir:
         raise UsageError(f"export: unexpected argument {args.run_dir!r}")
-    if not args.to:
+    if args.to is None:
         raise UsageError("export RUN: --to FILE.safetensors is required")
+    from rewind.tools.rundir import check_run_dir
+
+    check_run_dir(args.what, "RUN")
     return export_weights(args.what, args.to)
 
 
@@ -41,17 +48,68 @@ def export_metrics(run_dir: str) -> int:
 
 
 def export_weights(run_dir: str, out: str) -> int:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from rewind.states.fold import fold
     from rewind.stores.checkpoints import CheckpointStore
 
+    target = check_target(out)
     state = fold(e for _, e in load_records(run_dir))
     ref = state.last_checkpoint
     if ref is None:
         raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
     groups = CheckpointStore(run_dir).load(ref.checkpoint, ref.files)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_file(groups["model"], out, metadata={"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step)})
+    data = save(groups["model"], metadata={"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step)})
+    try:
+        write_file_atomically(target, data)
+    except OSError as exc:
+        raise CommandError(f"--to {out}: cannot write the weights ({exc.strerror or exc}); nothing was written", 1) from None
     print(f"wrote {len(groups['model'])} tensors of checkpoint {ref.checkpoint} (step {ref.step}) to {out}")
     return 0
+
+
+def check_target(out: str) -> Path:
+    """The --to path, refused up front (exit 2) unless it is, or can become, a regular file: a directory,
+    a device such as /dev/full or /dev/null, or a FIFO is not a place for weights, and writing beside
+    one and renaming over it would replace the device node."""
+    if not out.strip():
+        raise UsageError("--to '': an empty path; name the .safetensors file to write")
+    target = Path(out)
+    try:
+        info = target.stat()
+    except FileNotFoundError:
+        return target  # missing directories are created
+    except NotADirectoryError:  # a file where a directory of the path belongs
+        blocker = next(p for p in reversed(target.parents) if p.exists() and not p.is_dir())
+        raise UsageError(f"--to {out}: {blocker} is not a directory") from None
+    except OSError as exc:
+        raise UsageError(f"--to {out}: cannot use this path ({exc.strerror})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise UsageError(f"--to {out}: is a directory; name the .safetensors file to write inside it")
+    if not stat.S_ISREG(info.st_mode):
+        raise UsageError(f"--to {out}: not a regular file (a device, FIFO or socket); name a file to write")
+    return target
+
+
+def write_file_atomically(target: Path, data: bytes) -> None:
+    """Write `data` to a temporary file beside `target`, fsync it, rename it over `target` and fsync
+    the directory: the file is there whole or not at all, and a full disk or a read-only directory is
+    an OSError here, not a truncated file reported as written. A missing parent directory is created."""
+    from rewind.stores import fsio
+
+    directory = target.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fsio.write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsio.fsync_dir(str(directory))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rewind.tools.configfile import add_set_option
 from rewind.tools.errors import CommandError, UsageError
 
 
@@ -18,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN", help="the parent run")
     p.add_argument("new_run", metavar="NEW_RUN", help="directory of the new run (must not hold a run)")
     p.add_argument("--at-step", type=int, required=True, metavar="N", help="fork at the last checkpoint at or before N")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_set_option(p)
     p.add_argument("--config", help="a whole new config file instead of the parent's (--set applies on top)")
     p.add_argument("--max-steps", type=int, default=None, help="stop cleanly after this many steps (resumable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -30,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
 
     from rewind.engine.fork import open_fork
     from rewind.engine.session import RunError, adopt_threads
-    from rewind.states.config import apply_overrides, config_differences, config_from_dict
+    from rewind.states.config import config_differences, config_from_dict
+    from rewind.states.overrides import apply_overrides, parse_override
     from rewind.stores.eventlog import LogLockedError, LogNotFoundError
     from rewind.tools.configfile import load_config
     from rewind.tools.train_cmd import drive_and_report
@@ -41,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-steps {args.max_steps}: must be >= 0")
     if args.config is not None:
         chosen = load_config(args.config, args.overrides)  # problems show before the parent is read
+    for text in args.overrides:
+        parse_override(text)  # a malformed --set too
 
     def config_of_child(parent_config):
         if args.config is not None:

@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from collections.abc import Iterable
 
 from rewind.states.events import EVENT_TYPES, Event, event_to_dict
 from rewind.tools.errors import UsageError
+
+FOLLOW_POLL_S = 0.2  # how often --follow looks for new records once caught up
+# How long --follow waits, with no writer holding the log, for a record before it decides the run
+# has ended: longer than a writer takes between releasing the lock and a resume taking it again.
+FOLLOW_QUIET_S = 2.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +23,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--type", dest="types", action="append", default=[], metavar="T", help="only events of type T")
     p.add_argument("--steps", metavar="A:B", help="only events with A <= step <= B (either side may be empty)")
     p.add_argument("--json", action="store_true", help="a JSON list of {type, seq, step, ...fields}")
-    p.add_argument("--follow", action="store_true", help="keep printing new events as a live run commits them")
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep printing new events as a live run commits them; ends when the run finishes or stops, "
+        f"or when no writer holds the log and no event has come for {FOLLOW_QUIET_S:g} s",
+    )
     p.add_argument("--effective", action="store_true", help="leave out events superseded by a resume")
     p.set_defaults(run=run)
 
@@ -106,14 +117,40 @@ def _read_selected(
 
 
 def _follow(run_dir: str, start_seq: int, types: set[str], low: int, high: float) -> int:
-    """Print events as the writer commits them, until the run finishes or stops (Ctrl-C ends it)."""
+    """Print events as the writer commits them, until the run ends (Ctrl-C ends it too). The run has
+    ended when the log's last record is RunFinished or RunStopped, or when no writer holds the log
+    (its lock released, or its holder dead) and no record has arrived for FOLLOW_QUIET_S: a writer
+    killed mid-run logs neither event, and without a writer nothing more can come (a later resume is
+    a new process to follow). The quiet time covers a writer that has just released the lock to be
+    followed by the next at once. The last record already printed is read again (not printed), so a
+    run that had ended before the command started ends it at once."""
     from rewind.states.events import RunFinished, RunStopped
     from rewind.stores.eventlog import EventLog
 
+    quiet_since = time.monotonic()
+
+    def ended() -> bool:
+        return time.monotonic() - quiet_since >= FOLLOW_QUIET_S and not writer_alive(run_dir)
+
     with EventLog.open(run_dir) as log:
-        for record in log.follow(poll_s=0.2, start_seq=start_seq):
-            if _select([(record.seq, record.event)], types, low, high):
+        for record in log.follow(poll_s=FOLLOW_POLL_S, stop=ended, start_seq=max(start_seq - 1, 0)):
+            quiet_since = time.monotonic()
+            if record.seq >= start_seq and _select([(record.seq, record.event)], types, low, high):
                 print(describe(record.seq, record.event), flush=True)
             if isinstance(record.event, RunFinished | RunStopped):
                 return 0
     return 0
+
+
+def writer_alive(run_dir: str) -> bool:
+    """Whether the lock file names a holder that may still be writing: a clean release empties the file,
+    and a holder on this host whose process is gone (or a zombie) is dead. A holder on another host
+    cannot be checked, so it counts as alive."""
+    from rewind.stores.fsio import filesystem
+    from rewind.stores.lock import is_stale, read_lock
+
+    try:
+        holder = read_lock(filesystem(run_dir).join("events", "LOCK"))
+    except OSError:  # unreadable (a directory where the lock belongs): nobody can be writing
+        return False
+    return holder is not None and not is_stale(holder)

@@ -27,14 +27,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rewind.engine.replay import ReplayError, replay
-    from rewind.engine.session import RunError, adopt_threads
+    from rewind.engine.session import RunError, adopt_cpu_capability, adopt_threads
     from rewind.states.fold import fold
     from rewind.tools.runlog import load_records
 
     if not (args.rtol >= 0.0 and math.isfinite(args.rtol)):
         raise UsageError(f"--rtol {args.rtol}: must be a finite number >= 0")
     records = load_records(args.run_dir)
-    if note := adopt_threads(fold(e for _, e in records).num_threads):
+    folded = fold(e for _, e in records)
+    adopt_cpu_capability(folded.cpu_capability)
+    if note := adopt_threads(folded.num_threads):
         print(f"rewind: {note}", file=sys.stderr)
     bar = _ProgressBar(enabled=not args.no_progress and not args.json)
     try:

@@ -7,18 +7,17 @@ import json
 import sys
 
 from rewind.states.checks import schedule_warnings
-from rewind.states.config import Config
 from rewind.states.events import Event, event_to_dict
 from rewind.states.plan import plan
 from rewind.states.schedule import Schedule
-from rewind.tools.configfile import load_config
+from rewind.tools.configfile import add_set_option, load_config
 from rewind.tools.errors import UsageError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("schedule", help="dry-run a config's schedule: transitions, weights, LR, KL (no torch)")
     p.add_argument("config", help="TOML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_set_option(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of the readable timeline")
     p.add_argument("--at", metavar="P1,P2,...", help="describe the steps covering these token positions")
     p.add_argument("--plot", metavar="OUT.png", help="write a plot of weights, LR and KL over tokens")
@@ -45,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.at is not None:
         _print_at(schedule, _parse_positions(args.at), args.json)
     elif args.json and not args.check:
-        print(json.dumps([event_to_dict(e) for e in events], indent=1))
+        print(json.dumps(schedule_view(schedule, events, args.config), indent=1))
     elif not args.check:
         print(render_timeline(schedule, events, args.config))
     if args.plot:
@@ -110,11 +109,74 @@ def _describe_event(schedule: Schedule, event: Event) -> str:
         )
     if name == "ReferenceRefreshed":
         return f"{name:<19} stage {data['stage']}: reference := current weights"
+    if name == "OptimizerReset":
+        lr = "the LR restarts its warmup here" if data["lr_restarted"] else "the LR curve goes on unbroken"
+        return f"{name:<19} stage {data['stage']}: AdamW moments cleared; {lr}"
     return name
 
 
+def stage_rows(schedule: Schedule) -> list[dict]:
+    """One row per stage: its budget, the tokens and steps it actually trains, its KL weight, its mixture."""
+    trained = schedule.stage_tokens()
+    return [
+        {
+            "stage": i,
+            "budget": budget,
+            "trained_tokens": trained[i],
+            "steps": trained[i] // schedule.tokens_per_step,
+            "beta": schedule.betas[i],
+            "mixture": [{"name": s.name, "rate": s.rate} for s in schedule.config.training.datasets[i]],
+        }
+        for i, budget in enumerate(schedule.budgets)
+    ]
+
+
+def fade_rows(schedule: Schedule) -> list[dict]:
+    """One row per fade window: the boundary, its token range [start, end) and its steps."""
+    return [
+        {
+            "boundary": ramp.boundary,
+            "start_tokens": ramp.start,
+            "end_tokens": ramp.end,
+            "start_step": schedule.fade_start_step(ramp),
+            "end_step": schedule.fade_end_step(ramp),
+        }
+        for ramp in schedule.fades
+    ]
+
+
+def lr_settings(schedule: Schedule) -> dict:
+    opt = schedule.config.optimization
+    return {"schedule": opt.schedule, "peak": opt.lr, "first": schedule.lr(0), "last": schedule.lr(schedule.num_steps - 1)}
+
+
+def kl_settings(schedule: Schedule) -> dict:
+    return {
+        "kind": schedule.config.optimization.kl.kind,
+        "betas": list(schedule.betas),
+        "reference_update_stages": sorted(schedule.reference_update_stages),
+    }
+
+
+def schedule_view(schedule: Schedule, events: list[Event], source: str) -> dict:
+    """`schedule --json`: everything the readable timeline shows, as one object."""
+    return {
+        "source": str(source),
+        "num_stages": schedule.num_stages,
+        "num_steps": schedule.num_steps,
+        "tokens_per_step": schedule.tokens_per_step,
+        "tokens": schedule.num_steps * schedule.tokens_per_step,
+        "budget": schedule.total_tokens,
+        "events": [event_to_dict(e) for e in events],
+        "stages": stage_rows(schedule),
+        "fade_curve": schedule.curve,
+        "fades": fade_rows(schedule),
+        "lr": lr_settings(schedule),
+        "kl": kl_settings(schedule),
+    }
+
+
 def render_timeline(schedule: Schedule, events: list[Event], source: str) -> str:
-    config: Config = schedule.config
     tps = schedule.tokens_per_step
     lines = [
         f"Schedule of {source}: {schedule.num_stages} stages, {schedule.num_steps:,} steps x {tps:,} tokens "
@@ -124,28 +186,26 @@ def render_timeline(schedule: Schedule, events: list[Event], source: str) -> str
     ]
     lines += [f"{e.step:>10,} {e.tokens:>14,}  {_describe_event(schedule, e)}" for e in events]
     lines += ["", f"{'stage':>5} {'budget':>14} {'trained':>14} {'steps':>9} {'beta':>6}  mixture"]
-    trained = schedule.stage_tokens()
-    for i, budget in enumerate(schedule.budgets):
-        mixture = ", ".join(f"{s.name} {s.rate:g}" for s in config.training.datasets[i])
+    for row in stage_rows(schedule):
+        mixture = ", ".join(f"{m['name']} {m['rate']:g}" for m in row["mixture"])
         lines.append(
-            f"{i:>5} {budget:>14,} {trained[i]:>14,} {trained[i] // tps:>9,} {schedule.betas[i]:>6g}  {mixture}"
+            f"{row['stage']:>5} {row['budget']:>14,} {row['trained_tokens']:>14,} {row['steps']:>9,} "
+            f"{row['beta']:>6g}  {mixture}"
         )
-    if schedule.fades:
+    if fades := fade_rows(schedule):
         lines.append("")
         lines.append(f"fade windows ({schedule.curve}):")
-        for ramp in schedule.fades:
+        for fade in fades:
             lines.append(
-                f"  boundary {ramp.boundary}: tokens [{ramp.start:,.0f}, {ramp.end:,.0f}), steps "
-                f"{schedule.fade_start_step(ramp):,}..{schedule.fade_end_step(ramp):,}"
+                f"  boundary {fade['boundary']}: tokens [{fade['start_tokens']:,.0f}, {fade['end_tokens']:,.0f}), "
+                f"steps {fade['start_step']:,}..{fade['end_step']:,}"
             )
     else:
         lines += ["", "fades: none (hard switches at the boundaries)"]
-    opt = config.optimization
-    lines.append(
-        f"lr: {opt.schedule}, peak {opt.lr:g}, first {schedule.lr(0):.3g}, last {schedule.lr(schedule.num_steps - 1):.3g}"
-    )
-    refresh = sorted(schedule.reference_update_stages)
-    lines.append(f"KL ({opt.kl.kind}): betas {list(schedule.betas)}, reference refreshed on entering {refresh or 'never'}")
+    lr, kl = lr_settings(schedule), kl_settings(schedule)
+    lines.append(f"lr: {lr['schedule']}, peak {lr['peak']:g}, first {lr['first']:.3g}, last {lr['last']:.3g}")
+    refresh = kl["reference_update_stages"]
+    lines.append(f"KL ({kl['kind']}): betas {kl['betas']}, reference refreshed on entering {refresh or 'never'}")
     return "\n".join(lines)
 
 

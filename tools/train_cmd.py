@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from rewind.tools.configfile import load_config
+from rewind.tools.configfile import add_set_option, load_config
 from rewind.tools.errors import CommandError
 
 
@@ -15,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="start a run, or resume it if the run directory holds a log")
     p.add_argument("config", help="TOML config file")
     p.add_argument("--run-dir", required=True, help="run directory (local path or fsspec URL)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_set_option(p)
     p.add_argument("--fork", action="store_true", help="resume under a config that differs from the run's")
     _common(p)
     p.set_defaults(run=run_train)
@@ -82,6 +82,13 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
         raise CommandError(str(exc), 1) from None
     if how == "finished":
         run.journal.close()
+        if changes := finished_under_another_config(run.parts.config, config):
+            raise CommandError(
+                f"{run_dir}: the run is already finished (step {state.step}), and the config given differs from "
+                f"the run's ({changes}); "
+                f"it trains no further: use a new --run-dir, or `rewind fork {run_dir} --at-step N NEW_RUN "
+                "--set ...` to branch from one of its checkpoints"
+            )
         print(f"{run_dir}: the run is already finished (step {state.step}); nothing to do")
         return 0
     if how == "resumed":
@@ -91,6 +98,18 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
         if note := adopt_threads(state.num_threads):
             print(f"  {note}", file=sys.stderr)
     return drive_and_report(run, state, run_dir, max_steps=max_steps, progress=progress)
+
+
+def finished_under_another_config(logged, new) -> str:
+    """"" when `new` is the config the run logged (by identity, as a resume decides), else the fields
+    that differ, 'path: old -> new' joined by '; ' (the first four, then how many more)."""
+    from rewind.states.config import config_differences, config_hash
+
+    if config_hash(logged) == config_hash(new):
+        return ""
+    changes = config_differences(logged, new)
+    shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+    return shown or "no field differs in value"
 
 
 def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progress: bool) -> int:
@@ -111,19 +130,51 @@ def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progres
     if outcome.status in ("stopped", "interrupted"):
         print(f"rewind: {outcome.message}", file=sys.stderr)
         return 130 if outcome.status == "interrupted" else 0
+    if outcome.message:  # finished, with something to say (updates skipped for non-finite losses)
+        print(f"rewind: warning: {outcome.message}", file=sys.stderr)
     print(summary(run_dir))
     return 0
 
 
+def local_directory(run_dir: str) -> str | None:
+    """The run directory as a local path (a plain path or a file:// URL); None on any other filesystem."""
+    if "://" not in run_dir:
+        return run_dir
+    from rewind.stores.fsio import filesystem
+
+    location = filesystem(run_dir)
+    return location.path if location.is_local else None
+
+
 def _write_schedule_plot(parts, run_dir: str) -> None:
-    if "://" in run_dir:
-        return
+    local = local_directory(run_dir)
+    if local is None:
+        return  # the summary says it was not written
     from rewind.states.plan import plan
     from rewind.tools.plots import plot_schedule
 
-    out = Path(run_dir) / "plots" / "schedule.png"
+    out = Path(local) / "plots" / "schedule.png"
     if not out.exists():
         plot_schedule(parts.schedule, list(plan(parts.schedule)), out, title=parts.config.run.name)
+
+
+def projection_lines(run_dir: str) -> list[str]:
+    """The summary's lines for the files projected from the log, each either where it is or, plainly,
+    that it was not written and why: the engine projects metrics only into a plain local path, and
+    plots only into a local directory, so a URL run directory may have neither."""
+    local = local_directory(run_dir)
+    if local is None:
+        why = "not written: metrics, TensorBoard files and plots go only to a local run directory"
+        return [f"  tensorboard  {why}", f"  metrics      {why}", f"  plots        {why}"]
+    because = " (the run directory was given as a URL)" if "://" in run_dir else ""
+    rebuild = f"not written{because}; `rewind export tensorboard {local}` writes it from the log"
+    tb, jsonl, plots = Path(local) / "tb", Path(local) / "metrics.jsonl", Path(local) / "plots"
+    return [
+        f"  tensorboard  {run_dir}/tb/  (tensorboard --logdir {local}/tb)" if tb.is_dir()
+        else f"  tensorboard  {rebuild}",
+        f"  metrics      {run_dir}/metrics.jsonl" if jsonl.is_file() else f"  metrics      {rebuild}",
+        f"  plots        {run_dir}/plots/" if plots.is_dir() else "  plots        not written",
+    ]
 
 
 def summary(run_dir: str) -> str:
@@ -136,13 +187,12 @@ def summary(run_dir: str) -> str:
     records = effective([(r.seq, r.event) for r in read_records(run_dir)])
     state = fold(e for _, e in records)
     evaluations = [e for _, e in records if isinstance(e, Evaluated)]
+    last = state.last_checkpoint.checkpoint if state.last_checkpoint else "-"
     lines = [
         f"run finished: {state.step:,} steps, {state.tokens:,} tokens, final loss {state.last_loss:.4f}",
         f"  event log    {run_dir}/events/  (rewind log {run_dir})",
-        f"  checkpoints  {run_dir}/checkpoints/  (last: {state.last_checkpoint.checkpoint if state.last_checkpoint else '-'})",
-        f"  tensorboard  {run_dir}/tb/  (tensorboard --logdir {run_dir}/tb)",
-        f"  metrics      {run_dir}/metrics.jsonl",
-        f"  plots        {run_dir}/plots/",
+        f"  checkpoints  {run_dir}/checkpoints/  (last: {last})",
+        *projection_lines(run_dir),
     ]
     if evaluations:
         tasks = list(evaluations[0].scores)

@@ -10,13 +10,12 @@ from rewind.states.config import (
     Config,
     ConfigError,
     RunSection,
-    apply_overrides,
     canonical,
     config_hash,
     dumps_config,
     loads_config,
-    parse_override,
 )
+from rewind.states.overrides import apply_overrides, parse_override
 from rewind.states.strategies import configs
 
 GOOD = """
@@ -245,6 +244,60 @@ def test_apply_overrides_creates_tables_and_leaves_the_input_alone():
 
 def test_later_overrides_win():
     assert apply_overrides({}, ["a.b=1", "a.b=2"]) == {"a": {"b": 2}}
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ("training.tokens[1]=5", ["training", "tokens", 1]),
+        ("training.datasets[2][0].name=sort", ["training", "datasets", 2, 0, "name"]),
+        ("optimization.kl.betas[0] = 0.5", ["optimization", "kl", "betas", 0]),
+    ],
+)
+def test_parse_override_reads_the_indexed_paths_that_problems_print(text, path):
+    assert parse_override(text)[0] == path
+
+
+@pytest.mark.parametrize("text", ["a[x]=1", "a[-1]=1", "a[1=1", "[0]=1", "a.[0]=1", "a[0]b=1", "a b=1"])
+def test_malformed_indexed_paths_are_config_errors(text):
+    with pytest.raises(ConfigError) as info:
+        parse_override(text)
+    assert "[i]" in info.value.problems[0]
+
+
+def test_indexed_overrides_set_list_entries_the_problems_name():
+    """A path printed by a problem can be pasted into --set to fix exactly that entry."""
+    text = GOOD.replace('{ name = "add", rate = 0.5 }', '{ name = "nope", rate = 0.5 }')
+    problem = only_problem(text)
+    path = problem.split(":")[0]
+    assert path == "training.datasets[1][1].name"
+    config = loads_config(text, overrides=[f"{path}=add", "training.tokens[1]=3000", "optimization.kl.betas[1]=0.25"])
+    assert config.training.datasets[1][1].name == "add"
+    assert config.training.tokens == [1000, 3000]
+    assert config.optimization.kl.betas == [0.0, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("training.tokens[2]=5", "training.tokens[2]: index out of range (training.tokens has 2 entries)"),
+        ("training.datasets[0][3].name=add", "training.datasets[0][3]: index out of range"),
+        ("training.batch_size[0]=1", "training.batch_size is not a list"),
+        ("training.tokens.first=1", "training.tokens is not a table"),
+        ("optimization.kl.betas[0]=0.5", "optimization.kl.betas is not set"),
+    ],
+)
+def test_an_index_that_names_no_entry_is_one_problem_naming_the_path(override, needle):
+    problems = problems_of(GOOD.replace("betas = [0.0, 0.1]", ""), overrides=[override])
+    assert len(problems) == 1 and needle in problems[0] and problems[0].startswith(f"--set {override!r}: ")
+
+
+def test_every_bad_override_is_reported_at_once_and_the_input_is_left_alone():
+    raw = {"training": {"tokens": [1]}}
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(raw, ["training.tokens[5]=1", "no-equals", "training.tokens[0]=2"])
+    assert len(info.value.problems) == 2 and info.value.source == "override"
+    assert raw == {"training": {"tokens": [1]}}
 
 
 def test_overrides_are_validated_like_the_file():

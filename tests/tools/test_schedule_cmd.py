@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from rewind.states.checks import schedule_warnings
 from rewind.states.schedule import Schedule
 from rewind.tools.configfile import load_config
@@ -25,10 +27,28 @@ def test_timeline_lists_every_stage_and_the_summary(rewind_cli):
     assert "fade windows (cosine)" in out
 
 
+@pytest.mark.parametrize(
+    ("restarts", "says"), [("false", "the LR curve goes on unbroken"), ("true", "restarts its warmup")]
+)
+def test_an_optimizer_reset_is_shown_where_it_happens(rewind_cli, restarts, says):
+    sets = [
+        "--set",
+        "optimization.reset_optimizer_stages=[2]",
+        "--set",
+        f"optimization.reset_restarts_lr={restarts}",
+    ]
+    code, out, err = rewind_cli("schedule", TINY, *sets)
+    assert code == 0, err
+    (line,) = [line for line in out.splitlines() if "OptimizerReset" in line]
+    entered = next(line for line in out.splitlines() if "StageEntered        stage 2" in line)
+    assert line.split()[:2] == entered.split()[:2]  # at the step that enters stage 2
+    assert "stage 2: AdamW moments cleared" in line and says in line
+
+
 def test_json_transitions_have_type_step_tokens_and_fields(rewind_cli):
     code, out, _ = rewind_cli("schedule", ABCD, "--json")
     assert code == 0
-    events = json.loads(out)
+    events = json.loads(out)["events"]
     assert events[0]["type"] == "StageEntered"
     assert events[-1]["type"] == "RunFinished"
     entered = [e for e in events if e["type"] == "StageEntered"]
@@ -41,6 +61,57 @@ def test_json_transitions_have_type_step_tokens_and_fields(rewind_cli):
     # A refresh comes right after the StageEntered of its stage, at the same step.
     i = next(i for i, e in enumerate(events) if e["type"] == "ReferenceRefreshed")
     assert events[i - 1]["type"] == "StageEntered" and events[i - 1]["step"] == events[i]["step"]
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides"),
+    [
+        (ABCD, ()),
+        (TINY, ()),
+        (TINY, ("--set", "training.fade.overlap=0", "--set", "optimization.schedule=wsds")),
+    ],
+)
+def test_json_carries_everything_the_text_view_shows(rewind_cli, config, overrides):
+    code, text, err = rewind_cli("schedule", config, *overrides)
+    assert code == 0, err
+    code, out, err = rewind_cli("schedule", config, "--json", *overrides)
+    assert code == 0, err
+    view = json.loads(out)
+    assert view["source"] == str(config)
+    header = text.splitlines()[0]
+    for key in ("num_stages", "num_steps", "tokens_per_step", "tokens", "budget"):
+        assert f"{view[key]:,}" in header, key
+    # Every stage row of the text view, rebuilt from the JSON.
+    table = text.split("  mixture\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert len(table) == len(view["stages"]) == view["num_stages"]
+    for line, stage in zip(table, view["stages"], strict=True):
+        mixture = ", ".join(f"{m['name']} {m['rate']:g}" for m in stage["mixture"])
+        assert line.split() == [
+            str(stage["stage"]),
+            f"{stage['budget']:,}",
+            f"{stage['trained_tokens']:,}",
+            f"{stage['steps']:,}",
+            f"{stage['beta']:g}",
+            *mixture.split(),
+        ]
+    # Every fade window line, or the text's "none" when the JSON has none.
+    fade_lines = [line.strip() for line in text.splitlines() if line.startswith("  boundary ")]
+    assert fade_lines == [
+        f"boundary {f['boundary']}: tokens [{f['start_tokens']:,.0f}, {f['end_tokens']:,.0f}), "
+        f"steps {f['start_step']:,}..{f['end_step']:,}"
+        for f in view["fades"]
+    ]
+    assert (f"fade windows ({view['fade_curve']}):" in text) == bool(view["fades"])
+    assert ("fades: none" in text) == (not view["fades"])
+    lr, kl = view["lr"], view["kl"]
+    assert (
+        f"lr: {lr['schedule']}, peak {lr['peak']:g}, first {lr['first']:.3g}, last {lr['last']:.3g}" in text
+    )
+    refresh = kl["reference_update_stages"] or "never"
+    assert f"KL ({kl['kind']}): betas {kl['betas']}, reference refreshed on entering {refresh}" in text
+    # And the events, one line each in the same order.
+    event_lines = text.split("  event\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split()[2] for line in event_lines] == [e["type"] for e in view["events"]]
 
 
 def test_at_describes_the_covering_step(rewind_cli):
@@ -151,7 +222,7 @@ def test_missing_and_non_toml_files_exit_2_with_one_line(rewind_cli, tmp_path):
 def test_set_overrides_a_field(rewind_cli):
     code, out, _ = rewind_cli("schedule", TINY, "--json", "--set", "training.fade.overlap=0")
     assert code == 0
-    assert not [e for e in json.loads(out) if e["type"].startswith("Fade")]
+    assert not [e for e in json.loads(out)["events"] if e["type"].startswith("Fade")]
     code, _, err = rewind_cli("schedule", TINY, "--set", "training.fade.overlap=7")
     assert code == 2 and "training.fade.overlap" in err
 
