@@ -1,131 +1,95 @@
 """The product's promise: kill a run at any moment, resume it, and get the same weights, bit for bit.
 
-A run is trained straight through in one process; the same run is trained again in processes that
-are SIGKILLed at random moments (mid-step, mid-commit, mid-checkpoint) and resumed each time. The final
-weights and the effective StepCommitted stream must be bitwise identical.
+A run is trained straight through once; the same run is trained again in processes SIGKILLed at
+moments drawn over the whole run (mid-step, mid-commit, mid-checkpoint, and once with committed steps
+past the last checkpoint) and resumed each time. The final weights and the effective StepCommitted
+stream must be bitwise identical, every resume must restart from the last checkpoint committed before
+its kill and supersede exactly what came after it, and every superseded step must come out the same
+when recomputed. The harness is tests/engine/exactness.py; test_breakages.py proves it catches three
+deliberate engine bugs.
 """
 
 from __future__ import annotations
 
-import os
-import random
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import msgspec
 import pytest
-from safetensors.torch import load_file
 
-from rewind.states.events import RunResumed, StepCommitted
+from rewind.states.events import (
+    CheckpointCommitted,
+    FadeEnded,
+    FadeStarted,
+    ReferenceRefreshed,
+    RunResumed,
+    RunStarted,
+    StepCommitted,
+)
 from rewind.states.fold import fold
-from rewind.states.history import effective
 from rewind.stores.checkpoints import CheckpointStore
-from rewind.stores.runs import LogNotFoundError, read_records
-from tests.conftest import EXAMPLES
-
-TINY = EXAMPLES / "tiny.toml"
-# Small enough to run the whole kill-and-resume dance in well under a minute on 2 cores.
-OVERRIDES = ["--set", "logging.checkpoint_interval=10"]
-
-
-def _command(run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "rewind.tools.cli", "train", str(TINY), "--run-dir", str(run_dir), "--no-progress", *OVERRIDES]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONHASHSEED"] = "0"
-    return env
+from rewind.stores.runs import read_seq_events
+from tests.engine.exactness import (
+    CI_SCHEDULE,
+    NUM_STEPS,
+    REPORT_INTERVAL,
+    kill_schedule,
+    shared_killed,
+    shared_straight,
+    train_killed,
+)
+from tests.engine.exactness_checks import check, committed, superseded_seqs
 
 
-def _num_records(run_dir: Path) -> int:
-    try:
-        return sum(1 for _ in read_records(str(run_dir)))
-    except (LogNotFoundError, OSError):
-        return 0
+def test_the_run_has_what_a_resume_must_restore(tmp_path_factory):
+    _, straight = shared_straight(tmp_path_factory)
+    events = [e for _, e in read_seq_events(straight.run_dir)]
+    config = events[0].config
+    assert isinstance(events[0], RunStarted)
+    assert config.architecture.dropout > 0
+    assert 0 < config.training.per_device_batch_size < config.training.batch_size  # micro-batches
+    assert sum(isinstance(e, StepCommitted) for e in events) == NUM_STEPS
+    assert {e.boundary for e in events if isinstance(e, FadeStarted)} == {0, 1}
+    assert {e.boundary for e in events if isinstance(e, FadeEnded)} == {0, 1}
+    assert [e.stage for e in events if isinstance(e, ReferenceRefreshed)] == [1, 2]
+    assert any(e.beta > 0 and e.kl > 0 for e in events if isinstance(e, StepCommitted))
+    # Some checkpoints fall between group commits: killed there, committed steps outlive the checkpoint.
+    assert any(e.step % REPORT_INTERVAL for e in events if isinstance(e, CheckpointCommitted))
 
 
-def _checkpoint_in_flight(run_dir: Path) -> bool:
-    folder = run_dir / "checkpoints"
-    return folder.exists() and any(p.name.startswith(".tmp") for p in folder.iterdir())
+def test_kill_schedule_covers_the_whole_run():
+    for seed in range(20):
+        schedule = kill_schedule(seed, 4)
+        steps = [kill.step for kill in schedule]
+        assert steps == sorted(steps)
+        assert steps[0] <= NUM_STEPS // 4 and steps[-1] > 3 * NUM_STEPS // 4  # early and late
+        assert [kill.mode for kill in schedule].count("past-checkpoint") == 1
+    assert len({tuple(kill_schedule(seed, 4)) for seed in range(20)}) > 1  # and random
 
 
-def _final_weights(run_dir: Path) -> dict:
-    out = run_dir / "final.safetensors"
-    subprocess.run(
-        [sys.executable, "-m", "rewind.tools.cli", "export", str(run_dir), "--to", str(out)],
-        check=True,
-        capture_output=True,
-        env=_env(),
-    )
-    return load_file(out)
-
-
-def _effective_steps(run_dir: Path) -> list[bytes]:
-    records = effective([(r.seq, r.event) for r in read_records(str(run_dir))])
-    # msgpack bytes compare floats bit for bit (NaN included), unlike ==.
-    return [msgspec.msgpack.encode(e) for _, e in records if isinstance(e, StepCommitted)]
+def test_sigkill_over_the_whole_run_then_resume_gives_identical_weights(tmp_path_factory):
+    killed, problems = shared_killed(tmp_path_factory)
+    assert problems == {}
+    assert killed.num_kills >= len(CI_SCHEDULE) - 1, "the run was not actually interrupted"
+    records = read_seq_events(killed.run_dir)
+    # Every RunResumed in the log was checked against the log its process found.
+    resumed = [seq for seq, e in records if isinstance(e, RunResumed)]
+    assert resumed == [appended[0][0] for _, appended in killed.resumes if appended]
+    assert len(resumed) >= len(CI_SCHEDULE) - 1
+    # Resumes restored real checkpoints, and at least one superseded committed steps.
+    assert all(e.checkpoint for _, e in records if isinstance(e, RunResumed))
+    assert any(e.superseded_last_seq >= e.superseded_first_seq for _, e in records if isinstance(e, RunResumed))
+    # Every resume removed the debris of the process it replaced: no checkpoint directory is unnamed.
+    live = fold(e for _, e in records).live_checkpoints
+    assert CheckpointStore(str(killed.run_dir)).orphans(c.checkpoint for c in live) == []
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_moments_then_resume_gives_identical_weights(tmp_path):
-    straight = tmp_path / "straight"
-    done = subprocess.run(_command(straight), capture_output=True, text=True, env=_env(), timeout=300)
-    assert done.returncode == 0, done.stderr
-
-    killed = tmp_path / "killed"
-    rng = random.Random(20261121)
-    num_kills = 0
-    progress = 0
-    while num_kills < 5:
-        process = subprocess.Popen(_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
-        target = progress + rng.randint(10, 40)  # records, i.e. a few steps further than last time
-        hunt_checkpoint = num_kills % 2 == 1
-        deadline = time.monotonic() + 120
-        while process.poll() is None and time.monotonic() < deadline:
-            if hunt_checkpoint and _num_records(killed) >= target and _checkpoint_in_flight(killed):
-                break  # kill while a checkpoint is being written
-            if not hunt_checkpoint and _num_records(killed) >= target:
-                time.sleep(rng.uniform(0.0, 0.03))  # land anywhere inside a step or a commit
-                break
-            time.sleep(0.002)
-        if process.poll() is not None:
-            break  # it finished before we could kill it: nothing left to interrupt
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-        num_kills += 1
-        progress = _num_records(killed)
-
-    finish = subprocess.run(_command(killed), capture_output=True, text=True, env=_env(), timeout=300)
-    assert finish.returncode == 0, finish.stderr
-
-    records = [r.event for r in read_records(str(killed))]
-    assert sum(isinstance(e, RunResumed) for e in records) >= 3, "the run was not actually interrupted"
-
-    want, got = _final_weights(straight), _final_weights(killed)
-    assert want.keys() == got.keys()
-    for name in want:
-        assert want[name].dtype == got[name].dtype
-        assert want[name].view(-1).view(dtypes_as_bytes(want[name])).equal(got[name].view(-1).view(dtypes_as_bytes(got[name]))), name
-    assert _effective_steps(straight) == _effective_steps(killed)
-
-    # Every resume removed the debris of the process it replaced: no checkpoint directory is unnamed.
-    live = fold(records).live_checkpoints
-    assert CheckpointStore(str(killed)).orphans(c.checkpoint for c in live) == []
+def test_many_kills_then_replay_is_reproducible(tmp_path_factory):
+    server, straight = shared_straight(tmp_path_factory)
+    run_dir = tmp_path_factory.mktemp("exact") / "many-kills"
+    schedule = kill_schedule(7, 8)
+    killed = train_killed(server, run_dir, schedule, straight.seconds_per_step, seed=7)
+    assert check(server, straight, killed) == {}
+    assert killed.num_kills >= len(schedule) - 1
+    assert superseded_seqs(committed(run_dir))
     # And the whole run, crashes and superseded records included, replays bit for bit.
-    replayed = subprocess.run(
-        [sys.executable, "-m", "rewind.tools.cli", "replay", str(killed), "--no-progress"],
-        capture_output=True, text=True, env=_env(), timeout=300,
-    )
-    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert replayed.stdout.strip().endswith("replay: reproducible")
-
-
-def dtypes_as_bytes(tensor):
-    """Compare raw bits (so -0.0 vs 0.0 or NaN payloads would show), not float equality."""
-    import torch
-
-    return {4: torch.int32, 2: torch.int16, 8: torch.int64, 1: torch.uint8}[tensor.element_size()]
+    code, output = server.run("rewind", ["replay", str(run_dir), "--no-progress"])
+    assert code == 0, output
+    assert output.strip().endswith("replay: reproducible")
