@@ -37,6 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json", action="store_true", help="one JSON object: relation, configs, divergence, metrics"
     )
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="overlay both runs in the timeline's panels (A solid, B dashed): loss, accuracy, LR, KL, mixture",
+    )
     p.set_defaults(run=run)
 
 
@@ -69,9 +74,22 @@ def run(args: argparse.Namespace) -> int:
         run_dir = args.run_a if exc.side == "a" else args.run_b
         raise CommandError(f"{run_dir}: the effective records go back a step: {exc}", exit_code=1) from None
     if args.json:
-        print(json.dumps({"run_a": args.run_a, "run_b": args.run_b, **msgspec.to_builtins(report)}, indent=1))
+        extra = {"plot": str(args.plot)} if args.plot else {}
+        print(
+            json.dumps(
+                {"run_a": args.run_a, "run_b": args.run_b, **msgspec.to_builtins(report), **extra}, indent=1
+            )
+        )
     else:
         print("\n".join(render(report, args.run_a, args.run_b)))
+    if args.plot:
+        from rewind.tools.timeline_cmd import read_timeline
+        from rewind.tools.timeline_compare import plot_comparison
+
+        timelines = [read_timeline(run_dir, with_plot=True) for run_dir in (args.run_a, args.run_b)]
+        plot_comparison(*timelines, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
     return 0 if report.divergence is None else 1
 
 

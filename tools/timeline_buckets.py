@@ -5,7 +5,9 @@ are reduced while the log streams past, never held whole:
 - `StepBuckets`: the effective StepCommitted stream as at most 2 x MAX_POINTS buckets of consecutive
   steps, all of one width (a power of two: when they are full, neighbours merge and the width
   doubles). Each keeps what the panels draw: the first step's tokens, stage, LR, beta and loss, the
-  finite losses' sum and count, the losses' min and max (NaN ignored), and the row shares per stage.
+  finite losses' sum and count, the losses' min and max (NaN ignored), the finite KL terms' sum and
+  count, and the row shares per dataset (each step's cursor advances: the fades between stages and
+  the split inside one, e.g. 80% task and 20% replay, which shares per stage could not show).
 - `PointSampler`: every k-th point of a series, k doubling as it grows: at most 2 x MAX_POINTS points,
   evenly spread (validation losses, superseded steps).
 At drawing time `bucket_edges` brings either down to MAX_POINTS, as the plot did over whole arrays
@@ -81,13 +83,21 @@ class StepBuckets:
         self.loss_count: list[int] = []
         self.loss_min: list[float] = []
         self.loss_max: list[float] = []
-        self.shares: list[list[float]] = []  # per stage: the sum over the bucket's steps of rows / batch
+        self.kl_sum: list[float] = []
+        self.kl_count: list[int] = []
+        # Per dataset (in `dataset_names` order): the sum over the bucket's steps of rows / batch. A step's
+        # rows of a dataset are how far it moved that dataset's cursor; a step whose previous cursors
+        # are unknown (the first of a fork's log) counts nothing, rather than a parent's whole history.
+        self.dataset_names: list[str] = []
+        self.dataset_shares: list[list[float]] = []
+        self._cursors: dict[str, int] | None = None
         self.size: list[int] = []
 
     def add(self, e: StepCommitted) -> None:
-        loss, rows = e.loss, e.rows
+        loss = e.loss
         finite = math.isfinite(loss)
-        total = sum(rows)
+        kl_finite = math.isfinite(e.kl)
+        moved = self._cursor_advance(e.step, e.cursors)
         if self.num_steps % self.width == 0:  # the step opens a new bucket
             if len(self.size) == self.capacity:
                 self._merge_pairs()
@@ -100,7 +110,9 @@ class StepBuckets:
             self.loss_count.append(int(finite))
             self.loss_min.append(loss)
             self.loss_max.append(loss)
-            self.shares.append([r / total for r in rows] if total > 0 else [0.0] * len(rows))
+            self.kl_sum.append(e.kl if kl_finite else 0.0)
+            self.kl_count.append(int(kl_finite))
+            self.dataset_shares.append(moved)
             self.size.append(1)
         else:  # this runs for almost every step of a long run: in place, no lists made
             if finite:
@@ -111,33 +123,50 @@ class StepBuckets:
                 self.loss_min[-1] = loss
             if loss > high or high != high:
                 self.loss_max[-1] = loss
-            shares = self.shares[-1]
-            if len(shares) < len(rows):  # a fork added stages
-                shares.extend([0.0] * (len(rows) - len(shares)))
-            if total > 0:
-                for i, r in enumerate(rows):
-                    shares[i] += r / total
+            if kl_finite:
+                self.kl_sum[-1] += e.kl
+                self.kl_count[-1] += 1
+            into = self.dataset_shares[-1]
+            if len(into) < len(moved):
+                into.extend([0.0] * (len(moved) - len(into)))
+            for i, share in enumerate(moved):
+                into[i] += share
             self.size[-1] += 1
         self.num_steps += 1
         self.last_tokens, self.last_beta = e.tokens, e.beta
+
+    def _cursor_advance(self, step: int, cursors: dict[str, int]) -> list[float]:
+        """This step's rows per dataset as fractions of its batch, in `dataset_names` order."""
+        previous, self._cursors = self._cursors, cursors
+        if previous is None and step == 1:
+            previous = {}  # the run's first step (StepCommitted counts steps done): cursors started at 0
+        for name in cursors:
+            if name not in self.dataset_names:
+                self.dataset_names.append(name)
+        if previous is None:
+            return [0.0] * len(self.dataset_names)
+        moved = [max(cursors.get(name, 0) - previous.get(name, 0), 0) for name in self.dataset_names]
+        total = sum(moved)
+        return [m / total for m in moved] if total > 0 else [0.0] * len(moved)
 
     def _merge_pairs(self) -> None:
         """Two neighbouring buckets become one: half as many buckets, twice as wide (all are full)."""
         for column in (self.tokens, self.stage, self.lr, self.beta, self.first_loss):
             column[:] = column[::2]
-        for column in (self.loss_sum, self.loss_count, self.size):
+        for column in (self.loss_sum, self.loss_count, self.kl_sum, self.kl_count, self.size):
             column[:] = [a + b for a, b in zip(column[::2], column[1::2], strict=True)]
         self.loss_min[:] = [_fmin(a, b) for a, b in zip(self.loss_min[::2], self.loss_min[1::2], strict=True)]
         self.loss_max[:] = [_fmax(a, b) for a, b in zip(self.loss_max[::2], self.loss_max[1::2], strict=True)]
-        self.shares[:] = [_add(a, b) for a, b in zip(self.shares[::2], self.shares[1::2], strict=True)]
+        pairs = zip(self.dataset_shares[::2], self.dataset_shares[1::2], strict=True)
+        self.dataset_shares[:] = [_add(a, b) for a, b in pairs]
         self.width *= 2
 
-    def share_matrix(self, num_stages: int) -> np.ndarray:
-        """(buckets, stages) summed row shares; a fork may have added stages, so older rows are shorter."""
-        matrix = np.zeros((len(self.shares), max([num_stages, *map(len, self.shares)])))
-        for i, shares in enumerate(self.shares):
+    def dataset_matrix(self) -> np.ndarray:
+        """(buckets, datasets) summed row shares, datasets in `dataset_names` order."""
+        matrix = np.zeros((len(self.dataset_shares), len(self.dataset_names)))
+        for i, shares in enumerate(self.dataset_shares):
             matrix[i, : len(shares)] = shares
-        return matrix[:, :num_stages]
+        return matrix
 
 
 def _add(a: list[float], b: list[float]) -> list[float]:

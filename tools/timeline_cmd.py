@@ -63,7 +63,8 @@ def stage_rows(timeline) -> list[dict]:
                 "last_step": last.step if last else None,
                 "tokens_start": first.tokens - tps if first else None,
                 "tokens_end": last.tokens if last else None,
-                **steps.losses(),  # loss_start, loss_end, loss_min
+                **steps.losses(),  # loss_start, loss_end, loss_min, kl_mean
+                "beta": timeline.schedule.betas[stage] if stage < len(timeline.schedule.betas) else 0.0,
                 "validation": timeline.validated.get(stage, {}),
                 "evaluation": evaluated.get(stage),
             }
@@ -223,21 +224,26 @@ def render(summary: dict) -> list[str]:
         ("", "stage", [str(r["stage"]) for r in stages]),
         ("", "tokens", [_span(r["tokens_start"], r["tokens_end"]) for r in stages]),
         ("", "steps", [_span(r["first_step"], r["last_step"]) for r in stages]),
-        ("train loss", "start", [_number(r["loss_start"]) for r in stages]),
-        ("train loss", "end", [_number(r["loss_end"]) for r in stages]),
-        ("train loss", "min", [_number(r["loss_min"]) for r in stages]),
+        ("task loss", "start", [_number(r["loss_start"]) for r in stages]),
+        ("task loss", "end", [_number(r["loss_end"]) for r in stages]),
+        ("task loss", "min", [_number(r["loss_min"]) for r in stages]),
     ]
+    if any(r["beta"] > 0 for r in stages):
+        columns += [
+            ("KL to reference", "beta", [f"{r['beta']:g}" for r in stages]),
+            ("KL to reference", "mean KL", [_number(r["kl_mean"]) for r in stages]),
+        ]
     columns += [
         ("last validation loss", n, [_number(r["validation"].get(n)) for r in stages]) for n in val_names
     ]
     columns += [
-        ("evaluation at stage end", n, [_number((r["evaluation"] or {}).get(n)) for r in stages])
+        ("accuracy at stage end", n, [_number((r["evaluation"] or {}).get(n)) for r in stages])
         for n in eval_names
     ]
     lines += render_table(columns)
     if summary["evaluation_before_training"]:
         scores = ", ".join(f"{n} {v:.3f}" for n, v in sorted(summary["evaluation_before_training"].items()))
-        lines.append(f"evaluation before training: {scores}")
+        lines.append(f"accuracy before training: {scores}")
     lines += ["", f"{'step':>10} {'tokens':>14}  marker"]
     lines += [f"{m['step']:>10,} {m['tokens']:>14,}  {m['text']}" for m in summary["markers"]]
     lines.append(_checkpoint_line(summary["checkpoints"]))

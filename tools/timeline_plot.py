@@ -1,10 +1,15 @@
-"""`rewind timeline --plot`: the one picture of a run. Four panels over training tokens:
+"""`rewind timeline --plot`: the one picture of a run. Five panels over training tokens:
 
-(a) training loss: raw per-step loss faint, a smoothed line bold in the colour of each step's primary
-    stage, validation losses per dataset, and the steps a resume superseded in faint grey;
-(b) boundary evaluation scores per task (where forgetting shows);
+(a) the task loss (cross-entropy on the batch's target tokens; the objective a step minimises adds
+    beta x KL, drawn in (d)): raw per-step loss faint, a smoothed line bold in the colour of each
+    step's primary stage, validation losses per dataset, and the steps a resume superseded in grey;
+(b) answer-token accuracy per evaluation task, before training (the baseline) and at each stage end
+    (where forgetting shows);
 (c) learning rate (left axis) and KL weight beta (right axis), as trained, then as planned;
-(d) the realised data mixture per stage (StepCommitted rows / batch) as a stacked area.
+(d) the KL term itself, KL(policy || reference) per target token, and beta x KL, the part it adds
+    to the objective (smoothed as the loss is);
+(e) the realised data mixture per dataset (each step's cursor advance / batch) as a stacked area, so
+    the split inside a stage (80% task, 20% replay) shows, not only the fades between stages.
 
 Every panel carries the stage context (boundaries, fade windows, reference refreshes) and the run's
 markers (stack appends, resumes, checkpoints, non-finite losses). It draws from a `Timeline`
@@ -58,7 +63,7 @@ class StepColumns:
     """The effective steps as at most MAX_POINTS buckets (single steps for a short run), as columns:
     x = tokens after each bucket's first step, start = before it."""
 
-    def __init__(self, buckets: StepBuckets, num_stages: int, tokens_per_step: int):
+    def __init__(self, buckets: StepBuckets, tokens_per_step: int):
         self.num_steps = buckets.num_steps
         edges = bucket_edges(len(buckets.size))
         self.reduced = len(edges) < self.num_steps
@@ -78,15 +83,19 @@ class StepColumns:
         loss_min, loss_max = np.array(buckets.loss_min), np.array(buckets.loss_max)
         self.low = np.fmin.reduceat(loss_min, edges) if len(edges) else loss_min
         self.high = np.fmax.reduceat(loss_max, edges) if len(edges) else loss_max
-        shares = buckets.share_matrix(num_stages)
-        shares = np.add.reduceat(shares, edges, axis=0) if len(edges) else shares
-        self.mixture = shares / summed(buckets.size)[:, None]
         # About 40 windows across the run, however long; over the stored buckets, so exactly the
         # per-step moving average while they are single steps.
         window = max(1, round(max(self.num_steps, 1) / 40 / buckets.width))
         sums = np.array(buckets.loss_sum, dtype=np.float64)
         counts = np.array(buckets.loss_count, dtype=np.float64)
         self.smooth = windowed_mean(sums, counts, window)[edges]
+        kl_sums = np.array(buckets.kl_sum, dtype=np.float64)
+        kl_counts = np.array(buckets.kl_count, dtype=np.float64)
+        self.kl = windowed_mean(kl_sums, kl_counts, window)[edges]
+        self.dataset_names = list(buckets.dataset_names)
+        datasets = buckets.dataset_matrix()
+        datasets = np.add.reduceat(datasets, edges, axis=0) if len(edges) and datasets.size else datasets
+        self.datasets = datasets / summed(buckets.size)[:, None] if datasets.size else datasets
 
 
 def _stage_runs(stages: np.ndarray) -> list[tuple[int, int, int]]:
@@ -133,7 +142,8 @@ def _draw_loss(ax, timeline: Timeline, steps: StepColumns, styles: dict) -> None
         ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter("")
-    ax.set_ylabel("training loss" + (" (log)" if ax.get_yscale() == "log" else ""))
+    log = " (log)" if ax.get_yscale() == "log" else ""
+    ax.set_ylabel(f"task loss{log}\ncross-entropy, without KL")
     if steps.num_steps == 0:
         ax.text(0.5, 0.5, "no steps committed yet", transform=ax.transAxes, ha="center", color="0.4")
 
@@ -151,7 +161,7 @@ def _draw_evaluations(ax, timeline: Timeline, styles: dict) -> None:
         ax.text(0.5, 0.5, f"boundary evaluations: {why}", transform=ax.transAxes, ha="center", color="0.4")
     best = max((s for e in evaluations for s in e.scores.values()), default=0.0)
     ax.set_ylim(0, best * 1.15 if best > 0 else 1.0)  # headroom for the markers of the best score
-    ax.set_ylabel("evaluation score\n(at stage ends)")
+    ax.set_ylabel("answer-token accuracy\n(start, stage ends)")
 
 
 def _draw_lr_beta(ax, timeline: Timeline, steps: StepColumns) -> list:
@@ -177,19 +187,42 @@ def _draw_lr_beta(ax, timeline: Timeline, steps: StepColumns) -> list:
     return twin
 
 
-def _draw_mixture(ax, steps: StepColumns) -> None:
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("realised data\nmixture")
+def _draw_kl(ax, timeline: Timeline, steps: StepColumns) -> None:
+    ax.set_ylabel("KL to reference\nper token")
+    if not any(b > 0 for b in timeline.schedule.betas):
+        ax.text(
+            0.5,
+            0.5,
+            "no KL term in this run (every beta is 0)",
+            transform=ax.transAxes,
+            ha="center",
+            color="0.4",
+        )
+        return
     if steps.num_steps == 0:
         return
-    shares = np.vstack([steps.mixture, steps.mixture[-1:]])  # the last step's mixture holds to its end
-    x = np.append(steps.start, steps.last_tokens)
-    num_stages = shares.shape[1]
-    colours, labels = (
-        [stage_colour(i) for i in range(num_stages)],
-        [f"stage {i} rows" for i in range(num_stages)],
+    x = steps.tokens
+    ax.plot(x, steps.kl, color=BETA_COLOUR, linewidth=1.5, label="KL(policy || reference)")
+    ax.plot(
+        x,
+        steps.kl * steps.beta,
+        color=BETA_COLOUR,
+        linewidth=1.0,
+        linestyle=":",
+        label="beta x KL (in the objective)",
     )
-    ax.stackplot(x, shares.T, colors=colours, alpha=0.85, labels=labels)
+    ax.set_ylim(bottom=0)
+
+
+def _draw_mixture(ax, steps: StepColumns, styles: dict) -> None:
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("realised data\nmixture")
+    if steps.num_steps == 0 or not steps.dataset_names:
+        return
+    shares = np.vstack([steps.datasets, steps.datasets[-1:]])  # the last step's mixture holds to its end
+    x = np.append(steps.start, steps.last_tokens)
+    colours = [styles.get(name, ("0.5", "o"))[0] for name in steps.dataset_names]
+    ax.stackplot(x, shares.T, colors=colours, alpha=0.85, labels=[f"{n} rows" for n in steps.dataset_names])
 
 
 def _draw_markers(ax, timeline: Timeline, *, label: bool) -> None:
@@ -253,7 +286,7 @@ def plot_timeline(timeline: Timeline, out: str | Path) -> Path:
     plt = _pyplot()
     schedule, state, config = timeline.schedule, timeline.state, timeline.config
     tps = schedule.tokens_per_step
-    steps = StepColumns(timeline.steps, schedule.num_stages, tps)
+    steps = StepColumns(timeline.steps, tps)
     refreshes = timeline.effective_of(ReferenceRefreshed)  # all that draw_stage_context looks at
     names = [s.name for mixture in config.training.datasets for s in mixture] + [*config.training.evaluations]
     names += list(timeline.validation_points)
@@ -261,13 +294,14 @@ def plot_timeline(timeline: Timeline, out: str | Path) -> Path:
     mixtures = [{s.name: s.rate for s in mixture} for mixture in config.training.datasets]
     styles = dataset_styles(names, mixtures)
 
-    panels = {"height_ratios": [2.6, 1.5, 1.1, 1.0], "hspace": 0.08}
-    fig, axes = plt.subplots(4, 1, figsize=(12, 10.5), sharex=True, gridspec_kw=panels)
-    ax_loss, ax_eval, ax_lr, ax_mix = axes
+    panels = {"height_ratios": [2.6, 1.5, 1.1, 1.0, 1.0], "hspace": 0.08}
+    fig, axes = plt.subplots(5, 1, figsize=(12, 12.5), sharex=True, gridspec_kw=panels)
+    ax_loss, ax_eval, ax_lr, ax_kl, ax_mix = axes
     _draw_loss(ax_loss, timeline, steps, styles)
     _draw_evaluations(ax_eval, timeline, styles)
     twin = _draw_lr_beta(ax_lr, timeline, steps)
-    _draw_mixture(ax_mix, steps)
+    _draw_kl(ax_kl, timeline, steps)
+    _draw_mixture(ax_mix, steps, styles)
     total = schedule.num_steps * tps
     for i, ax in enumerate(axes):
         draw_stage_context(ax, schedule, refreshes, label=i == 0)
@@ -281,7 +315,7 @@ def plot_timeline(timeline: Timeline, out: str | Path) -> Path:
     handles, labels = ax_lr.get_legend_handles_labels()
     twin_handles, twin_labels = twin.get_legend_handles_labels()
     ax_lr.legend(handles + twin_handles, labels + twin_labels, **LEGEND)
-    for ax in (ax_loss, ax_eval, ax_mix):
+    for ax in (ax_loss, ax_eval, ax_kl, ax_mix):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(**LEGEND)
     ax_mix.set_xlim(0, total * 1.005)  # room for the markers of the final evaluation

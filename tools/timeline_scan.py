@@ -61,6 +61,8 @@ class StageSteps:
         self.last: StepCommitted | None = None
         self.num_finite = 0
         self.loss_min: float | None = None
+        self.kl_sum = 0.0  # the finite KL terms of the steps that had one (beta > 0)
+        self.num_kl = 0
         # The window is a fraction of the stage's length, known only at its end, and at most
         # LOSS_WINDOW_MAX: keeping that many finite losses from each end is enough.
         self.head: list[float] = []
@@ -78,6 +80,9 @@ class StageSteps:
             self.tail.append(e.loss)
             if self.loss_min is None or e.loss < self.loss_min:
                 self.loss_min = e.loss
+        if e.beta > 0 and math.isfinite(e.kl):
+            self.kl_sum += e.kl
+            self.num_kl += 1
 
     def losses(self) -> dict:
         window = min(LOSS_WINDOW_MAX, max(1, round(self.num_finite * LOSS_WINDOW_FRACTION)))
@@ -86,6 +91,7 @@ class StageSteps:
             "loss_start": _mean(self.head[:window]),
             "loss_end": _mean(tail[-window:]) if tail else None,
             "loss_min": self.loss_min,
+            "kl_mean": self.kl_sum / self.num_kl if self.num_kl else None,
         }
 
 

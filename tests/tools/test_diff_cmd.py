@@ -26,6 +26,7 @@ from rewind.states.events import (
     FadeStarted,
     ForkOrigin,
     NonFiniteLoss,
+    OptimizerReset,
     ReferenceRefreshed,
     RunFinished,
     RunStarted,
@@ -48,6 +49,7 @@ CONTENT = (
     FadeStarted,
     FadeEnded,
     ReferenceRefreshed,
+    OptimizerReset,
     StackAppended,
     StepCommitted,
     Validated,
@@ -229,6 +231,19 @@ def test_the_readable_report_of_the_perturbed_run(straight, perturbed):
     assert value_line.split()[1:] == [repr(found["value_a"]), repr(found["value_b"])]  # full precision
     loss_line = next(line for line in lines[after:] if line.split()[:1] == ["loss"])
     assert float(loss_line.split()[1]) > 0 and loss_line.split()[2] != "-"
+
+
+def test_diff_plot_overlays_both_runs_in_one_picture(straight, perturbed, tmp_path):
+    from tests.tools.test_timeline_cmd import assert_png
+
+    out = tmp_path / "plots" / "a_vs_b.png"
+    code, stdout, err = run_cli("diff", straight, perturbed, "--plot", out)
+    assert code == 1 and not err  # they diverge; the picture is drawn all the same
+    assert stdout.splitlines()[-1] == f"plot written to {out}"
+    assert_png(out)
+    code, report = diff_json(straight, perturbed, "--plot", tmp_path / "again.png")
+    assert code == 1 and report["plot"] == str(tmp_path / "again.png")
+    assert_png(tmp_path / "again.png")
 
 
 def test_a_stopped_run_ends_early(straight, stopped):

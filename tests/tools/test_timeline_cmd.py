@@ -35,7 +35,8 @@ from rewind.states.schedule import Schedule
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import LogNotFoundError, read_seq_events
 from rewind.tools.timeline_buckets import bucket_edges, bucket_mean, rolling_mean
-from rewind.tools.timeline_plot import plot_timeline
+from rewind.tools.timeline_cmd import read_timeline, stage_rows
+from rewind.tools.timeline_plot import StepColumns, plot_timeline
 from rewind.tools.timeline_scan import LOSS_WINDOW_FRACTION, LOSS_WINDOW_MAX, Timeline
 from tests.engine.test_loop import TINY, config_of, events_of, one_line, run_cli
 from tests.tools.test_state_cmd import FORK_LR, forked_run, stopped_run, superseded_run
@@ -222,6 +223,30 @@ def test_plot_with_json_keeps_stdout_one_json_document(superseded, tmp_path):
     assert code == 0, err
     assert json.loads(stdout)["plot"] == str(out)
     assert_png(out)
+
+
+def test_the_mixture_shows_the_split_inside_a_stage_and_the_kl_term_is_drawn(straight):
+    """tiny.toml's last stage trains sort and reverse half and half: the per-dataset mixture shows it
+    (per-stage shares would show one solid block); the KL term is there wherever beta > 0."""
+    timeline = read_timeline(str(straight), with_plot=True)
+    steps = StepColumns(timeline.steps, timeline.schedule.tokens_per_step)
+    last = dict(zip(steps.dataset_names, steps.datasets[-1], strict=True))
+    assert last == {"grammar": 0.0, "reverse": 0.5, "sort": 0.5}
+    first = dict(zip(steps.dataset_names, steps.datasets[0], strict=True))
+    assert first["grammar"] == 1.0
+    # One bucket per step in a run this short: the KL term of each step, zero where beta is (no reference
+    # forward runs) and positive where it is not, but for the step right after a refresh (policy =
+    # reference).
+    kl, beta = np.array(timeline.steps.kl_sum), np.array(timeline.steps.beta)
+    assert timeline.steps.width == 1 and np.all(kl[beta == 0] == 0)
+    assert np.count_nonzero(kl[beta > 0] == 0) <= 2 and np.all(kl[beta > 0] >= 0)
+    assert np.nanmax(steps.kl) > 0
+    rows = stage_rows(timeline)
+    assert [r["beta"] for r in rows] == [0.0, 0.2, 0.2]
+    assert rows[0]["kl_mean"] is None and rows[1]["kl_mean"] > 0 and rows[2]["kl_mean"] > 0
+    code, out, err = run_cli("timeline", straight)
+    assert code == 0, err
+    assert "KL to reference" in out and "mean KL" in out and "task loss" in out
 
 
 def test_bucket_helpers_reduce_long_series_exactly():

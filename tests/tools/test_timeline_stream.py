@@ -99,9 +99,27 @@ def steps_of(num_steps: int) -> list[StepCommitted]:
             beta=0.1 * (k % 3),
             loss=math.nan if k % 97 == 0 else 1.0 + math.sin(k),
             rows=[k % 4, 4 - k % 4] if k < num_steps // 2 else [1, 2, 1],  # a stage added mid-run
+            kl=math.inf if k % 89 == 0 else 0.5 + math.cos(k) / 4,
+            # cursors after step k: "a" advances k % 4 rows, "b" the rest of 4; "c" joins mid-run
+            cursors={"a": _advance(k, 0), "b": _advance(k, 1)} | ({"c": k} if k >= num_steps // 2 else {}),
         )
         for k in range(1, num_steps + 1)
     ]
+
+
+def _advance(k: int, which: int) -> int:
+    """Cumulative rows of dataset a (which=0) or b (which=1) after step k."""
+    return sum(j % 4 if which == 0 else 4 - j % 4 for j in range(1, k + 1))
+
+
+def _moved(steps: list[StepCommitted]) -> np.ndarray:
+    """Each step's rows per dataset (a, b, c) as fractions of the step's rows."""
+    moved = np.zeros((len(steps), 3))
+    for i in range(len(steps)):
+        now, before = steps[i].cursors, steps[i - 1].cursors if i else {}
+        row = [now.get(n, 0) - before.get(n, 0) for n in "abc"]
+        moved[i] = np.array(row) / sum(row)
+    return moved
 
 
 def test_short_runs_plot_exactly_as_from_the_whole_arrays():
@@ -110,18 +128,17 @@ def test_short_runs_plot_exactly_as_from_the_whole_arrays():
     for e in steps:
         buckets.add(e)
     assert buckets.width == 1
-    columns = StepColumns(buckets, num_stages=3, tokens_per_step=16)
+    columns = StepColumns(buckets, tokens_per_step=16)
     loss = np.array([e.loss for e in steps])
+    kl = np.array([e.kl if math.isfinite(e.kl) else math.nan for e in steps])
     edges = bucket_edges(len(steps))
-    rows = np.zeros((len(steps), 3))
-    for i, e in enumerate(steps):
-        rows[i, : len(e.rows)] = e.rows
-    mixture = rows / rows.sum(axis=1, keepdims=True)
     assert columns.reduced and np.array_equal(columns.tokens, np.array([e.tokens for e in steps])[edges])
     assert np.array_equal(columns.low, np.fmin.reduceat(loss, edges), equal_nan=True)
     assert np.array_equal(columns.high, np.fmax.reduceat(loss, edges), equal_nan=True)
     assert np.array_equal(columns.smooth, rolling_mean(loss, round(3_000 / 40))[edges], equal_nan=True)
-    assert np.allclose(columns.mixture, bucket_mean(mixture, edges), rtol=1e-12)
+    assert np.array_equal(columns.kl, rolling_mean(kl, round(3_000 / 40))[edges], equal_nan=True)
+    assert buckets.dataset_names == ["a", "b", "c"]
+    assert np.allclose(columns.datasets, bucket_mean(_moved(steps), edges), rtol=1e-12)
 
 
 def test_long_runs_are_kept_in_bounded_buckets_that_add_up():
@@ -137,9 +154,12 @@ def test_long_runs_are_kept_in_bounded_buckets_that_add_up():
         assert buckets.tokens[i] == mine[0].tokens and buckets.stage[i] == mine[0].stage
         assert math.isclose(buckets.loss_sum[i], sum(finite)) and buckets.loss_count[i] == len(finite)
         assert buckets.loss_min[i] == min(finite) and buckets.loss_max[i] == max(finite)
+        finite_kl = [e.kl for e in mine if math.isfinite(e.kl)]
+        assert math.isclose(buckets.kl_sum[i], sum(finite_kl)) and buckets.kl_count[i] == len(finite_kl)
+        assert math.isclose(sum(buckets.dataset_shares[i]), size)  # each step's shares add up to 1
         assert size == buckets.width or i == len(buckets.size) - 1
         start += size
-    assert len(StepColumns(buckets, 3, 16).tokens) <= MAX_POINTS
+    assert len(StepColumns(buckets, 16).tokens) <= MAX_POINTS
 
 
 def test_point_samples_are_evenly_spread_and_bounded():
