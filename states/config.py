@@ -258,7 +258,9 @@ def _field_of(problem: str) -> str:
 
 
 def _without(raw: dict[str, Any], paths: list[str]) -> dict[str, Any]:
-    pruned = _deep_copy(raw)
+    from rewind.states.overrides import deep_copy  # (overrides imports this module)
+
+    pruned = deep_copy(raw)
     for path in paths:
         *parents, last = path.split(".")
         node: Any = pruned
@@ -274,11 +276,3 @@ def dumps_config(config: Config) -> str:
     from rewind.states.tomlwrite import dumps
 
     return dumps(msgspec.to_builtins(config))
-
-
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value

@@ -72,7 +72,7 @@ def parse_override(text: str) -> tuple[list[PathPart], Any]:
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """A copy of `raw` with every override applied in order (a later one wins); `raw` is left alone.
     Every override that cannot be applied is reported, all at once, as one ConfigError."""
-    merged = _deep_copy(raw)
+    merged = deep_copy(raw)
     problems: list[str] = []
     for text in overrides:
         try:
@@ -114,9 +114,10 @@ def _set(root: dict[str, Any], path: list[PathPart], value: Any) -> str:
     return ""
 
 
-def _deep_copy(value: Any) -> Any:
+def deep_copy(value: Any) -> Any:
+    """A copy of a TOML-shaped value (dicts and lists copied, scalars shared)."""
     if isinstance(value, dict):
-        return {k: _deep_copy(v) for k, v in value.items()}
+        return {k: deep_copy(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
+        return [deep_copy(v) for v in value]
     return value

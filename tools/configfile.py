@@ -36,7 +36,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     return _resolve_data_paths(config, file.parent)
 
 
-def read_config_text(file: Path, shown: str) -> str:
+def read_config_text(file: Path, shown: str, kind: str = "TOML") -> str:
     """The file's text, refusing anything but a regular file of at most MAX_CONFIG_BYTES. The file is
     opened without blocking and checked through its descriptor, so a FIFO (whose open would wait for a
     writer) or a device such as /dev/zero (which never ends) is refused, never read, and a file
@@ -46,15 +46,15 @@ def read_config_text(file: Path, shown: str) -> str:
     except FileNotFoundError:
         raise UsageError(f"{shown}: no such config file") from None
     except IsADirectoryError:
-        raise UsageError(f"{shown}: is a directory, expected a TOML config file") from None
+        raise UsageError(f"{shown}: is a directory, expected a {kind} config file") from None
     except OSError as exc:
         raise UsageError(f"{shown}: cannot open config ({exc.strerror})") from None
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
-            raise UsageError(f"{shown}: is a directory, expected a TOML config file")
+            raise UsageError(f"{shown}: is a directory, expected a {kind} config file")
         if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"{shown}: not a regular file ({_kind(info.st_mode)}), expected a TOML config file")
+            raise UsageError(f"{shown}: not a regular file ({_kind(info.st_mode)}), expected a {kind} config file")
         if info.st_size > MAX_CONFIG_BYTES:
             raise UsageError(
                 f"{shown}: {info.st_size:,} bytes is too large for a config file (at most {MAX_CONFIG_BYTES:,})"
@@ -72,7 +72,7 @@ def read_config_text(file: Path, shown: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{shown}: not UTF-8 text (byte {exc.start}), expected a TOML config file") from None
+        raise UsageError(f"{shown}: not UTF-8 text (byte {exc.start}), expected a {kind} config file") from None
 
 
 def _kind(mode: int) -> str:

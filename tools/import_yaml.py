@@ -8,15 +8,13 @@ YAML path. The YAML itself is parsed with `yaml.safe_load` only (plain data, no 
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
+from rewind.tools.configfile import read_config_text
 from rewind.tools.errors import UsageError
 
 MISSING: Any = object()
-MAX_YAML_BYTES = 1 << 20  # real configs are a few KiB
 
 # The sections whose keys the importer reads one by one; a key under any other top-level name is
 # named as a whole (`request`, `tokenizer`, an unknown section), not leaf by leaf.
@@ -29,7 +27,7 @@ def read_yaml(path: str) -> dict[str, Any]:
         import yaml
     except ImportError:
         raise UsageError("import-config needs the 'pyyaml' package (pip install pyyaml)") from None
-    text = _read_text(Path(path), path)
+    text = read_config_text(Path(path), path, kind="YAML")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -42,38 +40,6 @@ def read_yaml(path: str) -> dict[str, Any]:
             f"{path}: expected a YAML mapping (job, training, optimization, ...), got {_kind(data)}"
         )
     return data
-
-
-def _read_text(file: Path, shown: str) -> str:
-    """The text of a regular file of at most MAX_YAML_BYTES. Opened without blocking and checked
-    through its descriptor, so a FIFO or a device (/dev/zero never ends) is refused, never read."""
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise UsageError(f"{shown}: no such file") from None
-    except IsADirectoryError:
-        raise UsageError(f"{shown}: is a directory, expected a YAML config file") from None
-    except OSError as exc:
-        raise UsageError(f"{shown}: cannot open ({exc.strerror})") from None
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise UsageError(f"{shown}: is a directory, expected a YAML config file")
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"{shown}: not a regular file, expected a YAML config file")
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read(MAX_YAML_BYTES + 1)  # one byte past the limit tells a larger file
-    except OSError as exc:
-        raise UsageError(f"{shown}: cannot read ({exc.strerror})") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_YAML_BYTES:
-        raise UsageError(f"{shown}: larger than {MAX_YAML_BYTES:,} bytes, too large for a config file")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{shown}: not UTF-8 text (byte {exc.start})") from None
 
 
 class YamlConfig:

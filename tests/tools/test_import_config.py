@@ -267,7 +267,7 @@ def test_bad_input_is_one_line_and_exit_2(text, expected, rewind_cli, tmp_path):
 
 def test_missing_file_directory_and_device_are_one_line(rewind_cli, tmp_path):
     cases = (
-        (tmp_path / "nope.yaml", "no such file"),
+        (tmp_path / "nope.yaml", "no such config file"),
         (tmp_path, "is a directory"),
         ("/dev/zero", "not a regular file"),
     )
