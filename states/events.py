@@ -26,8 +26,8 @@ from rewind.states.state import CheckpointReason, ForkSeed, StackPosition, Trunk
 
 # What a run started by this release does that older releases did not (RunStarted.features):
 # "lr_warmup_floor": cosine and sgdr warm up from warmup_lr_mult x lr (before: from 0);
-# "baseline_evaluation": one evaluation before the first update (Evaluated boundary -1), at step 0 or at
-# a fork's first step, when the config names evaluations.
+# "baseline_evaluation": one evaluation before the first update (Evaluated boundary -1) of a run started
+# from scratch, when the config names evaluations (a fork starts from weights its parent evaluated).
 RUN_FEATURES: tuple[str, ...] = ("lr_warmup_floor", "baseline_evaluation")
 
 # Bumped whenever an event changes incompatibly; the log frames carry it and the codec upcasts.

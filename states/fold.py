@@ -342,12 +342,13 @@ def _seeded(state: State, event: RunResumed, seed: ForkSeed) -> State:
         live_checkpoints=seed.live_checkpoints,
         last_evaluated_boundary=seed.last_evaluated_boundary,
         last_validated_step=seed.last_validated_step,
-        # The parent's behaviours, so the child computes what the parent would have; its baseline (a
-        # decision of the child's own start) moves to the child's first step.
+        # The parent's behaviours, so the child computes what the parent would have. No baseline: the
+        # child starts from the parent's weights, which the parent evaluated, and an evaluation the parent
+        # never made would be the first thing `rewind diff` finds between a fork and its parent.
         features=seed.features,
         pending_optimizer_resets=seed.pending_optimizer_resets,
         last_optimizer_reset=seed.last_optimizer_reset,
-        baseline_step=event.step if state.baseline_step >= 0 else -1,
+        baseline_step=-1,
         resumes=[resume],
         stopped_reason="",
     )

@@ -192,7 +192,7 @@ def test_a_resume_past_step_0_never_asks_for_the_baseline():
     assert decide(at_4, Schedule(CONFIG)) != Evaluate(-1)
 
 
-def test_a_fork_evaluates_its_inherited_weights_and_computes_as_its_parent():
+def test_a_fork_computes_as_its_parent_and_does_not_evaluate_its_inherited_weights_again():
     parent = fold(simulate_run(CONFIG)[:40])
     checkpoint = parent.last_checkpoint
     old_parent = replace(parent, features=[])  # as if started by rewind 0.2
@@ -219,7 +219,8 @@ def test_a_fork_evaluates_its_inherited_weights_and_computes_as_its_parent():
             ),
         )
         assert seeded.features == features  # the parent's: an unchanged fork is the parent
-        assert seeded.baseline_step == checkpoint.step
+        assert seeded.baseline_step == -1  # the parent evaluated those weights; diff would trip on it
+        assert decide(seeded, Schedule(CONFIG)) != Evaluate(-1)
         assert seeded.last_optimizer_reset == parent.last_optimizer_reset
 
 
