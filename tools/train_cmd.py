@@ -196,8 +196,9 @@ def summary(run_dir: str) -> str:
     ]
     if evaluations:
         tasks = list(evaluations[0].scores)
-        lines += ["", "answer-token accuracy at each stage boundary (rows: after stage; columns: task)"]
+        lines += ["", "answer-token accuracy before training and at each stage boundary (rows: after stage; columns: task)"]
         lines.append(f"{'after stage':>12} " + " ".join(f"{t:>9}" for t in tasks))
         for e in evaluations:
-            lines.append(f"{e.boundary:>12} " + " ".join(f"{e.scores.get(t, float('nan')):>9.3f}" for t in tasks))
+            row = "(start)" if e.boundary < 0 else str(e.boundary)  # -1: the baseline before the first step
+            lines.append(f"{row:>12} " + " ".join(f"{e.scores.get(t, float('nan')):>9.3f}" for t in tasks))
     return "\n".join(lines)
