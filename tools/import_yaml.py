@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml  # a declared dependency; this module is imported only by `rewind import-config`
+
 from rewind.tools.configfile import read_config_text
 from rewind.tools.errors import UsageError
 
@@ -23,10 +25,6 @@ READ_SECTIONS = ("architecture", "optimization", "training", "eval", "logging")
 
 def read_yaml(path: str) -> dict[str, Any]:
     """The YAML mapping in `path`; UsageError for a missing file, bad YAML, or a non-mapping."""
-    try:
-        import yaml
-    except ImportError:
-        raise UsageError("import-config needs the 'pyyaml' package (pip install pyyaml)") from None
     text = read_config_text(Path(path), path, kind="YAML")
     try:
         data = yaml.safe_load(text)

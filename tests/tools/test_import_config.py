@@ -4,7 +4,6 @@ that `rewind schedule` accepts, with every key that has no counterpart named on 
 from __future__ import annotations
 
 import re
-import sys
 import tomllib
 from pathlib import Path
 
@@ -274,13 +273,6 @@ def test_missing_file_directory_and_device_are_one_line(rewind_cli, tmp_path):
     for path, expected in cases:
         code, out, err = rewind_cli("import-config", path)
         assert (code, out) == (2, "") and err.count("\n") == 1 and expected in err
-
-
-def test_without_pyyaml_the_error_names_the_package(rewind_cli, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` now raises ImportError
-    code, out, err = rewind_cli("import-config", write_yaml(tmp_path, MINIMAL))
-    assert (code, out) == (2, "")
-    assert err.count("\n") == 1 and "'pyyaml'" in err
 
 
 def test_an_unknown_key_inside_a_dataset_entry_is_named(imported, tmp_path):
