@@ -205,14 +205,17 @@ def _complete_despite_header(source: SegmentSource, offset: int) -> bool:
 
 def _shows_hole(source: SegmentSource, start: int, end: int) -> bool:
     """Whether a whole disk sector overlapping [start, end) reads as zeros (clipped to the end of the
-    segment, and at least 64 bytes of it): a block of a write that never reached the disk."""
+    segment: at least 64 bytes of it, or, for the segment's last partial sector, at least the 4-byte
+    trailer): a block of a write that never reached the disk. (A trailer of zeros cannot be the CRC
+    of a damaged payload that fails it: that would be a 1 in 2**32 coincidence.)"""
     low = start // _SECTOR * _SECTOR
     high = min(-(-end // _SECTOR) * _SECTOR, source.size)
     while low < high:
         blob = source.read(low, min(high - low, WINDOW_BYTES))
         for at in range(0, len(blob), _SECTOR):
             sector = blob[at : at + _SECTOR]
-            if len(sector) >= 64 and sector == bytes(len(sector)):
+            last = low + at + len(sector) == source.size
+            if (len(sector) >= 64 or (last and len(sector) >= 4)) and sector == bytes(len(sector)):
                 return True
         low += len(blob) or high
     return False

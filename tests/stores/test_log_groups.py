@@ -14,13 +14,22 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from rewind.states.events import SCHEMA_VERSION
 from rewind.stores.codec import (
+    _CHECKED_HEADER,
     FRAME_OVERHEAD,
     HEADER_SIZE,
+    MAGIC,
+    MAX_PAYLOAD,
+    RESIDUE,
+    TRAILER,
+    BadFrame,
     LogCorruptError,
     LogError,
     UnreadableSegmentError,
+    _extend,
     encode_frame,
+    parse_header,
 )
 from rewind.stores.eventlog import (
     EVENTS_DIR,
@@ -131,6 +140,27 @@ def test_an_ordinary_torn_tail_is_cut_with_a_warning(local_run, no_syncs):
         log.append(events[2])
         log.commit()
     assert read_events(local_run) == [*events[:2], events[2]]
+
+
+def test_a_lost_last_partial_sector_of_an_unacknowledged_commit_is_a_torn_tail(tmp_path, no_syncs):
+    """The last sector a commit wrote may be partial (the segment ends mid-sector) and never reach the
+    disk while the closing frame's header, in the sector before, did: zeros from the sector boundary to
+    the end, however few bytes that is (here under 64), are a torn write, not damage."""
+    events = sample_events(40)
+    for n in range(1, len(events) - 1):  # a first commit whose second commit's end lands 4..63 bytes into a sector
+        run = str(tmp_path / f"run{n}")
+        sizes = write(run, [events[:n], [events[n]]])
+        boundary = sizes[1] // 512 * 512
+        if sizes[0] + HEADER_SIZE <= boundary and 4 <= sizes[1] - boundary < 64:
+            break
+    else:
+        pytest.fail("no commit ends 4..63 bytes into a sector: change the sample sizes")
+    path = segment_path(run)
+    data = bytearray(Path(path).read_bytes())
+    data[boundary:] = bytes(len(data) - boundary)
+    Path(path).write_bytes(bytes(data))
+    with pytest.warns(TornTailTruncated, match=f"at offset {sizes[0]}"), EventLog.open(run, "w") as log:
+        assert log.events() == events[:n]
 
 
 def test_old_frames_read_as_before_and_new_ones_follow_them(local_run, no_syncs):
@@ -246,3 +276,20 @@ def test_a_garbage_tail_with_a_huge_claimed_length_is_cut_without_reading_it(loc
         with EventLog.open(local_run, "w") as log:
             assert log.events() == events
     assert os.path.getsize(path) == sizes[-1]
+
+
+def test_a_header_that_checks_out_but_claims_a_huge_length_is_never_believed(local_run, no_syncs):
+    """A hostile (or insane) length under a header CRC that matches it: refused by the length guard
+    itself, before anything of that size is read."""
+    events = sample_events(3)
+    sizes = write(local_run, [events])
+    head = _CHECKED_HEADER.pack(MAGIC, MAX_PAYLOAD + 1, SCHEMA_VERSION, len(events), 1)
+    frame = head + TRAILER.pack(_extend(RESIDUE, head)) + b"garbage!" * 40
+    with pytest.raises(BadFrame, match=f"implausible record length {MAX_PAYLOAD + 1}"):
+        parse_header(frame, 0)
+    path = segment_path(local_run)
+    with open(path, "ab") as f:
+        f.write(frame)
+    report = verify_log(local_run)
+    assert report.ok and report.torn_tail is not None and report.torn_tail.offset == sizes[-1]
+    assert "implausible record length" in report.torn_tail.reason
