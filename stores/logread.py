@@ -70,7 +70,12 @@ def segment_name(index: int) -> str:
 
 def check_events_dir(events: Location) -> None:
     """UnreadableSegmentError where `events` exists but is no directory (a regular file: listing it
-    would find an empty log)."""
+    would find an empty log), or, locally, is a symlink: segments are confined to `events/`, so a link
+    there would lead every reader, the lock and the writer's truncation of a torn tail out of the run."""
+    if events.is_local and os.path.islink(events.path):
+        raise UnreadableSegmentError(
+            f"{events.url}: a symlink ({os.readlink(events.path)}); the event log must be a directory of the run"
+        )
     if events.exists() and not (
         os.path.isdir(events.path) if events.is_local else events.fs.isdir(events.path)
     ):

@@ -217,6 +217,23 @@ def test_an_events_path_that_is_a_regular_file_is_one_error(tmp_path):
         verify_log(str(run))
 
 
+def test_an_events_directory_that_is_a_symlink_out_of_the_run_is_refused_and_nothing_there_touched(tmp_path):
+    """Found in review: through a linked events/, the writer would lock, append and cut a "torn tail"
+    off a file outside the run (here someone else's 00000000.log, 2,000 bytes of text)."""
+    victim, run = tmp_path / "victim", tmp_path / "run"
+    victim.mkdir()
+    run.mkdir()
+    (victim / segment_name(0)).write_text("someone else's file\n" * 100)
+    before = sorted((p.name, p.read_bytes()) for p in victim.iterdir())
+    (run / EVENTS_DIR).symlink_to(victim)
+    for mode in ("r", "w"):
+        with pytest.raises(LogError, match="a symlink"):
+            EventLog.open(str(run), mode)
+    with pytest.raises(LogError, match="a symlink"):
+        verify_log(str(run))
+    assert sorted((p.name, p.read_bytes()) for p in victim.iterdir()) == before  # no LOCK, nothing cut
+
+
 def test_an_oversized_index_file_is_ignored(local_run):
     events = sample_events(30)
     with EventLog.open(local_run, "w", segment_bytes=1_000) as log:
