@@ -40,7 +40,7 @@ from rewind.stores.codec import (
     parse_frame,
     parse_header,
 )
-from rewind.stores.segsource import WINDOW_BYTES, SegmentSource, find_magic
+from rewind.stores.segsource import WINDOW_BYTES, SegmentSource, find_magic, magic_in
 
 _SECTOR = 512  # the smallest unit a disk writes: a hole left by a lost write is whole sectors
 
@@ -122,17 +122,28 @@ class FrameWalker:
     def next_intact(self, start: int, *, closing: bool) -> int | None:
         """Offset of the first intact frame at or after `start` (with `closing`, of the first intact
         frame that closes a group, skipping intact frames that do not), or None."""
-        offset = find_magic(self.source, start)
+        offset = self._find_magic(start)
         while offset is not None:
             try:
                 frame = self.frame(offset)
             except BadFrame:
-                offset = find_magic(self.source, offset + 1)
+                offset = self._find_magic(offset + 1)
                 continue
             if frame.closing or not closing:
                 return offset
-            offset = find_magic(self.source, frame.end)
+            offset = self._find_magic(frame.end)
         return None
+
+    def _find_magic(self, start: int) -> int | None:
+        """find_magic, searching the window in hand first: a stretch dense with false magics (a
+        crafted tail) then costs one read per window, not one per candidate."""
+        end = self.start + len(self.buffer)
+        if self.start <= start < end:
+            found = magic_in(self.buffer, start - self.start)
+            if found >= 0:
+                return self.start + found
+            start = max(start, end - 3)  # a magic may straddle the window's end
+        return find_magic(self.source, start)
 
     def group_end(self, offset: int) -> tuple[int, int | None, BadFrame | None]:
         """Walk intact frames from `offset` to the first that closes its group: (offset after it,

@@ -140,6 +140,21 @@ def _check_regular(path: str, mode: int) -> None:
         raise UnreadableSegmentError(f"{path}: {kind}, not a regular file; nothing read")
 
 
+_MAGIC_PREFIX = MAGIC[:2]
+assert MAGIC_V1[:2] == _MAGIC_PREFIX  # both formats' magics start alike: one search finds either
+
+
+def magic_in(window: bytes, at: int) -> int:
+    """Index of the first frame magic (either format) in `window` at or after `at`, or -1. One pass:
+    finds the shared prefix and checks the rest, so a window dense with false starts costs no more
+    than one without (two `find`s of the two magics would each scan on to the window's end)."""
+    while (at := window.find(_MAGIC_PREFIX, at)) >= 0:
+        if window[at : at + 4] in (MAGIC, MAGIC_V1):
+            return at
+        at += 1
+    return -1
+
+
 def find_magic(source: SegmentSource, start: int, end: int | None = None) -> int | None:
     """Offset of the first frame magic (either format) in [start, end) (to the end of the segment
     by default), or None; reads windows, and skips what the filesystem knows to be holes (a sparse
@@ -148,9 +163,9 @@ def find_magic(source: SegmentSource, start: int, end: int | None = None) -> int
     offset = source.next_data(start)
     while offset < end:
         window = source.read(offset, WINDOW_BYTES + 3)
-        found = [i for i in (window.find(MAGIC), window.find(MAGIC_V1)) if i >= 0]
-        if found:
-            return offset + min(found) if offset + min(found) < end else None
+        found = magic_in(window, 0)
+        if found >= 0:
+            return offset + found if offset + found < end else None
         if len(window) <= 3:
             return None
         offset = source.next_data(offset + len(window) - 3)  # a magic may straddle two windows

@@ -295,6 +295,23 @@ def test_a_garbage_tail_with_a_huge_claimed_length_is_cut_without_reading_it(loc
     assert os.path.getsize(path) == sizes[-1]
 
 
+def test_a_tail_dense_with_false_magics_is_judged_in_a_few_reads(local_run, no_syncs, monkeypatch):
+    """Found in review: every false start re-read a whole window and searched it to its end, so a
+    crafted tail of magics took hours. Counted in reads and bytes searched, not timed."""
+    from rewind.stores import segsource
+
+    events = sample_events(3)
+    sizes = write(local_run, [events])
+    with open(segment_path(local_run), "ab") as f:
+        f.write(MAGIC * (64 << 10))  # 256 KiB: 65,536 false starts
+    reads: list[int] = []
+    real_read = segsource.LocalSource._read
+    monkeypatch.setattr(segsource.LocalSource, "_read", lambda self, o, n: reads.append(n) or real_read(self, o, n))
+    with EventLog.open(local_run) as log:
+        assert log.events() == events and log.torn_tail.offset == sizes[-1]
+    assert len(reads) < 100 and sum(reads) < 16 * (256 << 10), (len(reads), sum(reads))
+
+
 def test_a_header_that_checks_out_but_claims_a_huge_length_is_never_believed(local_run, no_syncs):
     """A hostile (or insane) length under a header CRC that matches it: refused by the length guard
     itself, before anything of that size is read."""
