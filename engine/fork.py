@@ -128,6 +128,7 @@ def open_fork(
         parent=origin,
         num_threads=point.state.num_threads,  # the parent's: an unchanged fork must compute the same bits
         cpu_capability=point.state.cpu_capability,
+        features=list(records[0][1].features),  # and the parent's behaviours (a run of an older release: its old ones)
     )
     preamble = [started]
     if point.checkpoint:

@@ -18,8 +18,6 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
-
 from rewind.engine.checkpointing import write_checkpoint
 from rewind.engine.cursors import assemble_batch
 from rewind.engine.effects import apply_effect
@@ -28,12 +26,10 @@ from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
 from rewind.engine.step import nonfinite_quantity, train_step
 from rewind.states.events import (
-    RUN_FEATURES,
     CheckpointDeleted,
     Evaluated,
     Event,
     NonFiniteLoss,
-    RunStarted,
     RunStopped,
     StepCommitted,
     Validated,
@@ -132,10 +128,6 @@ class StopRequest:
 def record(run: Run, state: State, event: Event) -> State:
     """Record an event and give it its effect on the live objects: the only way a run changes state
     (an illegal event raises in the journal, before anything is written or changed)."""
-    if isinstance(event, RunStarted) and not state.started and not event.features:
-        # A run starts with what this engine does (its features), whoever built the event: resume,
-        # replay and forks then keep computing the way the run started.
-        event = msgspec.structs.replace(event, features=list(RUN_FEATURES))
     new_state = run.journal.record(state, event)
     run.parts = apply_effect(run.parts, state, event)
     return new_state

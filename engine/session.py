@@ -21,7 +21,7 @@ from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
 from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts, open_datasets
 from rewind.states.config import Config, config_differences, config_hash
-from rewind.states.events import ConfigChanged, Event, RunResumed, RunStarted
+from rewind.states.events import RUN_FEATURES, ConfigChanged, Event, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, apply
 from rewind.states.history import point_of, skip_ranges
 from rewind.states.schedule import Schedule
@@ -249,6 +249,7 @@ def _plan_start(config: Config, run_dir: str, datasets) -> _Opening:
         rewind_version=REWIND_VERSION,
         num_threads=torch.get_num_threads(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        features=list(RUN_FEATURES),  # a run started today does what today's engine does, for life
     )
     return _Opening(run_dir, "started", parts, end_seq=-1, events=(started,))
 

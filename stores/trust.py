@@ -17,6 +17,7 @@ import re
 
 from rewind.states.config import Config
 from rewind.states.events import (
+    RUN_FEATURES,
     CheckpointCommitted,
     CheckpointDeleted,
     ConfigChanged,
@@ -63,6 +64,15 @@ _CAPABILITY = re.compile(r"[A-Za-z0-9_]{0,16}")
 def capability_problem(capability: str) -> str:
     """A CPU capability is a short name (it goes into ATEN_CPU_CAPABILITY)."""
     return "" if _CAPABILITY.fullmatch(capability) else f"cpu_capability {capability[:40]!r} is not a capability name"
+
+
+def features_problem(features: list[str]) -> str:
+    """A run started by a newer release may do something this one cannot (a behaviour it gates on a
+    feature name): resuming or replaying it here would silently compute something else."""
+    unknown = [name for name in features if name not in RUN_FEATURES]
+    if not unknown:
+        return ""
+    return f"the run was started with behaviours this release does not have ({', '.join(unknown[:3])}): use a newer rewind"
 
 
 def threads_problem(num_threads: int) -> str:
@@ -132,6 +142,7 @@ class RecordChecker:
                     config_problem(event.config)
                     or threads_problem(event.num_threads)
                     or capability_problem(event.cpu_capability)
+                    or features_problem(event.features)
                 )
                 if not problem:
                     self.config = event.config

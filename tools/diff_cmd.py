@@ -60,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.rtol) and args.rtol >= 0.0):
         raise UsageError(f"--rtol {args.rtol}: must be a finite number >= 0")
+    if args.plot is not None:
+        from rewind.tools.outfile import check_target
+
+        check_target(args.plot, "--plot", ".png")
     (_, started_a), records_a = effective_records(args.run_a)
     (_, started_b), records_b = effective_records(args.run_b)
     parent_a, parent_b = started_a.parent, started_b.parent

@@ -4,13 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import secrets
-import stat
-from pathlib import Path
 
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.outfile import check_target, write_file_atomically
 from rewind.tools.runlog import load_records
 
 
@@ -66,50 +62,3 @@ def export_weights(run_dir: str, out: str) -> int:
         raise CommandError(f"--to {out}: cannot write the weights ({exc.strerror or exc}); nothing was written", 1) from None
     print(f"wrote {len(groups['model'])} tensors of checkpoint {ref.checkpoint} (step {ref.step}) to {out}")
     return 0
-
-
-def check_target(out: str) -> Path:
-    """The --to path, refused up front (exit 2) unless it is, or can become, a regular file: a directory,
-    a device such as /dev/full or /dev/null, or a FIFO is not a place for weights, and writing beside
-    one and renaming over it would replace the device node."""
-    if not out.strip():
-        raise UsageError("--to '': an empty path; name the .safetensors file to write")
-    target = Path(out)
-    try:
-        info = target.stat()
-    except FileNotFoundError:
-        return target  # missing directories are created
-    except NotADirectoryError:  # a file where a directory of the path belongs
-        blocker = next(p for p in reversed(target.parents) if p.exists() and not p.is_dir())
-        raise UsageError(f"--to {out}: {blocker} is not a directory") from None
-    except OSError as exc:
-        raise UsageError(f"--to {out}: cannot use this path ({exc.strerror})") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise UsageError(f"--to {out}: is a directory; name the .safetensors file to write inside it")
-    if not stat.S_ISREG(info.st_mode):
-        raise UsageError(f"--to {out}: not a regular file (a device, FIFO or socket); name a file to write")
-    return target
-
-
-def write_file_atomically(target: Path, data: bytes) -> None:
-    """Write `data` to a temporary file beside `target`, fsync it, rename it over `target` and fsync
-    the directory: the file is there whole or not at all, and a full disk or a read-only directory is
-    an OSError here, not a truncated file reported as written. A missing parent directory is created."""
-    from rewind.stores import fsio
-
-    directory = target.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            fsio.write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsio.fsync_dir(str(directory))

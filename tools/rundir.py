@@ -41,8 +41,20 @@ def check_run_dir(value: str, label: str = "RUN") -> None:
     import fsspec
     from fsspec.core import split_protocol
 
-    for link in value.split("::"):  # chained URLs: "simplecache::s3://bucket/run"
-        protocol, _ = split_protocol(link)
+    links = value.split("::")  # chained URLs: "simplecache::s3://bucket/run"
+    if len(links) > 1:
+        # A chain is protocol names, then a URL. fsspec reads any "a::b" as a chain while the engine would
+        # take it for a path, so a run there would be split between two directories: refused.
+        *outer, last = links
+        if "://" not in last or any(not link or "/" in link or ":" in link for link in outer):
+            raise UsageError(
+                f"{label} {value!r}: '::' chains fsspec URLs (simplecache::s3://bucket/run); a local path "
+                "must not contain it"
+            )
+        protocols = [*outer, split_protocol(last)[0]]
+    else:
+        protocols = [split_protocol(value)[0]]
+    for protocol in protocols:
         if protocol is None:
             continue
         if protocol in TRANSIENT_PROTOCOLS:

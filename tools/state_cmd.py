@@ -51,10 +51,27 @@ def status_text(state) -> str:
     return "not finished"
 
 
+def _reset_text(state) -> str:
+    """The last optimizer reset and any still due (optimization.reset_optimizer_stages)."""
+    last = state.last_optimizer_reset
+    text = (
+        "none yet"
+        if last is None
+        else (
+            f"stage {last.stage} at step {last.step:,} ({'the LR restarted there' if last.lr_restarted else 'the LR curve unbroken'})"
+        )
+    )
+    if state.pending_optimizer_resets:
+        text += "; due: " + ", ".join(f"stage {s}" for s in state.pending_optimizer_resets)
+    return text
+
+
 def next_step_plan(schedule, state) -> dict | None:
     """What the schedule says about the step with index state.step; None when no step is left."""
     if state.finished or state.step >= schedule.num_steps:
         return None
+    from rewind.states.plan import step_lr
+
     plan = schedule.step_plan(state.step)
     return {
         "step": plan.step,
@@ -62,7 +79,7 @@ def next_step_plan(schedule, state) -> dict | None:
         "stage": plan.stage,
         "weights": list(plan.weights),
         "rows": list(plan.rows),
-        "lr": plan.lr,
+        "lr": step_lr(state, schedule, state.step),  # what the engine trains it at (the run's resets)
         "beta": plan.beta,
     }
 
@@ -99,9 +116,14 @@ def run(args: argparse.Namespace) -> int:
             now = fold_log(log, str(args.run_dir))
             if args.at_seq is not None:
                 if not 0 <= args.at_seq <= end_seq:
-                    raise UsageError(f"--at-seq {args.at_seq}: out of range; the log holds records 0..{end_seq}")
+                    raise UsageError(
+                        f"--at-seq {args.at_seq}: out of range; the log holds records 0..{end_seq}"
+                    )
                 state, config = fold_to(log, str(args.run_dir), at_seq=args.at_seq)
-                point, as_of = {"seq": args.at_seq}, f"log record {args.at_seq} (raw records, superseded included)"
+                point, as_of = (
+                    {"seq": args.at_seq},
+                    f"log record {args.at_seq} (raw records, superseded included)",
+                )
             elif args.at_step is not None:
                 last_step = now.state.step
                 if not 0 <= args.at_step <= last_step:
@@ -115,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 point, as_of = None, f"the end of the log (record {end_seq})"
         except IllegalTransition as exc:
             raise CommandError(f"{args.run_dir}: the log does not fold: {exc}", exit_code=1) from None
-    upcoming = next_step_plan(Schedule(config), state)
+    upcoming = next_step_plan(Schedule(config, state.features), state)
     if args.json:
         shown = msgspec.to_builtins(state)
         # Bookkeeping of the fold itself, not of the run: the restore anchor is a copy of the state.
@@ -197,6 +219,8 @@ def render_state(run_dir: str, started, state, config, upcoming: dict | None, as
         ),
         _line("pending refreshes", ", ".join(f"stage {s}" for s in state.pending_refreshes) or "none"),
     ]
+    if state.optimizer_reset_stages or state.last_optimizer_reset is not None:  # a run that resets at all
+        lines.append(_line("optimizer reset", _reset_text(state)))
     stacks = [
         f"stack {s.stack}: {s.num_blocks} blocks, {s.position}, trunk {s.trunk} (step {s.step:,})"
         for s in state.stacks

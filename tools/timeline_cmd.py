@@ -80,6 +80,7 @@ def markers(timeline) -> list[dict]:
         FadeEnded,
         FadeStarted,
         NonFiniteLoss,
+        OptimizerReset,
         ReferenceRefreshed,
         RunResumed,
         RunStopped,
@@ -108,6 +109,9 @@ def markers(timeline) -> list[dict]:
             case ReferenceRefreshed(stage=stage, checkpoint=checkpoint):
                 text = f"KL reference refreshed for stage {stage} ({checkpoint or 'dry run'})"
                 add(seq, e, "reference_refreshed", text, stage=stage, checkpoint=checkpoint)
+            case OptimizerReset(stage=stage, lr_restarted=restarted):
+                lr = "the LR restarts its warmup" if restarted else "the LR curve goes on"
+                add(seq, e, "optimizer_reset", f"optimizer reset for stage {stage}: moments cleared, {lr}", stage=stage)
             case StackAppended():
                 text = f"stack {e.stack} joined: {e.num_blocks} blocks, {e.position}, trunk {e.trunk}"
                 add(seq, e, "stack_appended", text, stack=e.stack, num_blocks=e.num_blocks)
@@ -274,6 +278,10 @@ def _checkpoint_line(checkpoints: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        from rewind.tools.outfile import check_target
+
+        check_target(args.plot, "--plot", ".png")  # before the log is read: exit 2, nothing done
     timeline = read_timeline(args.run_dir, with_plot=bool(args.plot))
     summary = summarize(timeline)
     if args.json:

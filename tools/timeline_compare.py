@@ -10,12 +10,14 @@ read with their bounded series (`tools.timeline_scan`), so two million-step runs
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 from matplotlib.ticker import FuncFormatter
 
 from rewind.states.events import Evaluated, ReferenceRefreshed
+from rewind.tools.outfile import write_file_atomically
 from rewind.tools.plots import _pyplot, dataset_styles, draw_stage_context, format_tokens
 from rewind.tools.timeline_plot import LEGEND, StepColumns
 from rewind.tools.timeline_scan import Timeline
@@ -164,7 +166,8 @@ def plot_comparison(a: Timeline, b: Timeline, out: str | Path) -> Path:
     ax_mix.xaxis.set_major_formatter(FuncFormatter(format_tokens))
     ax_loss.set_title(f"A (solid) vs B (dashed)\n{_label('a', a)}\n{_label('b', b)}", fontsize=10)
     path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    image = io.BytesIO()  # the PNG whole, then written whole: exactly `out`, never `out`.png beside it
+    fig.savefig(image, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
+    write_file_atomically(path, image.getvalue())
     return path

@@ -20,6 +20,7 @@ the raw loss), so a million steps plot in seconds and in little memory.
 
 from __future__ import annotations
 
+import io
 import itertools
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from rewind.states.events import (
     RunStopped,
     StackAppended,
 )
+from rewind.tools.outfile import write_file_atomically
 from rewind.tools.plots import (
     MAX_POINTS,
     _pyplot,
@@ -332,7 +334,8 @@ def plot_timeline(timeline: Timeline, out: str | Path) -> Path:
         fontsize=11,
     )
     path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    image = io.BytesIO()  # the PNG whole, then written whole: exactly `out`, never `out`.png beside it
+    fig.savefig(image, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
+    write_file_atomically(path, image.getvalue())
     return path

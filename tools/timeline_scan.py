@@ -27,6 +27,7 @@ from rewind.states.events import (
     FadeEnded,
     FadeStarted,
     NonFiniteLoss,
+    OptimizerReset,
     ReferenceRefreshed,
     RunResumed,
     RunStarted,
@@ -43,7 +44,7 @@ from rewind.tools.timeline_buckets import PointSampler, StepBuckets
 LOSS_WINDOW_FRACTION = 0.1
 LOSS_WINDOW_MAX = 100
 
-CONTROL_MARKERS = (StageEntered, FadeStarted, FadeEnded, ReferenceRefreshed, StackAppended, ConfigChanged)
+CONTROL_MARKERS = (StageEntered, FadeStarted, FadeEnded, ReferenceRefreshed, OptimizerReset, StackAppended, ConfigChanged)
 RAW_MARKERS = (RunResumed, RunStopped, NonFiniteLoss)
 
 
@@ -174,7 +175,7 @@ class Timeline:
             raise ValueError("the log has no effective RunStarted")
         self.state = state
         self.config = self.config_record.config
-        self.schedule = Schedule(self.config)
+        self.schedule = Schedule(self.config, state.features)  # the run's own behaviours (LR warmup)
         return self
 
     # --- what the summary and the plot read -------------------------------------------------------

@@ -26,8 +26,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(run=run_resume)
 
 
+def _steps(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-steps", type=int, default=None, help="stop cleanly after this many steps (resumable)")
+    p.add_argument("--max-steps", type=_steps, default=None, help="stop cleanly after this many steps (resumable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

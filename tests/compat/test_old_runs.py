@@ -75,3 +75,21 @@ def test_an_old_run_resumes_under_its_logged_config(old_run, rewind_cli, tmp_pat
     code, _, err = rewind_cli("export", run, "--to", tmp_path / "final.safetensors")
     assert code == 0, err
     assert _tensor_hashes(tmp_path / "final.safetensors") == expected["final_model_sha256"]
+
+
+@pytest.mark.parametrize("at_step", [0, 12])  # from scratch (before any checkpoint), and from one
+def test_a_fork_of_an_old_run_keeps_the_old_runs_behaviours(old_run, rewind_cli, tmp_path, at_step):
+    """An unchanged fork is its parent: a fork of a run started before the warmup floor and the baseline
+    evaluation computes without them, as its parent did (found in review: a fork from scratch took
+    today's behaviours, and `rewind diff` then found it differing at step 0)."""
+    from rewind.states.events import Evaluated, RunStarted
+    from rewind.stores.runs import read_seq_events
+
+    run, _ = old_run
+    assert read_seq_events(run)[0][1].features == []  # an old run: no features recorded
+    child = tmp_path / "child"
+    code, _, err = rewind_cli("fork", run, child, "--at-step", str(at_step), "--no-progress", "--max-steps", "2")
+    assert code == 0, err
+    events = [e for _, e in read_seq_events(child)]
+    assert isinstance(events[0], RunStarted) and events[0].features == []
+    assert not any(isinstance(e, Evaluated) and e.boundary == -1 for e in events)

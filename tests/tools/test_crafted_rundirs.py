@@ -206,6 +206,16 @@ def test_a_logged_config_gets_the_checks_a_config_file_gets(run, outside):
         assert "record 0 (RunStarted" in err
 
 
+def test_a_run_started_with_behaviours_this_release_lacks_is_refused(run, outside):
+    """A newer release gates what it computes differently on a feature name: this one cannot do it, so
+    resuming or replaying such a run here would silently compute something else."""
+    rewrite_log(run, _started(lambda e: replace(e, features=[*e.features, "from_the_future"])))
+    expect = "behaviours this release does not have (from_the_future)"
+    assert_verify_fails(run, outside, expect)
+    for args in (train_args(run), ["replay", run]):
+        assert_refused(run, outside, *args, expect=expect)
+
+
 def test_a_logged_thread_count_is_never_handed_to_openmp(run, outside, monkeypatch):
     import torch
 
