@@ -250,7 +250,12 @@ class CheckpointStore:
             if self._is_local:
                 where = [CHECKPOINTS_DIR, name, file]
                 return confine.read_file(self._run_root, where, expected_size=expected_size, max_size=max_size)
-            return self._fs.cat_file(_join(directory, file))
+            path = _join(directory, file)
+            size = self._fs.size(path)  # checked before reading, as confine does locally
+            limit = expected_size if expected_size is not None else max_size
+            if limit is not None and size > limit:
+                raise CheckpointCorrupt(name, file, f"{size:,} bytes, more than the {limit:,} it may have")
+            return self._fs.cat_file(path)
         except confine.NotConfined as exc:
             raise CheckpointCorrupt(name, file, str(exc)) from None
         except FileNotFoundError:

@@ -202,8 +202,8 @@ class Location(NamedTuple):
     def truncate(self, size: int) -> None:
         """Cut the file to its first `size` bytes, durably. Object stores have no truncate: there the
         prefix is put back as a whole object."""
-        if not self.is_local:
-            self.write_atomic(self.read_bytes()[:size])
+        if not self.is_local:  # only the prefix is fetched: the rest may be gigabytes of a torn write
+            self.write_atomic(self.fs.cat_file(self.path, start=0, end=size) if size > 0 else b"")
             return
         os.truncate(self.path, size)
         fd = os.open(self.path, os.O_WRONLY)

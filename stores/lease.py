@@ -212,6 +212,10 @@ class ObjectLease(WriterLock):
             else:
                 location.create_exclusive(data)  # against a rewind 0.2 writer starting just now
         except FileExistsError:
+            # Lost to a writer that made the lock file: our epoch object, left behind, would outrank its
+            # lease and stop it at its next renewal.
+            with contextlib.suppress(OSError):
+                events_dir.join(epoch_name(lease.epoch)).remove()
             return None
         for epoch in taken:
             if epoch < lease.epoch:

@@ -302,8 +302,9 @@ class LogReader:
             if stop_seq is not None and seq >= stop_seq:  # done before the end: nothing to say about it
                 return
             torn = self._check_tail(index, indices, source.size, bad)
-        self.torn_tail = torn
-        self._scanned_seq = seq
+        if start_seq == 0:  # only a read from the start knows where the log ends (and how it is torn)
+            self.torn_tail = torn
+            self._scanned_seq = seq
 
     def _segment_chunks(self, summary: SegmentSummary) -> Iterator[list[Record]]:
         """The records of a segment `summary` describes (its intact records: up to `num_bytes`), a

@@ -32,7 +32,7 @@ def put_segments(events_dir: Location, lease: ObjectLease, pieces: list[tuple[in
             try:
                 segment.create_exclusive(data)
             except FileExistsError:
-                if segment.read_bytes() != data:
+                if segment.size() != len(data) or segment.read_bytes() != data:  # size first: bounded
                     lease.lose(f"lost the lease to {lease.successor()}: {segment.url} was created by it")
             created.append(segment)
     except OSError as exc:

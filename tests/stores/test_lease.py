@@ -232,3 +232,41 @@ def test_a_dead_holder_on_this_host_is_taken_over_before_expiry_without_a_fence(
         segment_name(0),
         segment_name(1),
     ]
+
+
+def test_a_writer_that_loses_the_race_for_the_lock_file_leaves_no_epoch_behind(memory_run, monkeypatch):
+    """Found in review: the loser's epoch object outranked the winner's lease and stopped the winner at
+    its next renewal."""
+    events = events_dir(memory_run)
+    events.makedirs()
+    real = fsio.Location.create_exclusive
+
+    def lock_file_taken_first(self, data):
+        if self.name == LOCK_NAME:
+            real(self, b"")  # another writer made the lock file between our epoch and our lock
+            raise FileExistsError(self.path)
+        return real(self, data)
+
+    monkeypatch.setattr(fsio.Location, "create_exclusive", lock_file_taken_first)
+    with pytest.raises(LogLockedError):
+        EventLog.open(memory_run, "w")
+    assert epochs(events) == []  # every epoch this writer took was removed again
+
+
+def test_cutting_a_torn_tail_on_an_object_store_fetches_only_the_prefix(memory_run, monkeypatch):
+    with EventLog.open(memory_run, "w") as log:
+        commit(log, *EVENTS[:3])
+    segment = events_dir(memory_run).join(segment_name(0))
+    intact = segment.read_bytes()
+    segment.write_atomic(intact + b"\x00" * 100_000)  # a torn write's tail
+    fetched: list[tuple] = []
+    fs = segment.fs
+    real_cat = type(fs).cat_file
+
+    def recording_cat(self, path, start=None, end=None, **kwargs):
+        fetched.append((start, end))
+        return real_cat(self, path, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(type(fs), "cat_file", recording_cat)
+    segment.truncate(len(intact))
+    assert segment.read_bytes() == intact and fetched[0] == (0, len(intact))

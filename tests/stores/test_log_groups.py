@@ -327,3 +327,17 @@ def test_a_header_that_checks_out_but_claims_a_huge_length_is_never_believed(loc
     report = verify_log(local_run)
     assert report.ok and report.torn_tail is not None and report.torn_tail.offset == sizes[-1]
     assert "implausible record length" in report.torn_tail.reason
+
+
+def test_a_read_that_starts_mid_log_says_nothing_about_where_the_log_ends(local_run, no_syncs):
+    """Found in review: a read from record 6 of a log with 3 acknowledged records and 4 of a commit that
+    never returned left next_seq at 6 and no torn tail; only a read from the start may set them."""
+    events = sample_events(7)
+    sizes = write(local_run, [events[:3]])
+    with open(segment_path(local_run), "ab") as f:  # the frames of a commit that never returned: no end mark
+        for seq, event in enumerate(events[3:], start=3):
+            f.write(encode_frame(seq, msgspec.msgpack.encode(event), end_of_group=False))
+    with EventLog.open(local_run) as log:
+        for start in (6, 100):
+            list(log.records(start_seq=start))
+        assert (log.next_seq, log.torn_tail.offset) == (3, sizes[0])  # as a whole read says
