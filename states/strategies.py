@@ -66,6 +66,7 @@ from rewind.states.plan import (
     control_event,
     decide,
     started_state,
+    step_lr,
 )
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
@@ -347,7 +348,7 @@ def _commit_step(schedule: Schedule, state: State, emit: Any) -> None:
             step=k + 1,
             tokens=schedule.tokens_of(k + 1),
             stage=plan.stage,
-            lr=plan.lr,
+            lr=step_lr(state, schedule, k),  # what the engine trains at: the run's features and resets
             beta=plan.beta,
             loss=_loss(k + 1),
             rows=list(plan.rows),
