@@ -11,7 +11,9 @@ it `expires_at`. The protocol:
 - Epochs. Each holder has an epoch, one more than the last: taking epoch e means exclusively
   creating the object `events/EPOCH-<e>` (holding the new lease) before writing the lock file, so two
   writers starting at once cannot both get it: the second finds the epoch taken and looks again. The
-  highest epoch object names the holder; older ones are removed by the next holder.
+  highest epoch object names the holder (until it expires or says `released`), lock file or not;
+  older ones are removed by the next holder. A writer looking lists the epochs before it reads the
+  lock file, so a takeover that completes between its two looks is seen in the lock file.
 - Fencing. Whoever takes over an *expired* lease (its holder may be alive, paused or cut off) claims
   its epoch in the log before reading it: it exclusively creates the next segment object, empty. The
   writer puts every segment object exclusively too (`rewind.stores.objectcommit`) and its next object
@@ -23,8 +25,9 @@ it `expires_at`. The protocol:
   expiry; if a higher epoch exists it has lost the lease, and that commit and every later one fail.
   A writer that went longer than the lease without committing renews all the same if nobody took
   over meanwhile; if somebody did, the fence decides.
-- Releasing (clean close) removes the lock file if it still holds our token; the epoch objects stay,
-  so epochs only grow.
+- Releasing (clean close) marks our epoch object `released`, then removes the lock file if it still
+  holds our token: the next writer takes the log at once, without waiting for expiry or fencing. The
+  epoch objects stay, so epochs only grow.
 
 Assumptions: the object store gives read-after-write and list-after-write consistency (S3, GCS, Azure
 do) and an exclusive create that is atomic (fsspec's mode "xb": If-None-Match or a generation
@@ -77,6 +80,9 @@ class Lease(LockInfo, frozen=True, kw_only=True):
     epoch: Annotated[int, msgspec.Meta(ge=0, le=1 << 53)] = 0
     # Unix seconds, by the holder's clock. None: a rewind 0.2 lock file, which had no lease.
     expires_at: Annotated[float, msgspec.Meta(ge=0, le=1e11)] | None = None
+    # Set in its epoch object by a clean release: that epoch holds nothing any more. (Without it, a lock
+    # file gone while the newest epoch's lease lives is a taker that has not written the file yet.)
+    released: bool = False
 
     def describe(self) -> str:
         if self.expires_at is None:
@@ -122,13 +128,19 @@ def epoch_lease(events_dir: Location, epoch: int) -> Lease | None:
 
 
 def _current_lease(location: Location) -> tuple[Lease | None, list[int]]:
-    """Who holds the log, and the epochs taken. No lock file: nobody (a clean release removes it).
-    A lock file behind the newest epoch: that epoch's taker, which has not written the lock file
-    yet (or died before it could), holds it until its own lease expires."""
-    current = read_lease(location)
+    """Who holds the log, and the epochs taken. The epochs are listed before the lock file is read: a
+    taker makes its epoch object first and writes the lock file after, so a takeover completed between
+    the two looks is seen in the lock file, and one half done in the epochs. The newest epoch's taker
+    holds the log, whatever the lock file says (it may not have written it yet, or died before it could),
+    until its lease expires or it released it; no live epoch and no lock file: nobody."""
     taken = epochs(location.parent)
-    if current is not None and current.expires_at is not None and taken and taken[-1] > current.epoch:
-        current = epoch_lease(location.parent, taken[-1]) or current
+    current = read_lease(location)
+    if taken and (current is None or current.expires_at is not None):
+        newest = epoch_lease(location.parent, taken[-1])
+        if newest is not None and newest.released and (current is None or current.epoch <= newest.epoch):
+            current = None  # released cleanly (its lock file perhaps not removed yet): free
+        elif newest is not None and not newest.released and (current is None or taken[-1] > current.epoch):
+            current = newest
     return current, taken
 
 
@@ -288,4 +300,9 @@ class ObjectLease(WriterLock):
         if self.lost:
             self.held = False  # the lock file is the successor's
             return
+        # The epoch object first: once it says released, the next writer takes the log at once (no
+        # wait for expiry, no fence), whether the lock file is gone yet or not.
+        with contextlib.suppress(OSError):
+            done = msgspec.structs.replace(self.lease, released=True)
+            self.events_dir.join(epoch_name(self.lease.epoch)).write_atomic(msgspec.json.encode(done))
         super().release()

@@ -13,6 +13,7 @@ import pytest
 
 from rewind.stores import fsio
 from rewind.stores.eventlog import EVENTS_DIR, LOCK_NAME, EventLog
+from rewind.stores.lease import ObjectLease, epoch_name
 from rewind.stores.lock import LockInfo, read_lock
 
 BACKENDS = ("local", "memory")
@@ -84,6 +85,11 @@ def abandon(log: EventLog, dead_pid: int) -> None:
     lock = log.run.join(EVENTS_DIR, LOCK_NAME)
     holder = read_lock(lock)
     assert holder is not None
+    if isinstance(log._lock, ObjectLease):  # an object store: the lease and its epoch object name the dead
+        dead = msgspec.structs.replace(log._lock.lease, pid=dead_pid)
+        for place in (lock, log.run.join(EVENTS_DIR, epoch_name(dead.epoch))):
+            place.write_atomic(msgspec.json.encode(dead))
+        return
     lock.write_atomic(
         msgspec.json.encode(LockInfo(host=holder.host, pid=dead_pid, since=holder.since, token="x"))
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import warnings
 
 import msgspec
 import pytest
@@ -270,3 +271,44 @@ def test_cutting_a_torn_tail_on_an_object_store_fetches_only_the_prefix(memory_r
     monkeypatch.setattr(type(fs), "cat_file", recording_cat)
     segment.truncate(len(intact))
     assert segment.read_bytes() == intact and fetched[0] == (0, len(intact))
+
+
+@pytest.mark.parametrize("when", ["before the lock file is read", "between the epochs and the lock file"])
+def test_a_takeover_completed_while_another_writer_looks_is_seen_and_refuses_it(memory_run, monkeypatch, when):
+    """Found in review: B read no lock file, then A took the lease whole, then B listed A's epoch and took
+    the next one over A's live lease, unfenced. The epochs are now listed first, and a live epoch without
+    its lock file holds the log."""
+    events = events_dir(memory_run)
+    events.makedirs()
+    lock = events.join(LOCK_NAME)
+    real_epochs, holders = lease.epochs, []
+
+    def epochs_with_a_slipping_in(directory):
+        if holders:  # A's own calls
+            return real_epochs(directory)
+        holders.append(None)
+        found = real_epochs(directory) if when != "before the lock file is read" else None
+        holders[0] = lease.ObjectLease.acquire(lock)  # A takes the lease whole, between B's looks
+        return found if found is not None else real_epochs(directory)
+
+    monkeypatch.setattr(lease, "epochs", epochs_with_a_slipping_in)
+    with pytest.raises(LogLockedError):
+        lease.ObjectLease.acquire(lock)  # B
+    assert holders[0].lease.epoch == 1 and read_lease(lock).epoch == 1 and real_epochs(events) == [1]
+
+
+def test_an_epoch_released_cleanly_frees_the_log_even_before_its_lock_file_goes(memory_run):
+    with EventLog.open(memory_run, "w") as log:
+        commit(log, EVENTS[0])
+        taken = log._lock.lease.epoch
+    released = lease.epoch_lease(events_dir(memory_run), taken)
+    assert released is not None and released.released  # said so in its epoch object
+    # As if the release died between the epoch object and the lock file: the log is free all the same.
+    events_dir(memory_run).join(LOCK_NAME).write_atomic(
+        msgspec.json.encode(msgspec.structs.replace(released, released=False))
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no takeover warning, no fence: a free log
+        log = EventLog.open(memory_run, "w")
+    with log:
+        assert log._lock.lease.epoch == taken + 1
