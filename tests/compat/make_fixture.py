@@ -1,11 +1,13 @@
 """Make a compatibility fixture: a run directory left by this release, for every later one to resume.
 
-    python tests/compat/make_fixture.py VERSION
+    python tests/compat/make_fixture.py VERSION [CONFIG]
 
 writes tests/compat/fixtures/VERSION/: the run of fixtures/run.toml, stopped cleanly after step 17 (a
 RunStopped and a "stop" checkpoint), resumed, and then crashed after step 27 with steps 22..24 committed
 past its last checkpoint (so the next resume supersedes records), plus expected.json: the sha256 of every
-tensor of the final model of the same run trained straight through, and the CPU it was made on.
+tensor of the final model of the same run trained straight through, and the CPU it was made on. With
+CONFIG (another config than fixtures/run.toml, to pin a behaviour that config exercises), a copy of it
+goes into the fixture as run.toml, and the tests resume the fixture under that one.
 
 A fixture is made once, by the release it is named after, and committed; it is never regenerated (that
 would test nothing). This script uses only the CLI and the stores' reader, so it keeps working.
@@ -45,11 +47,11 @@ def last_step(run_dir: Path) -> int:
     return steps[-1] if steps else 0
 
 
-def crash_after(run_dir: Path, step: int) -> None:
+def crash_after(run_dir: Path, step: int, config: Path = CONFIG) -> None:
     """Resume the run and SIGKILL the process once `step` is logged (committed or not: the records past
     the last group commit are lost, those before it stay and get superseded on the next resume)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = [sys.executable, "-m", "rewind.tools.cli", "train", str(CONFIG), "--run-dir", str(run_dir), "--no-progress"]
+    args = [sys.executable, "-m", "rewind.tools.cli", "train", str(config), "--run-dir", str(run_dir), "--no-progress"]
     # --max-steps makes the kill deterministic: the process stops (cleanly) at the step we want to
     # crash at, but we kill it first while it is still before that point. Simpler and exact: run to
     # the crash step with a throttled process and kill it when the log shows the step.
@@ -72,15 +74,16 @@ def tensor_hashes(file: Path) -> dict[str, str]:
 
 def main() -> None:
     version = sys.argv[1]
+    config = Path(sys.argv[2]).resolve() if len(sys.argv) > 2 else CONFIG
     out = HERE / "fixtures" / version
     if out.exists():
         raise SystemExit(f"{out} exists: fixtures are made once and never regenerated")
     with tempfile.TemporaryDirectory() as tmp:
         straight, run = Path(tmp) / "straight", Path(tmp) / "run"
-        rewind("train", str(CONFIG), "--run-dir", str(straight), "--no-progress")
+        rewind("train", str(config), "--run-dir", str(straight), "--no-progress")
         rewind("export", str(straight), "--to", str(Path(tmp) / "final.safetensors"))
-        rewind("train", str(CONFIG), "--run-dir", str(run), "--no-progress", "--max-steps", str(STOP_AT))
-        crash_after(run, CRASH_AT)
+        rewind("train", str(config), "--run-dir", str(run), "--no-progress", "--max-steps", str(STOP_AT))
+        crash_after(run, CRASH_AT, config)
         (run / "events" / "LOCK").unlink(missing_ok=True)  # a dead writer's lock: not part of the format
         out.mkdir(parents=True)
         for part in ("events", "checkpoints", "snapshots"):  # snapshots: a later release must cope with ours
@@ -94,6 +97,8 @@ def main() -> None:
             "final_model_sha256": tensor_hashes(Path(tmp) / "final.safetensors"),
         }
         (out / "expected.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
+        if config != CONFIG:
+            shutil.copyfile(config, out / "run.toml")
     print(f"wrote {out} (logged up to step {expected['logged_last_step']})")
 
 

@@ -33,8 +33,12 @@ def _one_thread():
 def old_run(request, tmp_path) -> tuple[Path, dict]:
     # A copy: the committed fixture must never be written to, by this test or any other.
     copy = tmp_path / request.param
-    shutil.copytree(FIXTURES / request.param, copy, ignore=shutil.ignore_patterns("expected.json"))
-    return copy, json.loads((FIXTURES / request.param / "expected.json").read_text())
+    shutil.copytree(FIXTURES / request.param, copy, ignore=shutil.ignore_patterns("expected.json", "run.toml"))
+    expected = json.loads((FIXTURES / request.param / "expected.json").read_text())
+    # The config file it was started with: its own where it pins another config's behaviour.
+    own = FIXTURES / request.param / "run.toml"
+    expected["config"] = own if own.exists() else CONFIG
+    return copy, expected
 
 
 def _tensor_hashes(file: Path) -> dict[str, str]:
@@ -43,6 +47,16 @@ def _tensor_hashes(file: Path) -> dict[str, str]:
 
 def test_there_is_a_fixture_of_the_first_release():
     assert "0.1.0" in RELEASES
+
+
+def test_the_cosine_fixture_pins_the_warmup_from_zero_of_runs_started_before_the_floor():
+    """0.2.0-cosine (made by rewind 0.2) stopped and crashed inside a cosine warmup that started at LR 0:
+    the tests below resume it to the weights its straight run had, which only that old warmup gives."""
+    from rewind.stores.runs import read_seq_events
+
+    events = [e for _, e in read_seq_events(FIXTURES / "0.2.0-cosine")]
+    first_step = next(e for e in events if type(e).__name__ == "StepCommitted")
+    assert events[0].features == [] and first_step.lr == 0.0
 
 
 def test_an_old_run_verifies_and_replays_bit_for_bit(old_run, rewind_cli):
@@ -57,7 +71,7 @@ def test_an_old_run_verifies_and_replays_bit_for_bit(old_run, rewind_cli):
 
 def test_an_old_run_resumes_under_its_own_config_file_to_the_same_final_weights(old_run, rewind_cli, tmp_path):
     run, expected = old_run
-    code, out, err = rewind_cli("train", CONFIG, "--run-dir", run, "--no-progress")
+    code, out, err = rewind_cli("train", expected["config"], "--run-dir", run, "--no-progress")
     assert code == 0, err
     assert "the config differs" not in err
     assert f"resuming {run}" in err
