@@ -17,23 +17,15 @@ import pytest
 from rewind.states.compare import first_difference
 from rewind.states.config import Config, config_hash
 from rewind.states.diffing import diff_streams
+from rewind.states.diffreport import CONTENT_TYPES
 from rewind.states.events import (
     CheckpointCommitted,
     ConfigChanged,
-    Evaluated,
     Event,
-    FadeEnded,
-    FadeStarted,
     ForkOrigin,
-    NonFiniteLoss,
-    OptimizerReset,
-    ReferenceRefreshed,
-    RunFinished,
     RunStarted,
-    StackAppended,
     StageEntered,
     StepCommitted,
-    Validated,
 )
 from rewind.states.fold import fold
 from rewind.states.history import anchor_end, effective
@@ -44,19 +36,7 @@ from tests.states import diff_reference
 from tests.states.test_diffing import resumed_event
 
 replace = msgspec.structs.replace
-CONTENT = (
-    StageEntered,
-    FadeStarted,
-    FadeEnded,
-    ReferenceRefreshed,
-    OptimizerReset,
-    StackAppended,
-    StepCommitted,
-    Validated,
-    Evaluated,
-    NonFiniteLoss,
-    RunFinished,
-)
+CONTENT = CONTENT_TYPES  # what diff compares, one list (a new transition joins it once)
 
 
 @pytest.fixture(scope="module")
