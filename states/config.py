@@ -29,6 +29,13 @@ KlKind = Literal["token_kl", "nll_difference"]
 NormName = Literal["rmsnorm", "layernorm"]
 NonFiniteAction = Literal["stop", "skip"]
 DataKind = Literal["tokens", "jsonl"]
+StackPosition = Literal["append", "prepend"]
+InitMode = Literal["random", "copy", "identity"]
+TrunkChoice = Literal["full", "frozen", "lora", "qlora"]
+Precision = Literal["fp32", "bf16", "nf4"]
+RankPattern = Literal["fixed", "increasing", "decreasing", "linear", "table"]
+CacheChoice = Literal["auto", "on", "off"]
+ObjectiveKind = Literal["clm", "mlm", "diffusion"]
 
 class Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Base of every config section: immutable, and unknown keys are an error, never ignored."""
@@ -122,6 +129,53 @@ class DataSource(Struct):
     validation_fraction: float = 0.05
 
 
+class GrowthStep(Struct):
+    """One growth of the model (`[[growth]]`): a stack of `num_blocks` new blocks joins at the entry of
+    stage `at_stage` or at the first step that starts at or after `at_tokens` (exactly one of the two).
+    `trunk` is what every stack already there becomes; `precision` the new stack's weights ("nf4": its
+    base is quantised and it trains through its own LoRA adapters). See docs/growth.md."""
+
+    at_stage: int = -1  # -1 = not given
+    at_tokens: int = -1  # -1 = not given
+    num_blocks: int = 1
+    position: StackPosition = "append"  # append: the output side; prepend: the input side
+    init: InitMode = "random"  # copy: duplicate the neighbouring blocks; identity: outputs unchanged
+    trunk: TrunkChoice = "frozen"
+    precision: Precision = "fp32"
+    # prepend only: keep the downstream stacks' final norm and head fixed too (an anchor for the new input side)
+    anchor: bool = False
+    # Read the frozen trunk's outputs from an activation cache instead of recomputing them (auto: when
+    # the whole trunk is frozen under an appended stack; on: the same, and an error where it cannot be).
+    cache: CacheChoice = "auto"
+
+
+class LoraSection(Struct):
+    """LoRA adapters (peft): a stack's own (precision = "nf4") and the trunk's (trunk = lora / qlora)."""
+
+    rank: int = 16  # the adapters a new nf4 stack trains through
+    trunk_rank: int = 8  # the trunk's adapters: smaller than a new stack's, shaped by `pattern`
+    # How a trunk stack's rank follows its stack id i: fixed (trunk_rank), increasing (trunk_rank * 2^i),
+    # decreasing (trunk_rank / 2^i, at least 1), linear (trunk_rank * (i + 1)), table (ranks[i]).
+    pattern: RankPattern = "fixed"
+    ranks: list[int] = []
+    alpha_per_rank: float = 2.0  # alpha = alpha_per_rank * rank: the same scale at every rank
+    targets: list[str] = msgspec.field(default_factory=lambda: ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"])
+
+
+class ObjectiveSection(Struct):
+    """What the model is trained to predict. clm: the next token. mlm: masked tokens (replaced by a mask
+    token, loss on them only, attention bidirectional). diffusion: masked-diffusion, the mask rate a
+    level drawn per row and embedded (time = "input") or set by the stack being trained (time = "depth")."""
+
+    kind: ObjectiveKind = "clm"
+    mask_rate: float = 0.15  # mlm
+    time: Literal["input", "depth"] = "input"  # diffusion
+    num_levels: int = 16  # diffusion: mask-rate levels, from min_mask_rate to max_mask_rate
+    min_mask_rate: float = 0.05
+    max_mask_rate: float = 1.0
+    depth_map: Literal["linear", "exponential"] = "linear"  # time = "depth": stack index -> level
+
+
 class Config(Struct):
     run: RunSection = RunSection()
     architecture: ArchitectureSection = ArchitectureSection()
@@ -129,6 +183,9 @@ class Config(Struct):
     optimization: OptimizationSection = OptimizationSection()
     logging: LoggingSection = LoggingSection()
     data: dict[str, DataSource] = {}
+    growth: list[GrowthStep] = []
+    lora: LoraSection = LoraSection()
+    objective: ObjectiveSection = ObjectiveSection()
 
     @property
     def num_stages(self) -> int:

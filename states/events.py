@@ -21,8 +21,8 @@ from typing import Literal
 
 import msgspec
 
-from rewind.states.config import Config
-from rewind.states.state import CheckpointReason, ForkSeed, StackPosition, TrunkMode
+from rewind.states.config import Config, InitMode, Precision, StackPosition, TrunkChoice
+from rewind.states.state import CheckpointReason, ForkSeed
 
 # What a run started by this release does that older releases did not (RunStarted.features):
 # "lr_warmup_floor": cosine and sgdr warm up from warmup_lr_mult x lr (before: from 0);
@@ -35,7 +35,8 @@ RUN_FEATURES: tuple[str, ...] = ("lr_warmup_floor", "baseline_evaluation")
 # first RunResumed carries a ForkSeed. 3: OptimizerReset, NonFiniteLoss.quantity, RunStarted.features and
 # .cpu_capability (only
 # additions: a record of 2 upcasts unchanged; the bump tells a reader that predates them what it holds).
-SCHEMA_VERSION = 3
+# 4: StackAppended's growth decisions and ActivationsCached (additions again: model growth).
+SCHEMA_VERSION = 4
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -98,12 +99,35 @@ class ReferenceRefreshed(Event, frozen=True, kw_only=True, tag="ReferenceRefresh
 
 
 class StackAppended(Event, frozen=True, kw_only=True, tag="StackAppended"):
-    """Room for progressive growth: a stack of blocks joined the model (appended or prepended)."""
+    """A stack of `num_blocks` blocks joined the model (config.growth[`growth`]), on the output side
+    (append) or the input side (prepend). It carries every decision needed to rebuild the model from the
+    log alone (`rewind.states.growth.grown_layout` turns it into the new ModelLayout): how the new blocks
+    were initialised, what the stacks already there became (`trunk`), the new stack's precision and own
+    adapters, and the rank of each adapter attached to a trunk stack now (by stack id)."""
 
-    stack: int
+    stack: int  # the new stack's identity: the number of stacks before it
     num_blocks: int
     position: StackPosition = "append"
-    trunk: TrunkMode = "trainable"
+    growth: int = 0
+    init: InitMode = "random"
+    trunk: TrunkChoice = "frozen"
+    precision: Precision = "fp32"
+    rank: int = 0  # the new stack's own LoRA rank (precision = "nf4"), 0 = none
+    trunk_ranks: dict[str, int] = {}  # adapters attached now: stack id -> rank
+    alpha_per_rank: float = 2.0
+    anchor: bool = False  # prepend: the final norm and head stay fixed
+
+
+class ActivationsCached(Event, frozen=True, kw_only=True, tag="ActivationsCached"):
+    """The frozen trunk of layout `version` has its outputs stored for the steps [step, step + num_steps)
+    (one chunk per step, in reading order) at `path` under the run directory, every chunk complete:
+    training reads them instead of running the trunk. Any event that changes the trunk drops it."""
+
+    version: int
+    num_steps: int
+    num_rows: int
+    path: str = ""  # "" in a dry-run
+    num_bytes: int = 0
 
 
 class StepCommitted(Event, frozen=True, kw_only=True, tag="StepCommitted"):
@@ -190,6 +214,7 @@ AnyEvent = (
     | ReferenceRefreshed
     | OptimizerReset
     | StackAppended
+    | ActivationsCached
     | StepCommitted
     | Validated
     | Evaluated

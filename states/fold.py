@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import msgspec
 
 from rewind.states.events import (
+    ActivationsCached,
     CheckpointCommitted,
     CheckpointDeleted,
     ConfigChanged,
@@ -36,13 +37,14 @@ from rewind.states.events import (
     StepCommitted,
     Validated,
 )
+from rewind.states.growth import GrowthError, current_layout, grown_layout
 from rewind.states.schedule import Schedule
 from rewind.states.state import (
+    CacheRef,
     CheckpointRef,
     ForkSeed,
     OptimizerResetRef,
     Reference,
-    Stack,
     State,
     Superseded,
     anchor_checkpoint,
@@ -105,6 +107,7 @@ def _transition(state: State, event: Event) -> State:
                 cpu_capability=event.cpu_capability,
                 features=list(event.features),
                 baseline_step=0 if baseline else -1,
+                num_layers=config.architecture.num_layers,
             )
         case StageEntered(stage=stage):
             _require(stage == state.num_stages_entered, event, f"expected stage {state.num_stages_entered} next")
@@ -141,7 +144,7 @@ def _transition(state: State, event: Event) -> State:
             )
             return replace(
                 state,
-                reference=Reference(stage=stage, step=event.step, checkpoint=checkpoint),
+                reference=Reference(stage=stage, step=event.step, checkpoint=checkpoint, layout=state.layout),
                 pending_refreshes=state.pending_refreshes[1:],
             )
         case FadeStarted(boundary=b):
@@ -151,10 +154,26 @@ def _transition(state: State, event: Event) -> State:
         case FadeEnded(boundary=b):
             _require(b in state.fades_started and b not in state.fades_ended, event, f"fade {b} is not running")
             return replace(state, fades_ended=[*state.fades_ended, b])
-        case StackAppended(stack=stack, num_blocks=num_blocks, position=position, trunk=trunk):
-            _require(stack == len(state.stacks), event, f"expected stack {len(state.stacks)} next")
-            new = Stack(stack=stack, num_blocks=num_blocks, position=position, trunk=trunk, step=event.step)
-            return replace(state, stacks=[*state.stacks, new])
+        case StackAppended():
+            try:
+                layout = grown_layout(current_layout(state), event)
+            except GrowthError as exc:
+                raise IllegalTransition(event, str(exc)) from None
+            # The trunk changed: whatever cache there was holds another trunk's outputs.
+            return replace(state, layout=layout, num_growths=state.num_growths + 1, activation_cache=None)
+        case ActivationsCached():
+            layout = current_layout(state)
+            _require(event.version == layout.version, event, f"the trunk is at version {layout.version}")
+            _require(event.num_steps >= 0 and event.num_rows >= 0, event, "counts must be >= 0")
+            cache = CacheRef(
+                version=event.version,
+                first_step=event.step,
+                num_steps=event.num_steps,
+                num_rows=event.num_rows,
+                path=event.path,
+                num_bytes=event.num_bytes,
+            )
+            return replace(state, activation_cache=cache)
         case StepCommitted():
             _require(event.step == state.step + 1, event, f"expected step {state.step + 1}")
             _require(
@@ -236,6 +255,10 @@ def _transition(state: State, event: Event) -> State:
                 reference_update_stages=sorted(schedule.reference_update_stages),
                 optimizer_reset_stages=sorted(config.optimization.reset_optimizer_stages),
                 last_evaluated_boundary=evaluated,
+                # Before the first update the weights are the seed's, so the architecture may still
+                # change; the data may change at any time, and a cache of the old data's rows with it.
+                num_layers=config.architecture.num_layers if state.step == 0 else state.num_layers,
+                activation_cache=None,
             )
         case RunFinished():
             _require(
@@ -334,7 +357,9 @@ def _seeded(state: State, event: RunResumed, seed: ForkSeed) -> State:
         fades_ended=seed.fades_ended,
         pending_refreshes=seed.pending_refreshes,
         reference=seed.reference,
-        stacks=seed.stacks,
+        layout=seed.layout,
+        num_layers=seed.num_layers or state.num_layers,
+        num_growths=seed.num_growths,
         cursors=seed.cursors,
         last_loss=seed.last_loss,
         num_skipped_steps=seed.num_skipped_steps,

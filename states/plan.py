@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from rewind.states.config import Config, config_hash
 from rewind.states.events import (
     RUN_FEATURES,
+    ActivationsCached,
     Event,
     FadeEnded,
     FadeStarted,
@@ -27,9 +28,11 @@ from rewind.states.events import (
     ReferenceRefreshed,
     RunFinished,
     RunStarted,
+    StackAppended,
     StageEntered,
 )
 from rewind.states.fold import apply
+from rewind.states.growth import cache_span, caches_trunk, current_layout, growth_event
 from rewind.states.lr import lr_at
 from rewind.states.schedule import Schedule
 from rewind.states.state import CheckpointReason, State
@@ -67,6 +70,22 @@ class ResetOptimizer:
 
 
 @dataclass(frozen=True, slots=True)
+class GrowModel:
+    """A stack joins the model: `event` (every decision in it) is what the engine performs and records."""
+
+    event: StackAppended
+
+
+@dataclass(frozen=True, slots=True)
+class CacheTrunk:
+    """Compute and store the frozen trunk's outputs for the next `num_steps` steps (`num_rows` rows)."""
+
+    version: int
+    num_steps: int
+    num_rows: int
+
+
+@dataclass(frozen=True, slots=True)
 class FinishRun:
     pass
 
@@ -96,7 +115,9 @@ class DeleteCheckpoints:
     names: tuple[str, ...]  # retention: oldest first
 
 
-ControlIntent = EnterStage | StartFade | EndFade | RefreshReference | ResetOptimizer | FinishRun
+ControlIntent = (
+    EnterStage | StartFade | EndFade | RefreshReference | ResetOptimizer | GrowModel | CacheTrunk | FinishRun
+)
 Intent = ControlIntent | RunStep | Validate | Evaluate | TakeCheckpoint | DeleteCheckpoints
 
 
@@ -162,6 +183,9 @@ def control_intent(state: State, schedule: Schedule, step: int) -> ControlIntent
     """The next control transition due before the step with index `step`, or None."""
     if not state.started or state.finished:
         return None
+    growth = growth_due(state, schedule, step)
+    if growth is not None:
+        return growth
     if state.pending_refreshes:
         return RefreshReference(state.pending_refreshes[0])
     # After the stage's refresh: a reference checkpoint taken for the refresh then holds the moments
@@ -179,7 +203,34 @@ def control_intent(state: State, schedule: Schedule, step: int) -> ControlIntent
         return EnterStage(upcoming)
     if step >= schedule.num_steps:
         return FinishRun()
-    return None
+    return cache_due(state, schedule, step)
+
+
+def growth_due(state: State, schedule: Schedule, step: int) -> GrowModel | None:
+    """The next growth, once its step has come and (joining at a stage) its stage has been entered: so
+    at a stage entry the order is StageEntered, StackAppended, then the stage's reference refresh (of
+    the grown model) and optimizer reset."""
+    index = state.num_growths
+    if index >= len(schedule.growth_steps) or schedule.growth_steps[index] > step:
+        return None
+    spec = schedule.config.growth[index]
+    if spec.at_stage >= 0 and spec.at_stage >= state.num_stages_entered:
+        return None
+    layout = current_layout(state)
+    return GrowModel(growth_event(schedule.config, index, layout, step, schedule.tokens_of(step)))
+
+
+def cache_due(state: State, schedule: Schedule, step: int) -> CacheTrunk | None:
+    """Caching the trunk's outputs, when training reads them and no complete cache of this trunk is on
+    record (the last thing before the first step over a new trunk, so a kill while writing it resumes
+    the writing)."""
+    layout = current_layout(state)
+    if state.activation_cache is not None or not caches_trunk(schedule.config, layout):
+        return None
+    num_steps = cache_span(schedule, state, step)
+    if num_steps == 0:
+        return None
+    return CacheTrunk(layout.version, num_steps, num_steps * schedule.config.training.batch_size)
 
 
 def control_event(intent: ControlIntent, step: int, tokens: int, checkpoint: str = "") -> Event:
@@ -195,6 +246,11 @@ def control_event(intent: ControlIntent, step: int, tokens: int, checkpoint: str
             return ReferenceRefreshed(step=step, tokens=tokens, stage=stage, checkpoint=checkpoint)
         case ResetOptimizer(stage=stage, lr_restarts=lr_restarts):
             return OptimizerReset(step=step, tokens=tokens, stage=stage, lr_restarted=lr_restarts)
+        case GrowModel(event=event):
+            return event
+        case CacheTrunk(version=version, num_steps=num_steps, num_rows=num_rows):
+            # A dry-run's record (no path): the engine writes the cache and records where it is.
+            return ActivationsCached(step=step, tokens=tokens, version=version, num_steps=num_steps, num_rows=num_rows)
         case FinishRun():
             return RunFinished(step=step, tokens=tokens)
     raise TypeError(f"not a control intent: {intent!r}")

@@ -18,6 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from rewind.states.config import Config
+from rewind.states.growth import join_step
 from rewind.states.lr import lr_at
 
 
@@ -103,6 +104,8 @@ class Schedule:
         self.fades: tuple[Ramp, ...] = tuple(r for r in self.ramps if r.width > 0)
         # entry_steps[i]: first step whose primary stage is >= i (num_steps if the run ends first).
         self.entry_steps: tuple[int, ...] = (0, *(self.stage_entry_step(i) for i in range(1, self.num_stages)))
+        # growth_steps[i]: the step before which config.growth[i] joins (rewind.states.growth.join_step).
+        self.growth_steps: tuple[int, ...] = tuple(join_step(g, self) for g in config.growth)
         self._transition_steps = self._find_transition_steps()
         self.warmup_from_zero = features is not None and "lr_warmup_floor" not in features
         # Steps at which an optimizer reset restarts the LR curve (reset_restarts_lr): the entries of the
@@ -204,7 +207,7 @@ class Schedule:
         return min(self.step_of(ramp.end), self.num_steps)
 
     def _find_transition_steps(self) -> list[int]:
-        steps = {0, self.num_steps, *self.entry_steps}
+        steps = {0, self.num_steps, *self.entry_steps, *self.growth_steps}
         for ramp in self.fades:
             steps.add(self.fade_start_step(ramp))
             steps.add(self.fade_end_step(ramp))

@@ -15,14 +15,15 @@ from typing import Literal
 import msgspec
 
 CheckpointReason = Literal["interval", "boundary", "reference", "final", "stop"]
-StackPosition = Literal["append", "prepend"]
-TrunkMode = Literal["trainable", "frozen", "lora", "qlora"]
+# How a stack's base weights are held: trained, fixed, or fixed and quantised to NF4 (bitsandbytes).
+BaseMode = Literal["trainable", "frozen", "nf4"]
 
 
 class Reference(msgspec.Struct, frozen=True, kw_only=True):
     stage: int
     step: int
     checkpoint: str
+    layout: ModelLayout | None = None  # the model's structure then (None: the initial model)
 
 
 class CheckpointRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,12 +43,43 @@ class OptimizerResetRef(msgspec.Struct, frozen=True, kw_only=True):
     lr_restarted: bool
 
 
-class Stack(msgspec.Struct, frozen=True, kw_only=True):
+class StackLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """One stack of the model as the log made it. `stack` is its identity (0 = the initial stack, then
+    1, 2, ... in the order they joined), independent of where it sits, so a prepend renames nothing:
+    parameter names, optimizer moments, dropout streams and checkpoint keys follow the identity."""
+
     stack: int
     num_blocks: int
-    position: StackPosition
-    trunk: TrunkMode
-    step: int
+    base: BaseMode = "trainable"
+    dtype: Literal["fp32", "bf16"] = "fp32"  # its base weights' dtype (an nf4 base is fp32 before quantising)
+    adapter_rank: int = 0  # LoRA adapters on its linear layers (0 = none)
+    adapter_alpha: float = 0.0
+    adapters_train: bool = False
+    joined_step: int = 0
+
+
+class ModelLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """The model's structure and what of it trains: everything needed to build it before loading any
+    tensor. `stacks` run from the input side to the output side; `version` counts the growths (the
+    trunk's version, which names its activation cache)."""
+
+    stacks: list[StackLayout]
+    embed_trains: bool = True
+    head_trains: bool = True  # the final norm and the head
+    version: int = 0
+    growth: int = -1  # the config.growth entry that made it (-1 = the initial model)
+
+
+class CacheRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A complete activation cache of the trunk of layout `version`: one chunk per step, for the steps
+    [first_step, first_step + num_steps), in the order training reads them."""
+
+    version: int
+    first_step: int
+    num_steps: int
+    num_rows: int
+    path: str = ""  # relative to the run directory ("" in a dry-run)
+    num_bytes: int = 0
 
 
 class Superseded(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,7 +110,9 @@ class ForkSeed(msgspec.Struct, frozen=True, kw_only=True):
     fades_ended: list[int] = []
     pending_refreshes: list[int] = []
     reference: Reference | None = None
-    stacks: list[Stack] = []
+    layout: ModelLayout | None = None
+    num_layers: int = 0
+    num_growths: int = 0
     cursors: dict[str, int] = {}
     last_loss: float | None = None
     num_skipped_steps: int = 0
@@ -115,7 +149,12 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     optimizer_reset_stages: list[int] = []
     pending_optimizer_resets: list[int] = []
     last_optimizer_reset: OptimizerResetRef | None = None
-    stacks: list[Stack] = []
+    # The model's structure once it has grown (None: the initial model of `num_layers` blocks, which
+    # the fold takes from the config in force; see `rewind.states.growth.current_layout`).
+    layout: ModelLayout | None = None
+    num_layers: int = 0
+    num_growths: int = 0  # config.growth entries done
+    activation_cache: CacheRef | None = None  # complete and valid for the current trunk
     cursors: dict[str, int] = {}
     last_loss: float | None = None
     num_skipped_steps: int = 0

@@ -186,6 +186,9 @@ def check_config(config: Config) -> list[str]:
             add(f"data.{name}.path: must not be empty")
         if not 0.0 < source.validation_fraction < 1.0:
             add(f"data.{name}.validation_fraction: must be in (0, 1), got {source.validation_fraction}")
+    from rewind.states.growth_checks import growth_problems  # (it builds schedules, which need this module)
+
+    problems += growth_problems(config, schedule_ok=not problems and not non_finite)
     # A non-finite value is said once, as such, not again by the range rule it also fails.
     said = {p.split(":")[0] for p in non_finite}
     return non_finite + [p for p in problems if p.split(":")[0] not in said]

@@ -57,5 +57,12 @@ def v2_to_v3(raw: dict) -> dict:
     return raw
 
 
+def v3_to_v4(raw: dict) -> dict:
+    """Schema 3 -> 4 added model growth (StackAppended's decisions, ActivationsCached); no release
+    before 4 ever wrote a StackAppended (it refused growth), so every v3 record stands as it is."""
+    return raw
+
+
 UPCASTERS[1] = v1_to_v2
 UPCASTERS[2] = v2_to_v3
+UPCASTERS[3] = v3_to_v4

@@ -360,9 +360,11 @@ def test_after_step_records_must_carry_the_current_step():
 
 
 def test_stacks_are_appended_in_order():
-    state = apply(started_and_entered(), StackAppended(step=0, tokens=0, stack=0, num_blocks=2))
-    with pytest.raises(IllegalTransition, match="expected stack 1 next"):
-        apply(state, StackAppended(step=0, tokens=0, stack=0, num_blocks=2))
+    # Stack 0 is the initial model: the first to join is stack 1, the next stack 2.
+    state = apply(started_and_entered(), StackAppended(step=0, tokens=0, stack=1, num_blocks=2))
+    assert [s.stack for s in state.layout.stacks] == [0, 1]
+    with pytest.raises(IllegalTransition, match="expected stack 2 next"):
+        apply(state, StackAppended(step=0, tokens=0, stack=1, num_blocks=2))
 
 
 def test_an_illegal_transition_names_the_event_and_the_reason():
