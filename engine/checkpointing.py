@@ -14,20 +14,49 @@ from __future__ import annotations
 
 import torch
 
+from rewind.engine import layout as layouts
 from rewind.engine import snapshot
-from rewind.engine.parts import Parts, build_model, frozen_copy
-from rewind.engine.step import apply_hyperparameters
+from rewind.engine.parts import Parts, frozen_copy
+from rewind.engine.step import apply_hyperparameters, build_optimizer
+from rewind.states.config import Config
 from rewind.states.events import CheckpointCommitted
-from rewind.states.state import CheckpointReason, State, control_summary
-from rewind.stores.checkpoints import group_file
+from rewind.states.state import CheckpointReason, ModelLayout, State, control_summary
+from rewind.stores.checkpoints import CheckpointStore, group_file
+from rewind.stores.trunks import TrunkStore, serialize
 
 Groups = dict[str, dict[str, torch.Tensor]]
+
+
+def model_groups(parts: Parts) -> Groups:
+    """The model's tensors by role, under unwrapped names: `model` (base weights that are not a frozen
+    stack's), `adapters` (LoRA, when there are any). A frozen or quantised stack's base weights are in
+    parts.trunk_sources, stored once (`trunk_files`)."""
+    base, adapters = {}, {}
+    for name, tensor in parts.model.state_dict().items():
+        if layouts.is_adapter(name):
+            adapters[layouts.unwrapped(name)] = snapshot.cpu_copy(tensor)
+        elif layouts.stack_of(name) not in parts.trunk_sources:
+            base[layouts.unwrapped(name)] = snapshot.cpu_copy(tensor)
+    return {"model": base, "adapters": adapters} if adapters else {"model": base}
 
 
 def checkpoint_groups(parts: Parts) -> tuple[Groups, dict]:
     """The tensors a checkpoint holds, per group, and the optimizer's layout metadata."""
     optimizer_tensors, optimizer_meta = snapshot.optimizer_tensors(parts.optimizer, parts.param_names)
-    return {"model": snapshot.model_tensors(parts.model), "optimizer": optimizer_tensors}, optimizer_meta
+    return {**model_groups(parts), "optimizer": optimizer_tensors}, optimizer_meta
+
+
+def trunk_files(parts: Parts) -> dict[str, str]:
+    """{stack id: sha256} of every frozen stack's weights, each written to RUN/trunks/ if it is not
+    there yet (a fork's first checkpoint writes what its parent's run directory held)."""
+    trunks = TrunkStore(parts.run_dir)
+    for stack, tensors in sorted(parts.trunk_sources.items()):
+        digest = parts.trunk_hashes.get(stack)
+        if digest is None or not trunks.exists(digest):
+            data, digest = serialize(tensors)
+            trunks.write(data, digest)
+            parts.trunk_hashes[stack] = digest
+    return {str(stack): parts.trunk_hashes[stack] for stack in sorted(parts.trunk_sources)}
 
 
 def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_seq: int) -> CheckpointCommitted:
@@ -43,6 +72,8 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_s
         "reference": state.reference.checkpoint if state.reference is not None else "",
         "log_seq": log_seq,
     }
+    if parts.trunk_sources:  # written before the manifest that names them
+        meta["trunks"] = trunk_files(parts)
     written = parts.store.write(state.step, groups, meta)
     return CheckpointCommitted(
         step=state.step,
@@ -54,27 +85,48 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_s
     )
 
 
+def load_model(
+    config: Config, store: CheckpointStore, name: str, files: dict[str, str] | None, layout: ModelLayout | None
+) -> tuple[torch.nn.Module, Groups, dict, dict[int, dict[str, torch.Tensor]], dict[int, str]]:
+    """The model of `layout` with checkpoint `name`'s weights: (model, groups, meta, trunk sources,
+    trunk hashes). Plain weights first (base and trunk files, under unwrapped names), then quantised
+    and given adapters as the layout says, then the adapters' values."""
+    groups = store.load(name, files)
+    meta = store.load_manifest(name).meta
+    trunks = TrunkStore(store.run_dir)
+    sources = {int(stack): trunks.load(digest) for stack, digest in meta.get("trunks", {}).items()}
+    hashes = {int(stack): digest for stack, digest in meta.get("trunks", {}).items()}
+    plain = layouts.build_plain(config, layout)
+    tensors = dict(groups["model"])
+    for stack_tensors in sources.values():
+        tensors.update(stack_tensors)
+    snapshot.load_model_tensors(plain, tensors)
+    model = layouts.shape(plain, config, layout)
+    layouts.load_adapters(model, groups.get("adapters", {}))
+    return model, groups, meta, sources, hashes
+
+
 def load_checkpoint(parts: Parts, state: State) -> None:
-    """Load the state's last checkpoint into the model and optimizer, and its reference (if any) from
-    the checkpoint the reference points to. Every file is checked against the hashes the log recorded."""
+    """Load the state's last checkpoint into the parts (model of the state's layout, optimizer over
+    what it trains, the moments), and its reference (if any) from the checkpoint the reference points
+    to. Every file is checked against the hashes the log recorded."""
     ref = state.last_checkpoint
     assert ref is not None
-    groups = parts.store.load(ref.checkpoint, ref.files, groups=("model", "optimizer"))
-    snapshot.load_model_tensors(parts.model, groups["model"])
-    meta = parts.store.load_manifest(ref.checkpoint).meta
+    model, groups, meta, sources, hashes = load_model(parts.config, parts.store, ref.checkpoint, ref.files, state.layout)
+    parts.model, parts.layout = model, state.layout
+    parts.trunk_sources, parts.trunk_hashes = sources, hashes
+    parts.optimizer = build_optimizer(model, parts.config)
+    parts.param_names = layouts.parameter_names(model)
     restore_optimizer(parts, groups["optimizer"], meta["optimizer"])
     parts.reference = None
     if state.reference is not None:
-        if state.reference.checkpoint == ref.checkpoint:
-            weights = groups["model"]
+        reference_ref = state.reference
+        if reference_ref.checkpoint == ref.checkpoint:
+            parts.reference = frozen_copy(model)
         else:
-            files = next((c.files for c in state.live_checkpoints if c.checkpoint == state.reference.checkpoint), None)
-            weights = parts.store.load(state.reference.checkpoint, files, groups=("model",))["model"]
-        reference = build_model(parts.config)
-        snapshot.load_model_tensors(reference, weights)
-        parts.reference = frozen_copy(reference)
-
-
+            files = next((c.files for c in state.live_checkpoints if c.checkpoint == reference_ref.checkpoint), None)
+            reference = load_model(parts.config, parts.store, reference_ref.checkpoint, files, reference_ref.layout)[0]
+            parts.reference = frozen_copy(reference)
 def restore_optimizer(parts: Parts, tensors: dict[str, torch.Tensor], layout: dict) -> None:
     """The saved moments into the live optimizer, under the settings of the config in force."""
     snapshot.load_optimizer_tensors(parts.optimizer, parts.param_names, tensors, layout)

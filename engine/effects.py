@@ -12,11 +12,11 @@ bookkeeping such as checkpoints, stops and evaluations) have no effect.
 
 from __future__ import annotations
 
-from rewind.engine import snapshot
-from rewind.engine.checkpointing import restore_optimizer
-from rewind.engine.parts import Parts, RunError, build_model, fresh_parts, frozen_copy
+from rewind.engine.growth import grow, plain_weights, transplant
+from rewind.engine.parts import Parts, fresh_parts, frozen_copy, open_datasets
 from rewind.states.config import Config
 from rewind.states.events import (
+    ActivationsCached,
     ConfigChanged,
     Event,
     OptimizerReset,
@@ -48,7 +48,11 @@ def apply_effect(parts: Parts, state: State, event: Event) -> Parts:
             # re-executed the steps up to it (the superseded ones are not in its stream).
             return parts
         case StackAppended():
-            raise RunError(f"step {event.step}: model growth (StackAppended) is not supported yet", 1)
+            return grow(parts, event)
+        case ActivationsCached():
+            # The cache was written before its record (the loop's perform); a replay or a resume finds
+            # it by the state, and training reads it (rewind.engine.trunkcache).
+            return parts
     return parts
 
 
@@ -61,14 +65,10 @@ def clear_optimizer_state(parts: Parts) -> None:
 
 def rebuilt(parts: Parts, config: Config, *, carry_tensors: bool) -> Parts:
     """Live objects for `config` (dropout, seed and the optimizer's settings come from it), holding the
-    tensors `parts` holds unless the run is still at its seed's weights."""
-    new = fresh_parts(config, parts.run_dir)
+    tensors `parts` holds unless the run is still at its seed's weights. The model keeps its layout
+    (growth is in the log, not the config) and the reference its weights."""
     if not carry_tensors:
-        return new
-    snapshot.load_model_tensors(new.model, snapshot.model_tensors(parts.model))
-    restore_optimizer(new, *snapshot.optimizer_tensors(parts.optimizer, parts.param_names))
-    if parts.reference is not None:
-        reference = build_model(config)
-        snapshot.load_model_tensors(reference, snapshot.model_tensors(parts.reference))
-        new.reference = frozen_copy(reference)
+        return fresh_parts(config, parts.run_dir)
+    new = transplant(parts, config, parts.layout, plain_weights(parts))
+    new.datasets = open_datasets(config)  # the config's own, as a fresh start would open
     return new

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from rewind.engine.datasets import Dataset
+from rewind.engine.layout import eval_mode
 from rewind.kernels.losses import fused_losses
 from rewind.states.config import Config
 
@@ -60,7 +61,7 @@ def validate(model: nn.Module, datasets: Mapping[str, Dataset], config: Config, 
     interval = max(config.logging.validation_interval, 1)
     round_index = step // interval
     was_training = model.training
-    model.eval()
+    eval_mode(model)
     losses = {}
     try:
         for name in training_datasets(config):
@@ -80,7 +81,7 @@ def evaluate(
     every boundary so the scores are comparable and forgetting shows."""
     rows = _rows_per_batch(config)
     was_training = model.training
-    model.eval()
+    eval_mode(model)
     scores, losses = {}, {}
     try:
         for name in evaluation_tasks(config):

@@ -25,6 +25,7 @@ from rewind.engine.evaluation import evaluate, validate
 from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
 from rewind.engine.step import nonfinite_quantity, train_step
+from rewind.engine.trunkcache import write_cache
 from rewind.states.events import (
     CheckpointDeleted,
     Evaluated,
@@ -35,6 +36,7 @@ from rewind.states.events import (
     Validated,
 )
 from rewind.states.plan import (
+    CacheTrunk,
     DeleteCheckpoints,
     Evaluate,
     Intent,
@@ -169,6 +171,7 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
         beta=plan.beta,
         reference=parts.reference,
         step=k,
+        trunk_rows=parts.trunk_reader.rows(parts, state, k),
     )
     return StepCommitted(
         step=k + 1,
@@ -211,6 +214,8 @@ def perform(run: Run, state: State, intent: Intent) -> State:
             return checkpoint(run, state, reason)
         case DeleteCheckpoints(names=names):
             return delete_checkpoints(run, state, names)
+        case CacheTrunk():
+            return record(run, state, write_cache(parts, state, intent))
     held = state.last_checkpoint.checkpoint if state.last_checkpoint is not None else ""
     return record(run, state, control_event(intent, state.step, state.tokens, held))  # type: ignore[arg-type]
 

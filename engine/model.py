@@ -4,8 +4,8 @@
 
 Parameter names are stable (`stacks.0.blocks.1.attn.qkv.weight`), and initialisation is a function
 of (seed, parameter name) only, so neither the global RNG nor the order modules were created in can
-change the weights. Growth (`append_stack` / `prepend_stack`) adds a stack whose blocks are
-initialised from their own derived stream; prepending shifts the indices of the existing stacks.
+change the weights. Stacks are named by a stable identity, not their position: growth adds a stack
+whose blocks are initialised from their own derived stream, and prepending renames nothing.
 
 Dropout never reads the global RNG either: each dropout site draws its mask from a generator keyed
 by the `dropout_seed` passed to `forward` plus the site's position, so a training loop that derives
@@ -85,12 +85,12 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(arch.d_model, 3 * arch.d_model, bias=False)
         self.proj = nn.Linear(arch.d_model, arch.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
         batch, length, width = x.shape
         head_size = width // self.num_heads
         qkv = self.qkv(x).view(batch, length, 3, self.num_heads, head_size).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each (B, H, T, D)
-        y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
+        y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=causal)
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -117,9 +117,14 @@ class Block(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dropout_seed: int | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        dropout_seed: int | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
-        attended = self.attn(self.attn_norm(x), cos, sin)
+        attended = self.attn(self.attn_norm(x), cos, sin, causal)
         if self.training and self.dropout > 0:
             attended = _dropout(attended, self.dropout, dropout_seed, "attn")
         x = x + attended
@@ -140,33 +145,65 @@ class Stack(nn.Module):
         self.blocks = nn.ModuleList(Block(arch) for _ in range(num_blocks))
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dropout_seed: int | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        dropout_seed: int | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
         recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for index, block in enumerate(self.blocks):
             block_seed = None if dropout_seed is None else derive_seed(dropout_seed, index)
             if recompute:
                 # No global RNG state to preserve: dropout masks are keyed by block_seed instead.
-                x = checkpoint(block, x, cos, sin, block_seed, use_reentrant=False, preserve_rng_state=False)
+                x = checkpoint(block, x, cos, sin, block_seed, causal, use_reentrant=False, preserve_rng_state=False)
             else:
-                x = block(x, cos, sin, block_seed)
+                x = block(x, cos, sin, block_seed, causal)
         return x
 
 
 class GPT(nn.Module):
-    def __init__(self, arch: ArchitectureSection, stack_sizes: list[int] | None = None, *, seed: int = 0):
+    """Embedding, stacks of blocks in `order` (input side first), final norm, head.
+
+    Stacks live in `stacks` under their identity (`stacks.<id>.blocks.<j>...`), not their position, so
+    a stack prepended later (id 1 before id 0) renames nothing. A model of one stack has the names a
+    one-stack ModuleList had (`stacks.0.blocks...`), which older checkpoints use."""
+
+    def __init__(
+        self,
+        arch: ArchitectureSection,
+        stack_sizes: list[int] | None = None,
+        *,
+        seed: int = 0,
+        stack_ids: list[int] | None = None,
+        vocab_size: int | None = None,
+        num_time_levels: int = 0,
+    ):
+        """`stack_sizes` in order from the input side, with identities `stack_ids` (default 0, 1, ...).
+        `vocab_size` (default the architecture's): rows of the embedding and outputs of the head, one
+        more than the data's when an objective adds a mask token. `num_time_levels`: a learned time
+        embedding added to the token embedding (masked diffusion with time as input)."""
         super().__init__()
         self.arch = arch
         sizes = [arch.num_layers] if stack_sizes is None else list(stack_sizes)
         if not sizes:
             raise ValueError("a model needs at least one stack")
+        ids = list(range(len(sizes))) if stack_ids is None else list(stack_ids)
+        if len(ids) != len(sizes) or len(set(ids)) != len(ids):
+            raise ValueError(f"stack ids {ids} do not name {len(sizes)} distinct stacks")
+        vocab = arch.vocab_size if vocab_size is None else vocab_size
         # torch's default initialisers draw from the global RNG; fork it so that merely building a
         # model leaves the caller's global state untouched. The real init is `init_weights` below.
         with torch.random.fork_rng(devices=[]):
-            self.embed = nn.Embedding(arch.vocab_size, arch.d_model)
-            self.stacks = nn.ModuleList(Stack(arch, n) for n in sizes)
+            self.embed = nn.Embedding(vocab, arch.d_model)
+            self.time_embed = nn.Embedding(num_time_levels, arch.d_model) if num_time_levels else None
+            # Created in id order, so parameter order (and so the optimizer's) follows identities too.
+            self.stacks = nn.ModuleDict({str(i): Stack(arch, n) for i, n in sorted(zip(ids, sizes, strict=True))})
             self.norm = _make_norm(arch)
-            self.head = nn.Linear(arch.d_model, arch.vocab_size, bias=False)
+            self.head = nn.Linear(arch.d_model, vocab, bias=False)
+        self.order: list[int] = ids
+        self.causal = True  # the objective's attention (masked objectives attend both ways)
         cos, sin = self._rope_tables(arch)
         # Non-persistent: derived from the config, so they stay out of checkpoints.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -182,9 +219,16 @@ class GPT(nn.Module):
         angles = torch.outer(torch.arange(arch.block_size, dtype=torch.float64), inverse_frequencies)
         return angles.cos().float(), angles.sin().float()
 
+    def stack(self, stack_id: int) -> Stack:
+        return self.stacks[str(stack_id)]  # type: ignore[return-value]
+
+    def ordered_stacks(self) -> list[tuple[int, Stack]]:
+        """(id, stack) from the input side to the output side."""
+        return [(i, self.stack(i)) for i in self.order]
+
     @property
     def stack_sizes(self) -> list[int]:
-        return [len(stack.blocks) for stack in self.stacks]
+        return [len(stack.blocks) for _, stack in self.ordered_stacks()]
 
     @property
     def num_blocks(self) -> int:
@@ -202,50 +246,89 @@ class GPT(nn.Module):
         return self._grow(num_blocks, seed, "append", function_preserving)
 
     def prepend_stack(self, num_blocks: int, seed: int, *, function_preserving: bool = False) -> Stack:
-        """Add a stack before the first one (existing stacks shift to index + 1); see `_grow`."""
+        """Add a stack before the first one (the others keep their names); see `_grow`."""
         return self._grow(num_blocks, seed, "prepend", function_preserving)
 
     def _grow(self, num_blocks: int, seed: int, position: str, function_preserving: bool) -> Stack:
-        """New blocks draw from (seed, "grow", number of stacks before, position, name within the stack),
-        so successive growths never repeat each other's or the original init. With
-        `function_preserving`, the residual projections start at zero: the new blocks are the identity
-        and the model's outputs are unchanged at the moment of growth."""
+        """A new stack with the next identity, its blocks from `new_stack_weights`."""
+        stack_id = len(self.stacks)
         with torch.random.fork_rng(devices=[]):
             stack = Stack(self.arch, num_blocks)
-        growth = ("grow", len(self.stacks), position)
-        _init_parameters(stack, seed, growth, self.num_blocks + num_blocks)
-        if function_preserving:
-            with torch.no_grad():
-                for name, parameter in stack.named_parameters():
-                    if name.endswith(_RESIDUAL_PROJECTIONS):
-                        parameter.zero_()
+        init_new_stack(stack, seed, stack_id, self.num_blocks + num_blocks, function_preserving=function_preserving)
         reference = self.head.weight
         stack.to(device=reference.device, dtype=reference.dtype)
         stack.train(self.training)
-        if position == "append":
-            self.stacks.append(stack)
-        else:
-            self.stacks.insert(0, stack)
+        self.stacks[str(stack_id)] = stack
+        self.order = [*self.order, stack_id] if position == "append" else [stack_id, *self.order]
         return stack
 
-    def forward(self, idx: torch.Tensor, *, dropout_seed: int | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab_size) for token ids (B, T), T <= block_size.
+    def embed_tokens(self, idx: torch.Tensor, levels: torch.Tensor | None, dropout_seed: int | None) -> torch.Tensor:
+        x = self.embed(idx)
+        if self.time_embed is not None:
+            if levels is None:
+                raise ValueError("this model embeds a time level per row: forward(..., levels=...)")
+            x = x + self.time_embed(levels)[:, None, :]
+        if self.training and self.arch.dropout > 0:
+            x = _dropout(x, self.arch.dropout, dropout_seed, "embed")
+        return x
+
+    def run_stacks(
+        self, x: torch.Tensor, positions: range, dropout_seed: int | None
+    ) -> torch.Tensor:
+        """The stacks at `positions` (in order) on the residual stream x. Each stack computes in its own
+        dtype (a bf16 stack among fp32 ones) and hands the stream on in the dtype it came in."""
+        length = x.shape[1]
+        cos, sin = self.rope_cos[:length], self.rope_sin[:length]
+        use_dropout = self.training and self.arch.dropout > 0 and dropout_seed is not None
+        for position in positions:
+            stack_id = self.order[position]
+            stack = self.stack(stack_id)
+            # Keyed by identity: a stack keeps its dropout stream when another is prepended.
+            stack_seed = derive_seed(dropout_seed, "stack", stack_id) if use_dropout else None
+            dtype = stack_dtype(stack)
+            x = stack(x.to(dtype), cos, sin, stack_seed, causal=self.causal).to(x.dtype)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+    def forward(
+        self, idx: torch.Tensor, *, dropout_seed: int | None = None, levels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T), T <= block_size.
 
         `dropout_seed` keys the dropout masks of this forward pass (needed only in training mode
-        with dropout > 0); derive it from (seed, "dropout", step, rank, micro-batch)."""
+        with dropout > 0); derive it from (seed, "dropout", step, rank, micro-batch). `levels`: each
+        row's time level, for a model with a time embedding."""
         length = idx.shape[1]
         if length > self.arch.block_size:
             raise ValueError(f"sequence length {length} exceeds block_size {self.arch.block_size}")
-        use_dropout = self.training and self.arch.dropout > 0
-        x = self.embed(idx)
-        if use_dropout:
-            x = _dropout(x, self.arch.dropout, dropout_seed, "embed")
-        cos, sin = self.rope_cos[:length], self.rope_sin[:length]
-        for index, stack in enumerate(self.stacks):
-            stack_seed = (
-                derive_seed(dropout_seed, "stack", index)
-                if use_dropout and dropout_seed is not None
-                else None
-            )
-            x = stack(x, cos, sin, stack_seed)
-        return self.head(self.norm(x))
+        x = self.embed_tokens(idx, levels, dropout_seed)
+        return self.logits(self.run_stacks(x, range(len(self.order)), dropout_seed))
+
+    def forward_from_trunk(self, hidden: torch.Tensor, *, dropout_seed: int | None = None) -> torch.Tensor:
+        """Logits from the trunk's output `hidden` (what `trunk_output` gives): only the last stack, the
+        final norm and the head run. With a frozen trunk, this and `forward` compute the same bits."""
+        return self.logits(self.run_stacks(hidden, range(len(self.order) - 1, len(self.order)), dropout_seed))
+
+    def trunk_output(self, idx: torch.Tensor, *, dropout_seed: int | None = None) -> torch.Tensor:
+        """The residual stream entering the last stack: the embedding and every stack before it."""
+        x = self.embed_tokens(idx, None, dropout_seed)
+        return self.run_stacks(x, range(len(self.order) - 1), dropout_seed)
+
+
+def stack_dtype(stack: nn.Module) -> torch.dtype:
+    """The dtype a stack computes in: that of its norms (never quantised, cast with the stack)."""
+    return stack.blocks[0].attn_norm.weight.dtype  # type: ignore[union-attr, index]
+
+
+def init_new_stack(stack: Stack, seed: int, stack_id: int, depth: int, *, function_preserving: bool = False) -> None:
+    """A new stack's blocks from the stream (seed, "grow", stack id, name within the stack), so growths
+    never repeat each other's draws or the original init. `function_preserving` zeroes the residual
+    output projections: every new block is then the identity and the model's outputs are unchanged."""
+    _init_parameters(stack, seed, ("grow", stack_id), depth)
+    if function_preserving:
+        with torch.no_grad():
+            for name, parameter in stack.named_parameters():
+                if name.endswith(_RESIDUAL_PROJECTIONS):
+                    parameter.zero_()

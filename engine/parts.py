@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from rewind.engine import snapshot
+from rewind.engine import layout as layouts
 from rewind.engine.datasets import DatasetError, DatasetRegistry
 from rewind.engine.model import GPT
 from rewind.engine.step import build_optimizer
 from rewind.states.config import Config
 from rewind.states.schedule import Schedule
-from rewind.states.state import State
+from rewind.states.state import ModelLayout, State
 from rewind.stores.checkpoints import CheckpointStore
+
+if TYPE_CHECKING:
+    from rewind.engine.trunkcache import TrunkReader
 
 
 class RunError(Exception):
@@ -47,15 +51,28 @@ class Parts:
     store: CheckpointStore
     reference: nn.Module | None = None
     param_names: dict[nn.Parameter, str] = field(default_factory=dict)
+    # The model's structure (None: the initial model) and, for each stack whose base is frozen or
+    # quantised, its float base weights under their unwrapped names: what checkpoints store of it
+    # (once, stores.trunks) and what NF4 is quantised from. trunk_hashes: their files' sha256, known.
+    layout: ModelLayout | None = None
+    trunk_sources: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    trunk_hashes: dict[int, str] = field(default_factory=dict)
+    trunk_reader: TrunkReader = field(default_factory=lambda: _trunk_reader())
 
 
-def build_model(config: Config) -> GPT:
-    return GPT(config.architecture, seed=config.run.seed)
+def _trunk_reader() -> TrunkReader:
+    from rewind.engine.trunkcache import TrunkReader  # (it builds on Parts)
+
+    return TrunkReader()
+
+
+def build_model(config: Config, layout: ModelLayout | None = None) -> GPT:
+    return layouts.build_model(config, layout)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     reference = copy.deepcopy(model)
-    reference.eval()
+    layouts.eval_mode(reference)
     for parameter in reference.parameters():
         parameter.requires_grad_(False)
     return reference
@@ -86,7 +103,7 @@ def fresh_parts(config: Config, run_dir: str, datasets: DatasetRegistry | None =
         optimizer=build_optimizer(model, config),
         datasets=open_datasets(config, datasets),
         store=CheckpointStore(run_dir),
-        param_names=snapshot.parameter_names(model),
+        param_names=layouts.parameter_names(model),
     )
 
 

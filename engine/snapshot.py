@@ -41,7 +41,7 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             raise SnapshotError(
                 f"model state {key!r} is a {type(value).__name__}; checkpoints hold only tensors"
             )
-        tensors[key] = _cpu_copy(value)
+        tensors[key] = cpu_copy(value)
     return tensors
 
 
@@ -89,7 +89,7 @@ def optimizer_tensors(
             names.append(name)
             for field, value in optimizer.state.get(parameter, {}).items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"{_STATE}{name}.{field}"] = _cpu_copy(value)
+                    tensors[f"{_STATE}{name}.{field}"] = cpu_copy(value)
                 else:
                     state_scalars.setdefault(name, {})[field] = value
         group_meta: dict[str, Any] = {"params": names}
@@ -97,7 +97,7 @@ def optimizer_tensors(
             if key == "params":
                 continue
             if isinstance(value, torch.Tensor):  # e.g. a tensor lr for capturable optimizers
-                tensors[f"{_GROUP}{index}.{key}"] = _cpu_copy(value)
+                tensors[f"{_GROUP}{index}.{key}"] = cpu_copy(value)
             else:
                 group_meta[key] = value
         groups_meta.append(group_meta)
@@ -157,7 +157,7 @@ def load_optimizer_tensors(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     # One copy whatever the source device or strides; same dtype, so the bits are unchanged.
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
     copy.copy_(tensor.detach())

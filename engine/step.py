@@ -86,11 +86,14 @@ def train_step(
     reference: nn.Module | None,
     step: int,
     apply_update: bool = True,
+    trunk_rows: torch.Tensor | None = None,
 ) -> StepResult:
     """Forward/backward over micro-batches, clip, and (if the loss is finite) one AdamW update.
 
     `apply_update=False` computes everything but leaves the weights and optimizer untouched (used to
-    skip a step with a non-finite loss, and by `rewind replay` to recompute a logged step)."""
+    skip a step with a non-finite loss, and by `rewind replay` to recompute a logged step).
+    `trunk_rows`: the frozen trunk's outputs for these rows, from the activation cache: only the last
+    stack, the final norm and the head run (the same bits as the whole forward pass)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -101,7 +104,10 @@ def train_step(
     num_correct = 0
     for index, rows in enumerate(micro_batches(tokens.shape[0], config.training.per_device_batch_size)):
         dropout_seed = derive_seed(config.run.seed, "dropout", step, 0, index)
-        logits = model(inputs[rows], dropout_seed=dropout_seed)
+        if trunk_rows is not None:
+            logits = model.forward_from_trunk(trunk_rows[rows], dropout_seed=dropout_seed)
+        else:
+            logits = model(inputs[rows], dropout_seed=dropout_seed)
         reference_logits = None
         if use_kl:
             with torch.no_grad():  # no reference forward at all when beta is 0

@@ -160,7 +160,13 @@ def _transition(state: State, event: Event) -> State:
             except GrowthError as exc:
                 raise IllegalTransition(event, str(exc)) from None
             # The trunk changed: whatever cache there was holds another trunk's outputs.
-            return replace(state, layout=layout, num_growths=state.num_growths + 1, activation_cache=None)
+            return replace(
+                state,
+                layout=layout,
+                num_growths=state.num_growths + 1,
+                activation_cache=None,
+                grown_since_checkpoint=True,
+            )
         case ActivationsCached():
             layout = current_layout(state)
             _require(event.version == layout.version, event, f"the trunk is at version {layout.version}")
@@ -214,7 +220,12 @@ def _transition(state: State, event: Event) -> State:
                 manifest_sha256=event.manifest_sha256,
                 files=event.files,
             )
-            return replace(state, last_checkpoint=ref, live_checkpoints=[*state.live_checkpoints, ref])
+            return replace(
+                state,
+                last_checkpoint=ref,
+                live_checkpoints=[*state.live_checkpoints, ref],
+                grown_since_checkpoint=False,
+            )
         case CheckpointDeleted(checkpoint=name):
             live = [c for c in state.live_checkpoints if c.checkpoint != name]
             _require(len(live) < len(state.live_checkpoints), event, f"checkpoint {name} is not live")

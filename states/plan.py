@@ -132,8 +132,10 @@ def decide(state: State, schedule: Schedule) -> Intent | None:
         # Before the first update of the run (or of a fork): the weights it starts from, on record.
         return Evaluate(-1)
     control = control_intent(state, schedule, state.step)
-    if isinstance(control, RefreshReference) and not _checkpoint_at(state, state.step):
-        return TakeCheckpoint("reference")  # the reference is named by a committed checkpoint
+    if isinstance(control, RefreshReference) and (
+        not _checkpoint_at(state, state.step) or state.grown_since_checkpoint
+    ):
+        return TakeCheckpoint("reference")  # the reference is named by a committed checkpoint of the model
     if control is not None:
         return control
     return RunStep(state.step)

@@ -154,6 +154,9 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     layout: ModelLayout | None = None
     num_layers: int = 0
     num_growths: int = 0  # config.growth entries done
+    # A growth happened after the last checkpoint: that checkpoint (even one at this very step, taken
+    # for the boundary before the growth) does not hold the model, so a reference refresh needs another.
+    grown_since_checkpoint: bool = False
     activation_cache: CacheRef | None = None  # complete and valid for the current trunk
     cursors: dict[str, int] = {}
     last_loss: float | None = None

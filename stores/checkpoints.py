@@ -71,6 +71,7 @@ class CheckpointStore:
 
     def __init__(self, run_dir: str | os.PathLike[str]):
         run = filesystem(run_dir)
+        self.run_dir = run_dir
         location = run.join(CHECKPOINTS_DIR)
         self._fs, self.root, self._is_local = location.fs, location.path, location.is_local
         self._run_root = run.path  # what every local read is confined to

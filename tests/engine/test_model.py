@@ -120,7 +120,7 @@ def test_append_stack_adds_names_after_and_keeps_existing_weights():
     before = state(model)
     stack = model.append_stack(2, seed=1)
     assert model.stack_sizes == [2, 2]
-    assert model.stacks[1] is stack
+    assert model.stack(1) is stack
     after = model.state_dict()
     for name, value in before.items():
         assert torch.equal(after[name], value)
@@ -128,17 +128,17 @@ def test_append_stack_adds_names_after_and_keeps_existing_weights():
     assert model(tokens()).shape == (2, 12, ARCH.vocab_size)
 
 
-def test_prepend_stack_shifts_existing_names_by_one():
+def test_prepend_stack_renames_nothing():
     model = GPT(ARCH, seed=1)
     before = state(model)
     model.prepend_stack(1, seed=1)
     assert model.stack_sizes == [1, 2]
+    assert model.order == [1, 0]
     after = model.state_dict()
-    for name, value in before.items():
-        assert torch.equal(after[name.replace("stacks.0.", "stacks.1.")], value)
-    # The new first stack must not repeat the original first stack's draws.
-    key = "stacks.0.blocks.0.attn.qkv.weight"
-    assert not torch.equal(after[key], before[key])
+    for name, value in before.items():  # the existing stack keeps its names and weights
+        assert torch.equal(after[name], value)
+    # The new first stack (identity 1) must not repeat the original stack's draws.
+    assert not torch.equal(after["stacks.1.blocks.0.attn.qkv.weight"], before["stacks.0.blocks.0.attn.qkv.weight"])
     assert model(tokens()).shape == (2, 12, ARCH.vocab_size)
 
 
@@ -170,7 +170,7 @@ def test_function_preserving_growth_keeps_outputs(position):
     assert torch.equal(before, after)
     grad_model = model.train()
     lm_loss(grad_model, idx).backward()
-    new_stack = grad_model.stacks[-1 if position == "append" else 0]
+    new_stack = grad_model.stack(1)
     assert new_stack.blocks[0].attn.proj.weight.grad.abs().sum() > 0  # the new blocks can learn
 
 

@@ -1,0 +1,103 @@
+"""What a growth does to the live objects: the model rebuilt for the new layout, the optimizer rebuilt
+over what now trains, with the moments of every parameter that trains on carried by name.
+
+The new model is never patched in place: it is built from the new layout exactly as a resume builds
+it (`rewind.engine.layout`), and the weights go in by their unwrapped names: the old model's base
+weights (a frozen stack's from its stored float copy), the new stack's from its initialisation, and the
+adapters that already existed. So a run that grew and a run resumed just after the growth hold the
+same objects, down to the order of the optimizer's parameters.
+
+What becomes frozen keeps its float weights in `parts.trunk_sources` (checkpoints store them once and
+NF4 quantises from them); what is dropped from the optimizer (a stack that stops training) loses its
+moments, which is part of the logged transition (the layout says what trains).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rewind.engine import layout as layouts
+from rewind.engine import snapshot
+from rewind.engine.checkpointing import model_groups
+from rewind.engine.parts import Parts
+from rewind.engine.step import apply_hyperparameters, build_optimizer
+from rewind.states.config import Config
+from rewind.states.events import StackAppended
+from rewind.states.growth import grown_layout
+from rewind.states.schedule import Schedule
+from rewind.states.state import ModelLayout
+
+
+def plain_weights(parts: Parts) -> dict[str, torch.Tensor]:
+    """Every base weight of the live model under its unwrapped name, frozen stacks' included."""
+    weights = dict(model_groups(parts)["model"])
+    for tensors in parts.trunk_sources.values():
+        weights.update(tensors)
+    return weights
+
+
+def grow(parts: Parts, event: StackAppended) -> Parts:
+    """The live objects after `event`: see the module docstring."""
+    old_layout = layouts.layout_of(parts.config, parts.layout)
+    new_layout = grown_layout(old_layout, event)
+    weights = plain_weights(parts)
+    order = [(s.stack, s.num_blocks) for s in old_layout.stacks]
+    new_stack = layouts.new_stack_weights(
+        weights, order, event.stack, event.num_blocks, event.init, event.position, parts.config.run.seed, parts.config
+    )
+    weights.update({f"stacks.{event.stack}.{name}": tensor for name, tensor in new_stack.items()})
+    return transplant(parts, parts.config, new_layout, weights)
+
+
+def transplant(parts: Parts, config: Config, layout: ModelLayout | None, weights: dict[str, torch.Tensor]) -> Parts:
+    """Parts for `config` whose model is `layout` holding `weights` (unwrapped base weights) and the
+    adapters `parts` has (new adapters keep their initialisation), and whose optimizer carries the
+    moments of every parameter that trained before and trains now."""
+    plain = layouts.build_plain(config, layout)
+    snapshot.load_model_tensors(plain, weights)
+    spec = layouts.layout_of(config, layout)
+    fixed = {s.stack for s in spec.stacks if s.base != "trainable"}
+    sources = {
+        stack: {name: tensor.detach().clone() for name, tensor in plain.state_dict().items() if layouts.stack_of(name) == stack}
+        for stack in fixed
+    }
+    model = layouts.shape(plain, config, layout)
+    adapters = {layouts.unwrapped(n): p.detach().clone() for n, p in model.named_parameters() if layouts.is_adapter(n)}
+    adapters.update(model_groups(parts).get("adapters", {}))
+    layouts.load_adapters(model, adapters)
+    optimizer = build_optimizer(model, config)
+    names = layouts.parameter_names(model)
+    _carry_moments(parts.optimizer, parts.param_names, optimizer, names)
+    apply_hyperparameters(optimizer, config)
+    kept = {stack: digest for stack, digest in parts.trunk_hashes.items() if stack in sources and _same(parts, sources, stack)}
+    return Parts(
+        config=config,
+        run_dir=parts.run_dir,
+        schedule=parts.schedule if config is parts.config else Schedule(config),
+        model=model,
+        optimizer=optimizer,
+        datasets=parts.datasets,
+        store=parts.store,
+        reference=parts.reference,
+        param_names=names,
+        layout=layout,
+        trunk_sources=sources,
+        trunk_hashes=kept,
+    )
+
+
+def _same(parts: Parts, sources: dict[int, dict[str, torch.Tensor]], stack: int) -> bool:
+    """Whether a stack's stored weights are unchanged (then its trunk file's hash still holds)."""
+    before = parts.trunk_sources.get(stack)
+    return before is not None and before.keys() == sources[stack].keys() and all(
+        torch.equal(before[name], sources[stack][name]) for name in before
+    )
+
+
+def _carry_moments(old, old_names, new, new_names) -> None:
+    """Optimizer state of each parameter of `new` whose name had state in `old` (copied, not shared)."""
+    by_name = {old_names[p]: state for p, state in old.state.items() if p in old_names}
+    for parameter, name in new_names.items():
+        state = by_name.get(name)
+        if state is not None and parameter.requires_grad:
+            new.state[parameter] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

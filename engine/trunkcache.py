@@ -1,0 +1,107 @@
+"""The frozen trunk's outputs, computed once per trunk and read by training instead of the trunk.
+
+When a stack is appended on a trunk that no longer trains (rewind.states.growth.caches_trunk), the
+residual stream entering the new stack is a pure function of each step's rows. `write_cache` computes
+it for every step up to the next growth, exactly as the training step would (the same rows from the
+data cursors, the same micro-batches, the same dropout seeds), and stores one chunk per step in a
+zarr array laid out in reading order (`rewind.stores.activations`), so a step reads one contiguous
+chunk. The ActivationsCached record that follows says the cache is complete; a writer killed half way
+leaves chunks without completion records, and the next process writes only those.
+
+`trunk_rows` gives a step its cached rows. Values read are bitwise the values a recomputation gives,
+so a run with the cache and one without end with the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rewind.engine.cursors import assemble_batch
+from rewind.engine.parts import Parts
+from rewind.engine.rng import derive_seed
+from rewind.engine.step import micro_batches
+from rewind.states.events import ActivationsCached
+from rewind.states.plan import CacheTrunk
+from rewind.states.state import CacheRef, State
+from rewind.stores.activations import ActivationCache, CacheError, CacheSpec
+from rewind.stores.fsio import filesystem
+
+CACHE_DIR = "cache"
+
+
+def cache_path(version: int) -> str:
+    """Where the cache of trunk `version` lives, relative to the run directory."""
+    return f"{CACHE_DIR}/trunk-{version}.zarr"
+
+
+def cache_url(run_dir: str, path: str) -> str:
+    return filesystem(run_dir).join(*path.split("/")).url
+
+
+def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCached:
+    """Compute and store the trunk's outputs for the steps the intent covers; returns the record that
+    says the cache is complete (not yet appended)."""
+    config, model = parts.config, parts.model
+    width = config.architecture.d_model
+    dtype = "bfloat16" if _trunk_dtype(model) == torch.bfloat16 else "float32"
+    batch = config.training.batch_size
+    spec = CacheSpec(
+        num_rows=intent.num_rows, seq_len=config.architecture.block_size, width=width, dtype=dtype, rows_per_chunk=batch
+    )
+    path = cache_path(intent.version)
+    cache = ActivationCache.create(cache_url(parts.run_dir, path), spec)
+    missing = set(cache.missing_chunks())
+    cursors = dict(state.cursors)
+    model.train()  # as the step computes it: dropout (if any) keyed by the step's seeds
+    with torch.no_grad():
+        for offset in range(intent.num_steps):
+            k = state.step + offset
+            plan = parts.schedule.step_plan(k)
+            tokens, _, cursors, _ = assemble_batch(config.run.seed, config, plan.rows, cursors, parts.datasets)
+            if offset not in missing:
+                continue  # written by a process that was stopped before the cache was complete
+            inputs = tokens[:, :-1]
+            parts_out = []
+            for index, rows in enumerate(micro_batches(inputs.shape[0], config.training.per_device_batch_size)):
+                dropout_seed = derive_seed(config.run.seed, "dropout", k, 0, index)
+                parts_out.append(model.trunk_output(inputs[rows], dropout_seed=dropout_seed))
+            cache.write_chunk(offset, torch.cat(parts_out).contiguous())
+    cache.mark_complete()
+    return ActivationsCached(
+        step=state.step,
+        tokens=state.tokens,
+        version=intent.version,
+        num_steps=intent.num_steps,
+        num_rows=intent.num_rows,
+        path=path,
+        num_bytes=cache.num_bytes(),
+    )
+
+
+def _trunk_dtype(model) -> torch.dtype:
+    """The dtype of the stream entering the last stack (the model's residual stream: the embedding's)."""
+    return model.embed.weight.dtype
+
+
+class TrunkReader:
+    """Opens the state's cache once per process and hands each step its rows."""
+
+    def __init__(self) -> None:
+        self._opened: tuple[CacheRef, ActivationCache] | None = None
+
+    def rows(self, parts: Parts, state: State, step: int) -> torch.Tensor | None:
+        """The cached trunk outputs of step `step` (batch, seq, width), or None when the state has no
+        cache covering it (training then runs the trunk)."""
+        ref = state.activation_cache
+        if ref is None or not ref.path or not ref.first_step <= step < ref.first_step + ref.num_steps:
+            return None
+        if self._opened is None or self._opened[0] != ref:
+            try:
+                self._opened = (ref, ActivationCache.open(cache_url(parts.run_dir, ref.path)))
+            except CacheError:
+                # Gone or damaged (a copied run directory without cache/): the trunk is recomputed,
+                # which gives the same bits, only slower.
+                return None
+        cache = self._opened[1]
+        start, stop = cache.chunk_rows(step - ref.first_step)
+        return cache.read_rows(start, stop)

@@ -1,0 +1,100 @@
+"""Frozen trunk weights, written once and shared by every checkpoint that holds them.
+
+Once a stack of a growing model is frozen (or quantised to NF4), its base weights never change again,
+so rewriting them at every checkpoint interval would only cost time and disk. They go to
+`RUN/trunks/<sha256>.safetensors` instead, named by the sha256 of their bytes: a checkpoint's manifest
+lists the hash of each frozen stack's file (`meta["trunks"]`), and the manifest itself is pinned by the
+CheckpointCommitted event, so the log pins the trunk too. Loading checks the bytes against the name.
+An NF4 stack stores its float weights here, from which quantisation is redone on load.
+
+Files are never rewritten (same name = same bytes) and never deleted with a checkpoint: several
+checkpoints share them. Writing is durable before a checkpoint may name the file (temporary name,
+sync, rename locally; on object stores the content-addressed name makes a half-written object
+detectable by its hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+import safetensors.torch
+import torch
+
+from rewind.stores import confine
+from rewind.stores.checkpoints import CheckpointCorrupt, CheckpointError
+from rewind.stores.fsio import filesystem, fsync_dir, sync_fd, write_all
+from rewind.stores.manifest import checked_tensors
+
+TRUNKS_DIR = "trunks"
+SUFFIX = ".safetensors"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def serialize(tensors: dict[str, torch.Tensor]) -> tuple[bytes, str]:
+    """(bytes, sha256) of a trunk file: the same tensors always give the same bytes."""
+    checked = checked_tensors("trunk", dict(sorted(tensors.items())))
+    data = safetensors.torch.save(checked)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+class TrunkStore:
+    def __init__(self, run_dir: str | os.PathLike[str]):
+        run = filesystem(run_dir)
+        location = run.join(TRUNKS_DIR)
+        self._fs, self.root, self._is_local = location.fs, location.path, location.is_local
+        self._run_root = run.path
+
+    def _path(self, digest: str) -> str:
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise CheckpointError(f"{digest!r} is not a trunk file name (a sha256)")
+        return f"{self.root.rstrip('/')}/{digest}{SUFFIX}"
+
+    def exists(self, digest: str) -> bool:
+        return bool(self._fs.exists(self._path(digest)))
+
+    def write(self, data: bytes, digest: str) -> None:
+        """Store `data` under its hash `digest` unless a good copy is there already."""
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise CheckpointError("trunk bytes do not match the hash they are stored under")
+        path = self._path(digest)
+        if self._fs.exists(path):
+            try:
+                self.load(digest)
+                return
+            except CheckpointError:
+                pass  # a damaged copy: write it again
+        if not self._is_local:
+            self._fs.makedirs(self.root, exist_ok=True)
+            self._fs.pipe_file(path, data)
+            return
+        if not os.path.isdir(self.root):
+            os.makedirs(self.root, exist_ok=True)
+            fsync_dir(os.path.dirname(self.root))
+        tmp = f"{path}.tmp-{os.urandom(8).hex()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            write_all(fd, data)
+            sync_fd(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(self.root)
+
+    def load(self, digest: str) -> dict[str, torch.Tensor]:
+        """The tensors of trunk file `digest`, after checking its bytes hash to its name."""
+        path = self._path(digest)
+        name = f"{TRUNKS_DIR}/{digest[:12]}"
+        try:
+            if self._is_local:
+                data = confine.read_file(self._run_root, [TRUNKS_DIR, f"{digest}{SUFFIX}"])
+            else:
+                data = self._fs.cat_file(path)
+        except FileNotFoundError:
+            raise CheckpointCorrupt(name, f"{digest}{SUFFIX}", "missing") from None
+        except confine.NotConfined as exc:
+            raise CheckpointCorrupt(name, f"{digest}{SUFFIX}", str(exc)) from None
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise CheckpointCorrupt(name, f"{digest}{SUFFIX}", "its bytes do not hash to its name")
+        return safetensors.torch.load(data)
