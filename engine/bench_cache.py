@@ -35,7 +35,7 @@ from rewind.stores.activations import ActivationCache, CacheSpec
 FULL = {"d_model": 256, "num_heads": 4, "block_size": 128, "batch": 8, "trunk": 6, "new": 2, "steps": 12}
 QUICK = {"d_model": 64, "num_heads": 4, "block_size": 32, "batch": 4, "trunk": 6, "new": 2, "steps": 4}
 NUM_WARMUP_STEPS = 2  # first steps pay for allocations and AdamW's state: not timed
-BATCHES_PER_CHUNK = 4
+BATCHES_PER_CHUNK = 1  # one chunk per step, as engine/trunkcache.py lays caches out
 
 
 class _Head(nn.Module):

@@ -26,6 +26,11 @@ def training_datasets(config: Config) -> list[str]:
 
 
 def evaluation_tasks(config: Config) -> list[str]:
+    """What boundary evaluations score: next-token answer accuracy, which only a causal (clm) model
+    predicts; a masked objective's run records its boundaries with no scores (config validation refuses
+    naming evaluations for one)."""
+    if config.objective.kind != "clm":
+        return []
     return list(config.training.evaluations) or training_datasets(config)
 
 

@@ -35,6 +35,7 @@ from rewind.states.events import (
     StepCommitted,
     Validated,
 )
+from rewind.states.growth import current_layout
 from rewind.states.plan import (
     CacheTrunk,
     DeleteCheckpoints,
@@ -160,6 +161,7 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
     config, k = parts.config, state.step
     plan = parts.schedule.step_plan(k)
     lr = step_lr(state, parts.schedule, k)  # the run's own curve: its features, its restarts
+    layout = current_layout(state)
     tokens, mask, cursors, _ = assemble_batch(config.run.seed, config, plan.rows, state.cursors, parts.datasets)
     result = train_step(
         parts.model,
@@ -172,6 +174,8 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
         reference=parts.reference,
         step=k,
         trunk_rows=parts.trunk_reader.rows(parts, state, k),
+        stack_index=max(s.stack for s in layout.stacks),  # the newest stack (time as depth)
+        num_stacks=1 + len(config.growth),
     )
     return StepCommitted(
         step=k + 1,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rewind.engine.objectives import objective_batch
 from rewind.engine.rng import derive_seed
 from rewind.kernels.losses import fused_losses
 from rewind.states.config import Config
@@ -69,6 +70,10 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, config: Config) -> N
         group.update(betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=weight_decay)
 
 
+def _levels(levels: torch.Tensor | None, rows: slice) -> dict:
+    return {} if levels is None else {"levels": levels[rows]}
+
+
 def micro_batches(num_rows: int, per_device: int) -> list[slice]:
     size = num_rows if per_device <= 0 else per_device
     return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
@@ -87,16 +92,30 @@ def train_step(
     step: int,
     apply_update: bool = True,
     trunk_rows: torch.Tensor | None = None,
+    stack_index: int = 0,
+    num_stacks: int = 1,
 ) -> StepResult:
     """Forward/backward over micro-batches, clip, and (if the loss is finite) one AdamW update.
 
     `apply_update=False` computes everything but leaves the weights and optimizer untouched (used to
     skip a step with a non-finite loss, and by `rewind replay` to recompute a logged step).
     `trunk_rows`: the frozen trunk's outputs for these rows, from the activation cache: only the last
-    stack, the final norm and the head run (the same bits as the whole forward pass)."""
+    stack, the final norm and the head run (the same bits as the whole forward pass).
+    The objective (config.objective) turns the rows into inputs, targets and the positions the loss
+    counts; masked diffusion with time as depth trains stack `stack_index` of `num_stacks`."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    batch = objective_batch(
+        config.objective,
+        config.architecture.vocab_size,
+        tokens,
+        loss_mask,
+        seed=config.run.seed,
+        step=step,
+        stack_index=stack_index,
+        num_stacks=num_stacks,
+    )
+    inputs, targets, loss_mask, levels = batch.inputs, batch.targets, batch.loss_mask, batch.levels
     num_target_tokens = int(loss_mask.sum())
     use_kl = reference is not None and beta > 0.0
     kind = config.optimization.kl.kind
@@ -107,11 +126,11 @@ def train_step(
         if trunk_rows is not None:
             logits = model.forward_from_trunk(trunk_rows[rows], dropout_seed=dropout_seed)
         else:
-            logits = model(inputs[rows], dropout_seed=dropout_seed)
+            logits = model(inputs[rows], dropout_seed=dropout_seed, **_levels(levels, rows))
         reference_logits = None
         if use_kl:
             with torch.no_grad():  # no reference forward at all when beta is 0
-                reference_logits = reference(inputs[rows])
+                reference_logits = reference(inputs[rows], **_levels(levels, rows))
         losses = fused_losses(
             logits, targets[rows], loss_mask[rows], num_target_tokens, reference_logits, beta, kind
         )

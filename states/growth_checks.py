@@ -110,6 +110,16 @@ def _objective_problems(config: Config) -> list[str]:
     for name in ("min_mask_rate", "max_mask_rate"):
         if not 0.0 < getattr(objective, name) <= 1.0:
             problems.append(f"objective.{name}: must be in (0, 1], got {getattr(objective, name)}")
+    if objective.kind != "clm" and config.training.evaluations:
+        problems.append(
+            f"training.evaluations: answer accuracy is next-token prediction, which a {objective.kind} "
+            'model (bidirectional) does not do: leave evaluations empty or use objective.kind = "clm"'
+        )
+    if objective.kind != "clm" and config.logging.validation_interval:
+        problems.append(
+            f"logging.validation_interval: validation measures next-token loss, not the {objective.kind} "
+            "objective: set it to 0"
+        )
     if objective.min_mask_rate > objective.max_mask_rate:
         problems.append(
             f"objective.min_mask_rate: {objective.min_mask_rate} is above max_mask_rate={objective.max_mask_rate}"

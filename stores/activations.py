@@ -15,8 +15,9 @@ zarr dtype: its bit patterns are stored as uint16.
 
 Completion is never inferred from a chunk being there (a killed writer leaves whole chunks, and zarr
 reads a missing one as zeros): a chunk counts once its record exists, and the record is written only
-after the chunk's bytes are durable. Rewriting a chunk removes its record (and the manifest) first, so a
-write that dies half way leaves the chunk missing, never vouched for with old bytes.
+after the chunk's bytes are durable (the record itself need not be: one lost to a crash only makes the
+chunk missing again). Rewriting a chunk removes its record (and the manifest) first, so a write that
+dies half way leaves the chunk missing, never vouched for with old bytes.
 
 Reads go to the chunk objects directly, not through zarr's codec pipeline, which on this kind of data
 runs several times slower than the storage under it: each chunk read is checked against its stored
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -52,7 +54,9 @@ CRC_SIZE = 4  # zarr's crc32c codec appends the checksum, little-endian, after t
 MAX_RECORD_BYTES = 1 << 12
 # (torch dtype, how zarr stores it): bfloat16 travels as its uint16 bit patterns.
 DTYPES = {"float32": (torch.float32, np.dtype("<f4")), "bfloat16": (torch.bfloat16, np.dtype("<u2"))}
-_CHUNK_NAME = re.compile(r"c\.\d+\.0\.0")
+# A chunk, or what zarr's LocalStore leaves of a chunk or zarr.json when killed mid-write (it writes
+# beside the file, then renames).
+_CHUNK_NAME = re.compile(r"c\.\d+\.0\.0|(c\.\d+\.0|zarr)\.[0-9a-f]{32}\.partial")
 
 
 class CacheError(Exception):
@@ -172,7 +176,8 @@ class ActivationCache:
         return start, min(start + self.spec.rows_per_chunk, self.spec.num_rows)
 
     def write_chunk(self, chunk: int, values: torch.Tensor) -> None:
-        """Write chunk `chunk` (values: (stop-start, seq_len, width), spec.dtype, CPU), then its record."""
+        """Write chunk `chunk` (values: (stop-start, seq_len, width) of spec.dtype, on any device), then
+        its completion record."""
         start, stop = self.chunk_rows(chunk)
         stored = self._stored_values(chunk, values, (stop - start, self.spec.seq_len, self.spec.width))
         # The record's crc32c is that of the stored chunk: zarr pads the last one to full size with zeros.
@@ -189,19 +194,19 @@ class ActivationCache:
             _sync_file(self._chunk_location(chunk))
             fsio.fsync_dir(self.location.path)
         record = self._record(chunk, crc)
-        self._record_location(chunk).write_atomic(msgspec.json.encode(record))
+        # Not synced, and not atomic: a record lost or cut short by a crash only makes the chunk
+        # missing (a torn one does not decode), and the chunk it names is durable already.
+        _write_unsynced(self._record_location(chunk), msgspec.json.encode(record))
         self._records[chunk] = record
 
     def _stored_values(self, chunk: int, values: object, shape: tuple[int, ...]) -> np.ndarray:
         if not isinstance(values, torch.Tensor):
             raise CacheError(f"chunk {chunk}: values must be a torch.Tensor, got {type(values).__name__}")
-        if values.device.type != "cpu":
-            raise CacheError(f"chunk {chunk}: values must be on the CPU, got {values.device}")
         if values.dtype != self._torch_dtype:
             raise CacheError(f"chunk {chunk}: values are {values.dtype}, this cache holds {self._torch_dtype}")
         if tuple(values.shape) != shape:
             raise CacheError(f"chunk {chunk}: values have shape {tuple(values.shape)}, expected {shape}")
-        values = values.detach().contiguous()
+        values = values.detach().cpu().contiguous()  # a trunk on a GPU hands its outputs over as they are
         if self.spec.dtype == "bfloat16":
             values = values.view(torch.uint16)
         return values.numpy()
@@ -237,7 +242,9 @@ class ActivationCache:
         num_rows = self.spec.num_rows
         _checked_index("start row", start, 0, num_rows, f"this cache holds rows [0, {num_rows})")
         _checked_index("stop row", stop, start, num_rows, f"must be in [start={start}, {num_rows}]")
-        out = torch.empty((stop - start, self.spec.seq_len, self.spec.width), dtype=self._torch_dtype)
+        out_values = np.empty((stop - start, self.spec.seq_len, self.spec.width), dtype=self._stored_dtype)
+        out = torch.from_numpy(out_values)
+        out = out.view(torch.bfloat16) if self.spec.dtype == "bfloat16" else out
         if stop == start:
             return out
         per_chunk = self.spec.rows_per_chunk
@@ -249,54 +256,48 @@ class ActivationCache:
                 f"{self.location.url}: rows [{start}, {stop}) need chunks with no completion record "
                 f"({_listed(missing)})"
             )
-        out_values = (out.view(torch.uint16) if self.spec.dtype == "bfloat16" else out).numpy()
         for k in chunks:
             chunk_start = k * per_chunk
             low, high = max(start, chunk_start), min(stop, chunk_start + per_chunk)
-            values = self._verified_chunk(k)
-            out_values[low - start : high - start] = values[low - chunk_start : high - chunk_start]
+            into = out_values[low - start : high - start]
+            if high - low == per_chunk and self.location.is_local and sys.byteorder == "little":
+                # A whole chunk wanted: read straight into the output, no copy (the engine's case).
+                self._verified_chunk(k, into=into.reshape(-1).view(np.uint8))
+            else:
+                into[...] = self._verified_chunk(k)[low - chunk_start : high - chunk_start]
         return out
 
-    def _verified_chunk(self, chunk: int) -> np.ndarray:
-        """Chunk `chunk`'s values, read whole, checked against its own crc32c and its record's."""
-        if self._held is not None and self._held[0] == chunk:
+    def _verified_chunk(self, chunk: int, into: np.ndarray | None = None) -> np.ndarray:
+        """Chunk `chunk`'s values, read whole, checked against its own crc32c and its record's. Read
+        into `into` (bytes of the caller's tensor) when given, else kept as the held chunk."""
+        if into is None and self._held is not None and self._held[0] == chunk:
             return self._held[1]
-        self._held = None  # its buffer is about to be overwritten
+        if into is None:
+            self._held = None  # its buffer is about to be overwritten
+            if self._buffer is None:
+                self._buffer = np.empty(self._chunk_bytes, dtype=np.uint8)
         try:
-            raw = self._read_chunk_file(self._chunk_location(chunk))
+            body, trailer = _read_chunk_file(self._chunk_location(chunk), self._buffer if into is None else into)
         except FileNotFoundError:
             raise self._chunk_error(chunk, "is missing") from None
-        if len(raw) != self._chunk_bytes + CRC_SIZE:
-            size = f"{len(raw):,} bytes where {self._chunk_bytes + CRC_SIZE:,} belong (truncated?)"
-            raise self._chunk_error(chunk, f"is damaged: {size}")
-        stored_crc = int.from_bytes(raw[-CRC_SIZE:].tobytes(), "little")
-        if google_crc32c.value(raw[:-CRC_SIZE]) != stored_crc:
+        if len(body) != self._chunk_bytes or len(trailer) != CRC_SIZE:
+            size = f"{len(body) + len(trailer):,} bytes where {self._chunk_bytes + CRC_SIZE:,} belong"
+            raise self._chunk_error(chunk, f"is damaged: {size} (truncated?)")
+        stored_crc = int.from_bytes(trailer, "little")
+        if google_crc32c.value(body) != stored_crc:
             raise self._chunk_error(chunk, "is damaged: its bytes fail their crc32c check")
         if stored_crc != self._records[chunk].crc32c:
             raise self._chunk_error(
                 chunk, "holds other bytes than its completion record vouches for (rewritten after the record?)"
             )
-        values = raw[:-CRC_SIZE].view(self._stored_dtype).reshape(self._chunk_shape)
-        self._held = (chunk, values)
+        values = body.view(self._stored_dtype).reshape(self._chunk_shape)
+        if into is None:
+            self._held = (chunk, values)
         return values
 
     def _chunk_error(self, chunk: int, problem: str) -> CacheError:
         start, stop = self.chunk_rows(chunk)
         return CacheError(f"{self.location.url}: chunk {chunk} (rows {start}-{stop - 1}) {problem}")
-
-    def _read_chunk_file(self, where: Location) -> np.ndarray:
-        """A chunk file's bytes. Locally into one reused buffer: a fresh allocation per chunk costs more
-        in page faults than the read itself. One byte of room more than a chunk tells a longer file."""
-        if not where.is_local:
-            return np.frombuffer(where.read_bytes(), dtype=np.uint8)
-        if self._buffer is None:
-            self._buffer = np.empty(self._chunk_bytes + CRC_SIZE + 1, dtype=np.uint8)
-        view, num_read = memoryview(self._buffer), 0
-        with open(where.path, "rb", buffering=0) as handle:
-            while num_read < len(view) and (count := handle.readinto(view[num_read:])):
-                num_read += count
-        view.release()
-        return self._buffer[:num_read]
 
     def num_bytes(self) -> int:
         """Bytes stored: chunks, records, metadata."""
@@ -345,10 +346,14 @@ class ActivationCache:
 
 
 def cache_status(url: str) -> str:
-    """"absent", "partial (k of n chunks)" or "complete"; CacheError if something else is there."""
+    """"absent", "partial (k of n chunks)" or "complete", for tools to print; never raises for what is
+    there: something that is not a readable cache is "unreadable (why)"."""
     if not filesystem(url).join(ARRAY_META).exists():
         return "absent"
-    cache = ActivationCache.open(url)
+    try:
+        cache = ActivationCache.open(url)
+    except CacheError as exc:
+        return f"unreadable ({str(exc).removeprefix(filesystem(url).url + ': ')})"
     num_written = cache.num_chunks - len(cache.missing_chunks())
     return "complete" if cache.is_complete() else f"partial ({num_written} of {cache.num_chunks} chunks)"
 
@@ -394,6 +399,30 @@ def _read_small(fs, locations: list[Location], max_bytes: int) -> dict[str, byte
         with contextlib.suppress(FileNotFoundError):
             found[where.path] = where.read_head(max_bytes)
     return found
+
+
+def _read_chunk_file(where: Location, buffer: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """(body, crc32c trailer) of a chunk file. Locally the body goes into `buffer` (a reused one, or
+    the caller's tensor: a fresh allocation per chunk costs more in page faults than the read), and
+    what follows it is read to one byte more than a trailer, so a longer file shows."""
+    if not where.is_local:
+        data = np.frombuffer(where.read_bytes(), dtype=np.uint8)
+        return data[:-CRC_SIZE], data[-CRC_SIZE:].tobytes()
+    view, num_read = memoryview(buffer), 0
+    with open(where.path, "rb", buffering=0) as handle:
+        while num_read < len(view) and (count := handle.readinto(view[num_read:])):
+            num_read += count
+        trailer = handle.read(CRC_SIZE + 1)
+    view.release()
+    return buffer[:num_read], trailer
+
+
+def _write_unsynced(location: Location, data: bytes) -> None:
+    if not location.is_local:
+        location.fs.pipe_file(location.path, data)  # a whole-object put
+        return
+    with open(location.path, "wb") as handle:
+        handle.write(data)
 
 
 def _sync_file(location: Location) -> None:

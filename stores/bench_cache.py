@@ -11,7 +11,9 @@ work on the same float32 activations (256 MB, 16 MB with `quick`):
   as the cache's are). `read_ratio`.
 
 Both read from the page cache, just written: the ratio is the cache's own cost (checksums, copies,
-Python), not the disk's. Ratios are cache / memmap throughput, goal >= 0.5. Best of `repeats`.
+Python), not the disk's. The writes are the disk's: one sync per chunk (plus its directory) against
+one flush, so `write_ratio` mostly measures the sync latency of the disk under it. Ratios are cache /
+memmap throughput, goal >= 0.5. Best of `repeats`, the two sides interleaved.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from rewind.stores.activations import ActivationCache, CacheSpec
 
 SEQ_LEN = 128
 WIDTH = 256
-ROWS_PER_CHUNK = 32  # 4 MiB chunks of float32: large enough that per-chunk costs vanish
-BATCH_ROWS = 8  # a training batch: several reads per chunk
+BATCH_ROWS = 8  # a training batch
+ROWS_PER_CHUNK = BATCH_ROWS  # one chunk per step, as the engine lays caches out (1 MiB chunks here)
 
 
 def _bench_spec(quick: bool) -> CacheSpec:

@@ -98,3 +98,21 @@ class TrunkStore:
         if hashlib.sha256(data).hexdigest() != digest:
             raise CheckpointCorrupt(name, f"{digest}{SUFFIX}", "its bytes do not hash to its name")
         return safetensors.torch.load(data)
+
+
+def checkpoint_weights(run_dir: str, name: str, files: dict[str, str] | None) -> dict[str, dict[str, torch.Tensor]]:
+    """A checkpoint's model by role, whole: `model` holds every base weight (its own and the frozen
+    stacks' from RUN/trunks/), `adapters` the LoRA tensors (empty without). Unwrapped names."""
+    from rewind.stores.checkpoints import CheckpointStore
+
+    store = CheckpointStore(run_dir)
+    groups = store.load(name, files, groups=[g for g in ("model", "adapters") if g in _groups_of(store, name)])
+    weights = dict(groups["model"])
+    trunks = TrunkStore(run_dir)
+    for digest in store.load_manifest(name).meta.get("trunks", {}).values():
+        weights.update(trunks.load(digest))
+    return {"model": weights, "adapters": dict(groups.get("adapters", {}))}
+
+
+def _groups_of(store, name: str) -> set[str]:
+    return {entry.name.removesuffix(".safetensors") for entry in store.load_manifest(name).files}

@@ -58,8 +58,11 @@ def v2_to_v3(raw: dict) -> dict:
 
 
 def v3_to_v4(raw: dict) -> dict:
-    """Schema 3 -> 4 added model growth (StackAppended's decisions, ActivationsCached); no release
-    before 4 ever wrote a StackAppended (it refused growth), so every v3 record stands as it is."""
+    """Schema 3 -> 4 added model growth (StackAppended's decisions, ActivationsCached). No release
+    before 4 performed growth (the engine refused it), so a v3 StackAppended exists only in hand-made
+    logs; its trunk value "trainable" is today's "full"."""
+    if raw.get("type") == "StackAppended" and raw.get("trunk") == "trainable":
+        return {**raw, "trunk": "full"}
     return raw
 
 

@@ -12,11 +12,14 @@ import time
 
 from rewind.tools.errors import UsageError
 
-TARGETS = ("schedule", "log", "overhead", "resume")
+TARGETS = ("schedule", "log", "overhead", "resume", "cache")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: schedule dry-run, event log, training-loop overhead, resume bookkeeping")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: schedule dry-run, event log, training-loop overhead, resume bookkeeping, activation cache",
+    )
     p.add_argument("target", choices=TARGETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
@@ -40,6 +43,13 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise UsageError(f"bench overhead needs the engine: {exc}") from None
         result = run_overhead_bench(quick=args.quick)
+    elif args.target == "cache":
+        try:  # zarr for the cache, torch and the engine for the training half
+            from rewind.engine.bench_cache import run_trunk_speedup
+            from rewind.stores.bench_cache import run_cache_bench
+        except ImportError as exc:
+            raise UsageError(f"bench cache needs the engine and zarr: {exc}") from None
+        result = {**run_cache_bench(quick=args.quick), **run_trunk_speedup(quick=args.quick)}
     else:  # argparse's choices make this unreachable
         raise UsageError(f"unknown bench target {args.target!r}")
     if args.json:

@@ -14,7 +14,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="export weights (--to FILE.safetensors) or rebuild metrics (tensorboard RUN)")
     p.add_argument("what", metavar="RUN | tensorboard", help="a run directory, or 'tensorboard' followed by one")
     p.add_argument("run_dir", nargs="?", metavar="RUN")
-    p.add_argument("--to", metavar="FILE.safetensors", help="where to write the model weights")
+    p.add_argument("--to", metavar="FILE.safetensors", help="where to write the model weights (base weights, frozen stacks included)")
+    p.add_argument(
+        "--adapters",
+        metavar="DIR",
+        help="also write the LoRA adapters in peft's layout (adapter_config.json + adapter_model.safetensors)",
+    )
     p.set_defaults(run=run)
 
 
@@ -25,12 +30,18 @@ def run(args: argparse.Namespace) -> int:
         return export_metrics(args.run_dir)
     if args.run_dir:
         raise UsageError(f"export: unexpected argument {args.run_dir!r}")
-    if args.to is None:
-        raise UsageError("export RUN: --to FILE.safetensors is required")
+    if args.to is None and args.adapters is None:
+        raise UsageError("export RUN: --to FILE.safetensors (and/or --adapters DIR) is required")
     from rewind.tools.rundir import check_run_dir
 
     check_run_dir(args.what, "RUN")
-    return export_weights(args.what, args.to)
+    if args.to is not None:
+        export_weights(args.what, args.to)
+    if args.adapters is not None:
+        from rewind.tools.export_adapters import export_adapters
+
+        export_adapters(args.what, args.adapters)
+    return 0
 
 
 def export_metrics(run_dir: str) -> int:
@@ -43,19 +54,31 @@ def export_metrics(run_dir: str) -> int:
     return 0
 
 
+def last_checkpoint(run_dir: str):
+    """The run's last committed checkpoint (CommandError, exit 1, when it has none)."""
+    from rewind.states.fold import fold
+
+    state = fold(e for _, e in load_records(run_dir))
+    if state.last_checkpoint is None:
+        raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
+    return state.last_checkpoint
+
+
 def export_weights(run_dir: str, out: str) -> int:
+    import msgspec
     from safetensors.torch import save
 
     from rewind.states.fold import fold
-    from rewind.stores.checkpoints import CheckpointStore
+    from rewind.states.growth import current_layout
+    from rewind.stores.trunks import checkpoint_weights
 
     target = check_target(out)
-    state = fold(e for _, e in load_records(run_dir))
-    ref = state.last_checkpoint
-    if ref is None:
-        raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
-    groups = CheckpointStore(run_dir).load(ref.checkpoint, ref.files)
-    data = save(groups["model"], metadata={"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step)})
+    ref = last_checkpoint(run_dir)
+    groups = {"model": checkpoint_weights(run_dir, ref.checkpoint, ref.files)["model"]}
+    # The layout builds the model these weights fit (stack identities and order): rewind.engine.layout.
+    layout = msgspec.json.encode(current_layout(fold(e for _, e in load_records(run_dir)))).decode()
+    metadata = {"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step), "layout": layout}
+    data = save(groups["model"], metadata=metadata)
     try:
         write_file_atomically(target, data)
     except OSError as exc:

@@ -173,6 +173,34 @@ def _listed(key: str, items: list[str], empty: str) -> list[str]:
     return [_line(key if i == 0 else "", item) for i, item in enumerate(items)]
 
 
+def _stack_lines(run_dir: str, state: Any, config: Any) -> list[str]:
+    """The model's stacks, input side first (what trains, adapters), and the trunk's activation cache."""
+    from rewind.states.growth import current_layout, stack_table
+
+    if state.layout is None:
+        return [_line("stacks", f"none: the initial model only ({config.architecture.num_layers} layers)")]
+    layout = current_layout(state)
+    rows = [
+        f"stack {r['stack']}: {r['num_blocks']} blocks, base {r['base']}"
+        + (f", adapters {r['adapters']}" if r["adapters"] else "")
+        + (f" (joined at step {r['joined_step']:,})" if r["stack"] else "")
+        for r in stack_table(layout)
+    ]
+    parts = [f"embedding {'trains' if layout.embed_trains else 'fixed'}", f"norm+head {'train' if layout.head_trains else 'fixed'}"]
+    lines = _listed(f"stacks (input side first; {', '.join(parts)})", rows, "none")
+    cache = state.activation_cache
+    if cache is not None and cache.path:
+        from rewind.stores.activations import cache_status
+        from rewind.stores.fsio import filesystem
+
+        status = cache_status(filesystem(run_dir).join(*cache.path.split("/")).url)
+        lines.append(
+            _line("trunk cache", f"{cache.path}: {status}, {cache.num_rows:,} rows for steps "
+                  f"{cache.first_step:,}..{cache.first_step + cache.num_steps - 1:,}, {cache.num_bytes / 2**20:.1f} MiB")
+        )
+    return lines
+
+
 def render_state(run_dir: str, started, state, config, upcoming: dict | None, as_of: str) -> list[str]:
     tps = state.tokens_per_step
     mixture = ""
@@ -221,13 +249,7 @@ def render_state(run_dir: str, started, state, config, upcoming: dict | None, as
     ]
     if state.optimizer_reset_stages or state.last_optimizer_reset is not None:  # a run that resets at all
         lines.append(_line("optimizer reset", _reset_text(state)))
-    stacks = [
-        f"stack {s.stack}: {s.num_blocks} blocks, {s.position}, trunk {s.trunk} (step {s.step:,})"
-        for s in state.stacks
-    ]
-    lines += _listed(
-        "stacks", stacks, f"none: the initial model only ({config.architecture.num_layers} layers)"
-    )
+    lines += _stack_lines(run_dir, state, config)
     lines += [
         _line("fades started", ", ".join(f"boundary {b}" for b in state.fades_started) or "none"),
         _line("fades ended", ", ".join(f"boundary {b}" for b in state.fades_ended) or "none"),

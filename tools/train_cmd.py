@@ -208,4 +208,9 @@ def summary(run_dir: str) -> str:
         for e in evaluations:
             row = "(start)" if e.boundary < 0 else str(e.boundary)  # -1: the baseline before the first step
             lines.append(f"{row:>12} " + " ".join(f"{e.scores.get(t, float('nan')):>9.3f}" for t in tasks))
+    from rewind.tools.growth_report import growth_table
+
+    table = growth_table([e for _, e in records])
+    if table:
+        lines += ["", *table]
     return "\n".join(lines)

@@ -22,6 +22,7 @@ from rewind.states.config import Config
 from rewind.states.events import (
     EVENT_TYPES,
     SCHEMA_VERSION,
+    ActivationsCached,
     CheckpointCommitted,
     CheckpointDeleted,
     ConfigChanged,
@@ -47,11 +48,16 @@ from rewind.stores.eventlog import EventLog, verify_log
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDEN_RUN = GOLDEN_DIR / "run"  # schema 1
-GOLDEN_RUNS = {1: GOLDEN_RUN, 2: GOLDEN_DIR / "run-v2", 3: GOLDEN_DIR / "run-v3-f2"}  # 1, 2: frame format 1
+GOLDEN_RUNS = {
+    1: GOLDEN_RUN,
+    2: GOLDEN_DIR / "run-v2",
+    3: GOLDEN_DIR / "run-v3-f2",
+    4: GOLDEN_DIR / "run-v4-f2",
+}  # 1, 2: frame format 1
 # By frame format: format 2 marks the end of each commit group (stores/codec.py).
 GOLDEN_FRAME_RUNS = {1: GOLDEN_DIR / "run-v2", 2: GOLDEN_DIR / "run-v3-f2"}
 # Event types a schema version added, which the goldens of older versions cannot hold.
-ADDED_IN = {"OptimizerReset": 3}
+ADDED_IN = {"OptimizerReset": 3, "ActivationsCached": 4}
 GOLDEN_CONFIG = GOLDEN_DIR / "config.json"  # Config() as it was when the log was written
 GOLDEN_SEGMENT_BYTES = 1024  # small, so the golden log spans several segments
 HASH = "9f2c4e1a" * 8
@@ -106,6 +112,26 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
         Evaluated(step=0, tokens=0, boundary=-1, scores={"add": 0.0625, "sort": 0.125}, losses={"add": 4.5}),
         StageEntered(step=0, tokens=0, stage=0),
         StackAppended(step=0, tokens=0, stack=1, num_blocks=2, position="prepend", trunk="lora"),
+        *(
+            [
+                StackAppended(
+                    step=0,
+                    tokens=0,
+                    stack=2,
+                    num_blocks=1,
+                    growth=1,
+                    init="copy",
+                    trunk="qlora",
+                    precision="nf4",
+                    rank=16,
+                    trunk_ranks={"0": 8, "1": 4},
+                    alpha_per_rank=2.0,
+                ),
+                ActivationsCached(step=0, tokens=0, version=2, num_steps=40, num_rows=320, path="cache/trunk-2.zarr", num_bytes=1 << 20),
+            ]
+            if version >= 4
+            else []
+        ),
         StepCommitted(
             step=1,
             tokens=512,

@@ -1,0 +1,34 @@
+"""`rewind bench cache`: the trunk-speedup half, and the command's smoke test (no timing targets)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from rewind.engine.bench_cache import run_trunk_speedup
+
+
+def test_the_cached_side_trains_exactly_like_the_recomputing_side():
+    before = torch.random.get_rng_state()
+    result = run_trunk_speedup(quick=True)
+    assert result["losses_match"] is True  # the cache handed back the trunk's outputs bit for bit
+    assert result["trunk_blocks"] >= 3 * result["new_blocks"]
+    assert result["num_steps_measured"] == 4
+    assert result["recompute_step_ms"] > result["trunk_forward_ms"] > 0
+    assert math.isfinite(result["speedup"]) and result["speedup"] > 0
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's RNG is left alone
+
+
+def test_bench_cache_quick_json(rewind_cli):
+    code, out, err = rewind_cli("bench", "cache", "--quick", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    for key in ("cache_write_MBps", "memmap_write_MBps", "cache_read_MBps", "memmap_read_MBps"):
+        assert result[key] > 0, key
+    for key in ("read_ratio", "write_ratio", "speedup"):
+        assert math.isfinite(result[key]) and result[key] > 0, key
+    assert result["recompute_step_ms"] > 0 and result["cached_step_ms"] > 0
+    assert result["losses_match"] is True
+
