@@ -119,7 +119,9 @@ def load_checkpoint(parts: Parts, state: State) -> None:
     parts.param_names = layouts.parameter_names(model)
     restore_optimizer(parts, groups["optimizer"], meta["optimizer"])
     parts.reference = None
-    if state.reference is not None:
+    # A refresh due before the next step replaces the reference before anything reads it, and the
+    # checkpoint it names may be gone (retention keeps it only while it is the reference).
+    if state.reference is not None and not state.pending_refreshes:
         reference_ref = state.reference
         if reference_ref.checkpoint == ref.checkpoint:
             parts.reference = frozen_copy(model)

@@ -37,6 +37,7 @@ from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import read_seq_events
+from rewind.stores.trunks import TrunkStore
 from rewind.stores.trust import RecordChecker
 
 replace = msgspec.structs.replace
@@ -91,6 +92,11 @@ def _copy_checkpoint(parent: CheckpointStore, child: CheckpointStore, ref) -> No
     metadata give the same bytes, hence the same name and hashes, which is checked."""
     manifest = parent.load_manifest(ref.checkpoint)
     groups = parent.load(ref.checkpoint, ref.files)
+    # Frozen stacks' weights live beside the checkpoints (stores.trunks): first, so the copy never
+    # names a file the child lacks.
+    parent_trunks, child_trunks = TrunkStore(parent.run_dir), TrunkStore(child.run_dir)
+    for digest in manifest.meta.get("trunks", {}).values():
+        parent_trunks.copy_to(child_trunks, digest)
     written = child.write(manifest.step, groups, manifest.meta)
     if written.name != ref.checkpoint or written.files != dict(ref.files):
         raise RunError(f"copying checkpoint {ref.checkpoint} gave {written.name}: the copy is not faithful", 1)
@@ -133,6 +139,10 @@ def open_fork(
     preamble = [started]
     if point.checkpoint:
         state = point.state
+        if state.pending_refreshes:
+            # The reference is replaced before the first step (the refresh is due), and the checkpoint
+            # it names may be gone since (retention keeps it only while it is the reference).
+            state = replace(state, reference=None)
         copied = {point.checkpoint} | ({state.reference.checkpoint} if state.reference else set())
         live = [c for c in state.live_checkpoints if c.checkpoint in copied]
         preamble.append(

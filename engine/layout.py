@@ -17,6 +17,7 @@ so evaluation and the KL reference compute exactly what training computes.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
@@ -28,6 +29,10 @@ from rewind.engine.rng import torch_generator
 from rewind.states.config import Config
 from rewind.states.growth import initial_layout
 from rewind.states.state import ModelLayout
+
+# bitsandbytes (imported by peft too) warns at import that its CPU bf16 inference kernel is missing;
+# that kernel serves only eval-mode Linear4bit, which rewind never runs (eval_mode): silence the warning.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 LINEAR_LAYERS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
 ADAPTER_NAME = "default"  # peft's adapter name; unwrapped names leave it out

@@ -242,7 +242,10 @@ class ActivationCache:
         num_rows = self.spec.num_rows
         _checked_index("start row", start, 0, num_rows, f"this cache holds rows [0, {num_rows})")
         _checked_index("stop row", stop, start, num_rows, f"must be in [start={start}, {num_rows}]")
-        out_values = np.empty((stop - start, self.spec.seq_len, self.spec.width), dtype=self._stored_dtype)
+        # Allocated by numpy, not torch: a run of same-sized torch allocations can end up page-faulting
+        # its megabytes afresh on every read (measured: a quarter of the read speed, in some processes).
+        shape = (stop - start, self.spec.seq_len, self.spec.width)
+        out_values = np.empty(shape, dtype=self._stored_dtype.newbyteorder("="))
         out = torch.from_numpy(out_values)
         out = out.view(torch.bfloat16) if self.spec.dtype == "bfloat16" else out
         if stop == start:

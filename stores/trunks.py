@@ -84,6 +84,14 @@ class TrunkStore:
 
     def load(self, digest: str) -> dict[str, torch.Tensor]:
         """The tensors of trunk file `digest`, after checking its bytes hash to its name."""
+        return safetensors.torch.load(self.read(digest))
+
+    def copy_to(self, other: TrunkStore, digest: str) -> None:
+        """Store trunk file `digest` in another run directory too (a fork's), verified on the way."""
+        other.write(self.read(digest), digest)
+
+    def read(self, digest: str) -> bytes:
+        """The bytes of trunk file `digest`, checked to hash to its name."""
         path = self._path(digest)
         name = f"{TRUNKS_DIR}/{digest[:12]}"
         try:
@@ -97,7 +105,7 @@ class TrunkStore:
             raise CheckpointCorrupt(name, f"{digest}{SUFFIX}", str(exc)) from None
         if hashlib.sha256(data).hexdigest() != digest:
             raise CheckpointCorrupt(name, f"{digest}{SUFFIX}", "its bytes do not hash to its name")
-        return safetensors.torch.load(data)
+        return data
 
 
 def checkpoint_weights(run_dir: str, name: str, files: dict[str, str] | None) -> dict[str, dict[str, torch.Tensor]]:
