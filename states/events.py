@@ -27,8 +27,10 @@ from rewind.states.state import CheckpointReason, ForkSeed
 # What a run started by this release does that older releases did not (RunStarted.features):
 # "lr_warmup_floor": cosine and sgdr warm up from warmup_lr_mult x lr (before: from 0);
 # "baseline_evaluation": one evaluation before the first update (Evaluated boundary -1) of a run started
-# from scratch, when the config names evaluations (a fork starts from weights its parent evaluated).
-RUN_FEATURES: tuple[str, ...] = ("lr_warmup_floor", "baseline_evaluation")
+# from scratch, when the config names evaluations (a fork starts from weights its parent evaluated);
+# "reference_checkpoints_kept": retention keeps checkpoints taken for a reference refresh, as it keeps
+# boundary ones (a later boundary checkpoint's restore state names them; growth takes them routinely).
+RUN_FEATURES: tuple[str, ...] = ("lr_warmup_floor", "baseline_evaluation", "reference_checkpoints_kept")
 
 # Bumped whenever an event changes incompatibly; the log frames carry it and the codec upcasts.
 # 1: rewind 0.1 (RunResumed carried the whole restored State). 2: RunResumed carries no state; a fork's

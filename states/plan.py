@@ -304,13 +304,15 @@ def plan(schedule: Schedule, state: State | None = None, from_step: int = 0) -> 
 
 
 def checkpoints_to_delete(state: State, keep_last: int) -> list[str]:
-    """Retention: keep the last `keep_last`, every stage-boundary and final checkpoint, and whatever a
+    """Retention: keep the last `keep_last`, every stage-boundary and final checkpoint (and, in runs
+    started with "reference_checkpoints_kept", every one taken for a reference refresh), and whatever a
     resume would load: the restore point's checkpoint and reference as well as the current ones (right
     after a refresh the restore point still names the old reference; it goes after the next checkpoint).
     Returns names to delete, oldest first."""
     live = sorted(state.live_checkpoints, key=lambda c: c.step)
     protected = {c.checkpoint for c in live[-keep_last:]}
-    protected |= {c.checkpoint for c in live if c.reason in ("boundary", "final")}
+    kept = ("boundary", "final", "reference") if "reference_checkpoints_kept" in state.features else ("boundary", "final")
+    protected |= {c.checkpoint for c in live if c.reason in kept}
     for held in (state, state.anchor):
         if held is not None and held.reference is not None:
             protected.add(held.reference.checkpoint)

@@ -406,6 +406,16 @@ def test_checkpoints_to_delete_keeps_the_last_boundaries_final_and_reference():
     assert checkpoints_to_delete(replace(state, live_checkpoints=live(("f", 30, "final"))), 1) == []
 
 
+def test_runs_started_with_the_feature_keep_reference_checkpoints():
+    # A boundary checkpoint's restore state names the reference of its time; growth takes reference
+    # checkpoints after each growth, which a fork from the boundary needs long after the next refresh.
+    checkpoints = live(("r4", 4, "reference"), ("c8", 8, "interval"), ("c12", 12, "interval"))
+    old = replace(State(), live_checkpoints=checkpoints)  # started before the feature: as it was
+    assert checkpoints_to_delete(old, keep_last=1) == ["r4", "c8"]
+    new = replace(old, features=["reference_checkpoints_kept"])
+    assert checkpoints_to_delete(new, keep_last=1) == ["c8"]
+
+
 def test_duties_after_each_step_of_a_small_run():
     schedule = Schedule(CONFIG)
     assert schedule.num_steps == 30 and schedule.entry_steps == (0, 11, 21)

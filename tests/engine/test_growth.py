@@ -1,0 +1,218 @@
+"""Growth on the live objects: what a StackAppended does to the model and optimizer, and the trunk cache.
+
+The run used is examples/progressive.toml shrunk to 10 steps a stage (GROWN): stack 1 appended on a
+frozen trunk (copied blocks, cached), stack 2 prepended as the identity on a LoRA trunk, stack 3
+appended in NF4 with its own adapters on a QLoRA trunk, with dropout and two micro-batches a step.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from rewind.engine import layout as layouts
+from rewind.engine.growth import grow
+from rewind.engine.parts import fresh_parts
+from rewind.engine.step import train_step
+from rewind.states.config import loads_config
+from rewind.states.events import ActivationsCached, StackAppended
+from rewind.states.growth import growth_event, initial_layout
+from rewind.stores import activations
+from rewind.stores.trunks import checkpoint_weights
+from tests.conftest import EXAMPLES
+from tests.engine.test_loop import assert_bitwise_equal, events_of, run_cli
+
+PROGRESSIVE = EXAMPLES / "progressive.toml"
+GROWN = (
+    "training.tokens=[2560,2560,2560,2560]",
+    "architecture.d_model=32",
+    "architecture.dropout=0.1",
+    "training.per_device_batch_size=4",
+    "logging.checkpoint_interval=4",
+    "growth[1].position=prepend",
+    "growth[2].precision=nf4",
+)
+
+
+def grown_args(run_dir, *extra: str, overrides: tuple[str, ...] = GROWN) -> list[str]:
+    sets = [part for override in overrides for part in ("--set", override)]
+    return ["train", str(PROGRESSIVE), "--run-dir", str(run_dir), "--no-progress", *sets, *extra]
+
+
+def final_tensors(run_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's last checkpoint: base weights (frozen stacks' included), adapters,
+    optimizer moments, each group's names prefixed."""
+    from rewind.states.fold import fold
+    from rewind.stores.checkpoints import CheckpointStore
+
+    state = fold(events_of(run_dir))
+    ref = state.last_checkpoint
+    weights = checkpoint_weights(str(run_dir), ref.checkpoint, ref.files)
+    optimizer = CheckpointStore(str(run_dir)).load(ref.checkpoint, ref.files, groups=["optimizer"])["optimizer"]
+    return {
+        **{f"model/{k}": v for k, v in weights["model"].items()},
+        **{f"adapters/{k}": v for k, v in weights["adapters"].items()},
+        **{f"optimizer/{k}": v for k, v in optimizer.items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = tmp_path_factory.mktemp("grown") / "straight"
+    code, _, err = run_cli(*grown_args(run))
+    assert code == 0, err
+    return run
+
+
+def _config(*growth: str):
+    text = PROGRESSIVE.read_text().split("[[growth]]")[0]
+    body = "\n".join(f"[[growth]]\nat_stage = 1\n{g}" for g in growth)
+    return loads_config(text + body, overrides=["architecture.d_model=32"])
+
+
+def _tokens(config, rows: int = 4) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(3)
+    return torch.randint(0, config.architecture.vocab_size, (rows, config.architecture.block_size + 1), generator=generator)
+
+
+def _logits(parts, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return layouts.eval_mode(parts.model)(tokens[:, :-1])
+
+
+def _trained(parts, tokens, steps: int = 2):
+    for k in range(steps):
+        train_step(parts.model, parts.optimizer, tokens, torch.ones(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.bool),
+                   config=parts.config, lr=1e-2, beta=0.0, reference=None, step=k)
+    return parts
+
+
+def _grown(parts, config):
+    event = growth_event(config, 0, initial_layout(config.architecture.num_layers), 10, 2560)
+    return grow(parts, event), event
+
+
+@pytest.mark.parametrize("position", ["append", "prepend"])
+@pytest.mark.parametrize("trunk", ["full", "frozen", "lora"])
+def test_identity_growth_leaves_the_logits_unchanged(tmp_path, position, trunk):
+    config = _config(f'init = "identity"\nposition = "{position}"\ntrunk = "{trunk}"\nnum_blocks = 2')
+    tokens = _tokens(config)
+    parts = _trained(fresh_parts(config, str(tmp_path)), tokens)  # trained weights, not the seed's
+    before = _logits(parts, tokens)
+    grown, _ = _grown(parts, config)
+    assert grown.model.num_blocks == config.architecture.num_layers + 2
+    assert torch.equal(_logits(grown, tokens), before)
+
+
+def test_a_prepended_stack_renames_nothing_and_moments_follow_their_parameters(tmp_path):
+    config = _config('position = "prepend"\ntrunk = "full"')
+    tokens = _tokens(config)
+    parts = _trained(fresh_parts(config, str(tmp_path)), tokens)
+    old = {parts.param_names[p]: (p.detach().clone(), {k: v.clone() for k, v in parts.optimizer.state[p].items()})
+           for p in parts.optimizer.state}
+    grown, _ = _grown(parts, config)
+    assert grown.model.order == [1, 0]
+    new = {grown.param_names[p]: p for p in grown.model.parameters()}
+    for name, (value, moments) in old.items():
+        assert torch.equal(new[name], value), name
+        carried = grown.optimizer.state[new[name]]
+        assert carried.keys() == moments.keys()
+        assert all(torch.equal(carried[k], moments[k]) for k in moments), name
+    assert not any(n.startswith("stacks.1.") for n in old)  # the new stack starts without moments
+    assert all(not grown.optimizer.state.get(p) for n, p in new.items() if n.startswith("stacks.1."))
+
+
+def test_what_trains_after_each_trunk_choice(tmp_path):
+    for trunk, expect in {
+        "frozen": {"stacks.1", "head", "norm"},
+        "lora": {"stacks.1", "head", "norm", "stacks.0:adapters"},
+        "qlora": {"stacks.1", "head", "norm", "stacks.0:adapters"},
+        "full": {"stacks.0", "stacks.1", "head", "norm", "embed"},
+    }.items():
+        config = _config(f'trunk = "{trunk}"')
+        grown, _ = _grown(fresh_parts(config, str(tmp_path)), config)
+        training = set()
+        for name, parameter in grown.model.named_parameters():
+            if parameter.requires_grad:
+                root = ".".join(name.split(".")[:2]) if name.startswith("stacks.") else name.split(".")[0]
+                training.add(f"{root}:adapters" if layouts.is_adapter(name) else root)
+        assert training == expect, trunk
+        trainable = {p for p in grown.model.parameters() if p.requires_grad}
+        in_optimizer = {p for group in grown.optimizer.param_groups for p in group["params"]}
+        assert in_optimizer == trainable, trunk
+        kinds = {type(m).__name__ for m in grown.model.stack(0).modules()}
+        assert ("Linear4bit" in kinds) == (trunk == "qlora"), trunk
+
+
+def test_adapters_are_initialised_from_the_run_not_from_the_global_rng(tmp_path):
+    config = _config('trunk = "lora"')
+    adapters = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        grown, _ = _grown(fresh_parts(config, str(tmp_path)), config)
+        adapters.append({n: p.detach().clone() for n, p in grown.model.named_parameters() if layouts.is_adapter(n)})
+    assert adapters[0] and adapters[0].keys() == adapters[1].keys()
+    assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
+    assert any(float(v.abs().sum()) > 0 for n, v in adapters[0].items() if ".lora_A." in n)
+    assert all(float(v.abs().sum()) == 0 for n, v in adapters[0].items() if ".lora_B." in n)
+
+
+def test_the_run_grows_as_the_config_says(straight):
+    events = events_of(straight)
+    grown = [e for e in events if isinstance(e, StackAppended)]
+    assert [(e.stack, e.position, e.init, e.trunk, e.precision) for e in grown] == [
+        (1, "append", "copy", "frozen", "fp32"),
+        (2, "prepend", "identity", "lora", "fp32"),
+        (3, "append", "random", "qlora", "nf4"),
+    ]
+    cached = [e for e in events if isinstance(e, ActivationsCached)]
+    assert [(e.version, e.step, e.num_steps, e.num_rows) for e in cached] == [(1, 10, 10, 80)]
+    assert (straight / cached[0].path / "complete.json").exists()
+    assert len(list((straight / "trunks").iterdir())) >= 3  # frozen stacks stored once each, not per checkpoint
+
+
+def test_the_cache_changes_nothing_but_speed(straight, tmp_path):
+    recomputed = tmp_path / "recomputed"
+    code, _, err = run_cli(*grown_args(recomputed, overrides=(*GROWN, 'growth[0].cache="off"')))
+    assert code == 0, err
+    assert not any(isinstance(e, ActivationsCached) for e in events_of(recomputed))
+    assert_bitwise_equal(final_tensors(straight), final_tensors(recomputed))
+
+
+def test_a_cache_left_half_written_is_completed_on_resume(straight, tmp_path, monkeypatch):
+    run = tmp_path / "half"
+    written = []
+    original = activations.ActivationCache.write_chunk
+
+    class Killed(BaseException):
+        """Not an Exception: nothing on the way catches it, as nothing catches a SIGKILL."""
+
+    def dies_after_three(self, chunk, values):
+        if len(written) == 3:
+            raise Killed  # as a kill would: the chunks before are whole, the rest missing
+        written.append(chunk)
+        original(self, chunk, values)
+
+    monkeypatch.setattr(activations.ActivationCache, "write_chunk", dies_after_three)
+    with pytest.raises(Killed):
+        run_cli(*grown_args(run))
+    monkeypatch.setattr(activations.ActivationCache, "write_chunk", original)
+    cache = activations.ActivationCache.open(str(run / "cache" / "trunk-1.zarr"))
+    assert cache.missing_chunks() == list(range(3, cache.num_chunks))  # detected, never read as zeros
+    assert not any(isinstance(e, ActivationsCached) for e in events_of(run))
+    code, _, err = run_cli(*grown_args(run))
+    assert code == 0, err
+    assert_bitwise_equal(final_tensors(straight), final_tensors(run))
+
+
+def test_replay_and_fork_across_growth(straight, tmp_path):
+    code, out, err = run_cli("replay", straight)
+    assert code == 0, err
+    assert "reproducible" in out
+    child = tmp_path / "child"
+    code, _, err = run_cli("fork", straight, child, "--at-step", "25", "--no-progress")
+    assert code == 0, err
+    assert_bitwise_equal(final_tensors(straight), final_tensors(child))
+    layout = msgspec.to_builtins(events_of(child)[1].seed.layout)
+    assert [s["stack"] for s in layout["stacks"]] == [2, 0, 1]  # the parent's grown model, by identity

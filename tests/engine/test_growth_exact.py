@@ -1,0 +1,67 @@
+"""SIGKILL at random moments across every kind of growth, each restart at once: the run ends with the
+tensors of the run that never stopped, bit for bit (base weights, frozen stacks, adapters, moments).
+
+The run is tests/engine/test_growth.py's GROWN (progressive.toml shrunk): an append on a frozen trunk
+with copied blocks and an activation cache, an identity prepend on a LoRA trunk, an NF4 stack with its
+own adapters on a QLoRA trunk, dropout, two micro-batches a step. Kills land anywhere: while the cache
+is being written, between a growth and the checkpoint after it, mid-step, mid-checkpoint. The processes
+run outside the checkout (cwd = a temporary directory), as an installed rewind does: the checkout's
+top-level `kernels/` must not shadow the package bitsandbytes imports under that name.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rewind.states.events import ActivationsCached, RunResumed, StackAppended
+from tests.engine.test_growth import final_tensors, grown_args
+from tests.engine.test_loop import assert_bitwise_equal, events_of
+
+ROUNDS = int(os.environ.get("REWIND_GROWTH_KILL_ROUNDS", "8"))
+
+
+def _command(run_dir) -> list[str]:
+    # 160 steps: long enough that every round kills it somewhere (start-up is ~3 s with peft).
+    longer = ["--set", "training.tokens=[10240,10240,10240,10240]"]
+    return [sys.executable, "-m", "rewind.tools.cli", *grown_args(run_dir), *longer]
+
+
+def _run(command, cwd, **kwargs):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+    return subprocess.Popen(command, cwd=cwd, env=env, **kwargs)
+
+
+@pytest.mark.slow
+def test_sigkill_across_growth_then_resume_gives_the_straight_tensors(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    done = _run(_command(straight), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert done.wait(timeout=600) == 0, done.stderr.read()
+    done.stderr.close()
+    rng = random.Random(20261124)
+    num_killed = 0
+    for _ in range(ROUNDS):
+        process = _run(_command(killed), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(3.0, 9.0))
+        if process.poll() is not None:
+            assert process.returncode == 0
+            break
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        num_killed += 1
+    final = _run(_command(killed), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert final.wait(timeout=600) == 0, final.stderr.read()
+    final.stderr.close()
+    events = events_of(killed)
+    assert num_killed >= ROUNDS // 2 and sum(isinstance(e, RunResumed) for e in events) >= ROUNDS // 2
+    assert sum(isinstance(e, StackAppended) for e in events) >= 3  # every growth happened (some twice)
+    assert any(isinstance(e, ActivationsCached) for e in events)
+    # Resumed inside at least three of the four stages: the kills span the growths, not one region.
+    assert len({e.step // 40 for e in events if isinstance(e, RunResumed)}) >= 3
+    assert_bitwise_equal(final_tensors(straight), final_tensors(killed))
