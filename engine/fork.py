@@ -163,7 +163,7 @@ def open_fork(
                     previous_hash=state.config_hash,
                 )
             )
-    if point.checkpoint and (problem := continuation_problem(point.config, config)):
+    if point.checkpoint and (problem := continuation_problem(point.config, config, point.state.num_growths)):
         raise RunError(f"cannot fork {parent_dir} at step {point.step}: {problem}")
     try:  # every check before the child directory is touched
         state = fold(preamble)

@@ -45,7 +45,8 @@ def grow(parts: Parts, event: StackAppended) -> Parts:
     new_stack = layouts.new_stack_weights(
         weights, order, event.stack, event.num_blocks, event.init, event.position, parts.config.run.seed, parts.config
     )
-    weights.update({f"stacks.{event.stack}.{name}": tensor for name, tensor in new_stack.items()})
+    dtype = torch.bfloat16 if event.precision == "bf16" else torch.float32  # drawn (or copied) as float32
+    weights.update({f"stacks.{event.stack}.{name}": tensor.to(dtype) for name, tensor in new_stack.items()})
     return transplant(parts, parts.config, new_layout, weights)
 
 

@@ -286,7 +286,8 @@ class GPT(nn.Module):
             # Keyed by identity: a stack keeps its dropout stream when another is prepended.
             stack_seed = derive_seed(dropout_seed, "stack", stack_id) if use_dropout else None
             dtype = stack_dtype(stack)
-            x = stack(x.to(dtype), cos, sin, stack_seed, causal=self.causal).to(x.dtype)
+            # The RoPE tables too: float32 tables would promote a bf16 stack's queries and keys to float32.
+            x = stack(x.to(dtype), cos.to(dtype), sin.to(dtype), stack_seed, causal=self.causal).to(x.dtype)
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

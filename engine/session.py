@@ -105,9 +105,17 @@ class CapabilityChanged(UserWarning):
     """A run goes on with other CPU kernels than it started with: not bit for bit from here on."""
 
 
-def continuation_problem(old: Config, new: Config) -> str:
+def continuation_problem(old: Config, new: Config, num_growths: int = 0) -> str:
     """Why a run cannot go on from a checkpoint of `old` under `new` ("" if it can): the architecture
-    fields that give the weights their shapes must stay. Dropout, RoPE base and the like may change."""
+    fields that give the weights their shapes must stay, and so must the `num_growths` growths already
+    performed (the model is what they made; later ones may change). Dropout, RoPE base and the like may
+    change."""
+    done_before, done_after = old.growth[:num_growths], new.growth[:num_growths]
+    if done_before != done_after:
+        return (
+            f"growth[0..{num_growths - 1}] already happened and cannot change when continuing from a checkpoint "
+            f"(the new config has {len(new.growth)} growth entries; change only later ones)"
+        )
     def shaping(config: Config) -> dict:
         a = config.architecture
         return {"vocab_size": a.vocab_size, "num_layers": a.num_layers, "d_model": a.d_model,
@@ -268,7 +276,7 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool, dat
     if refusal and not fork:
         raise RunError(refusal)
     point = point_of(current)
-    if refusal and point.checkpoint and (problem := continuation_problem(logged_config, config)):
+    if refusal and point.checkpoint and (problem := continuation_problem(logged_config, config, point.state.num_growths)):
         raise RunError(f"{run_dir}: {problem}")
     end = LogEnd(folded.end_seq, current.step, lambda: max((r.event.step for r in log.records()), default=0))
     live = [c.checkpoint for c in current.live_checkpoints]

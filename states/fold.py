@@ -252,6 +252,11 @@ def _transition(state: State, event: Event) -> State:
                 f"the run already entered {state.num_stages_entered} stages; the new config has {schedule.num_stages}",
             )
             _require(schedule.num_steps >= state.step, event, f"the new config ends before step {state.step}")
+            _require(
+                len(config.growth) >= state.num_growths,
+                event,
+                f"the model already grew {state.num_growths} times; the new config has {len(config.growth)} growth entries",
+            )
             # Evaluations count as done only for boundaries that have ended under the new schedule: a
             # finished run forked into a longer one must evaluate its (new) end again.
             ended = [i for i in range(schedule.num_stages - 1) if schedule.entry_steps[i + 1] <= state.step]

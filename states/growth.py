@@ -169,8 +169,8 @@ def trunk_is_frozen(layout: ModelLayout) -> bool:
 
 def caches_trunk(config: Config, layout: ModelLayout) -> bool:
     """Whether training at `layout` reads the trunk's outputs from an activation cache."""
-    if layout.growth < 0 or config.growth[layout.growth].cache == "off":
-        return False
+    if not 0 <= layout.growth < len(config.growth) or config.growth[layout.growth].cache == "off":
+        return False  # (a config without the entry: refused as a continuation, see engine.session)
     spec = config.growth[layout.growth]
     return spec.position == "append" and trunk_is_frozen(layout) and config.objective.kind == "clm"
 

@@ -20,24 +20,30 @@ LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
 def growth_problems(config: Config, schedule_ok: bool) -> list[str]:
     """Every problem with config.growth, config.lora and config.objective. `schedule_ok`: the rest of the
     config is sound enough to build its schedule (join steps are checked only then)."""
-    problems = _lora_problems(config) + _objective_problems(config)
+    lora = _lora_problems(config)
+    problems = lora + _objective_problems(config)
+    # A plan is performed only when its entries and the ranks it needs are sound: other problems (an
+    # unknown LoRA target, say) do not hide its own.
+    blocking = [p for p in lora if not p.startswith("lora.targets")]
     n = len(config.training.tokens)
+    entries: list[str] = []
     for i, spec in enumerate(config.growth):
         at = f"growth[{i}]"
         given = (spec.at_stage >= 0) + (spec.at_tokens >= 0)
         if given != 1:
-            problems.append(f"{at}: give exactly one of at_stage and at_tokens")
+            entries.append(f"{at}: give exactly one of at_stage and at_tokens")
         if spec.at_stage >= 0 and not 0 < spec.at_stage < max(n, 1):
-            problems.append(f"{at}.at_stage: stage {spec.at_stage} is out of range 1..{n - 1} (stage 0 is the initial model)")
+            entries.append(f"{at}.at_stage: stage {spec.at_stage} is out of range 1..{n - 1} (stage 0 is the initial model)")
         if spec.num_blocks <= 0:
-            problems.append(f"{at}.num_blocks: must be positive, got {spec.num_blocks}")
+            entries.append(f"{at}.num_blocks: must be positive, got {spec.num_blocks}")
         if spec.anchor and spec.position != "prepend":
-            problems.append(f"{at}.anchor: only a prepended stack can keep the head fixed (the loss flows through it)")
+            entries.append(f"{at}.anchor: only a prepended stack can keep the head fixed (the loss flows through it)")
         if spec.init == "identity" and spec.precision == "nf4":
-            problems.append(f"{at}.init: identity needs exact zeros in the new output projections, which nf4 cannot hold")
-    if problems or not schedule_ok:
+            entries.append(f"{at}.init: identity needs exact zeros in the new output projections, which nf4 cannot hold")
+    problems += entries
+    if entries or blocking or not schedule_ok:
         return problems
-    return _plan_problems(config)
+    return problems + _plan_problems(config)
 
 
 def _plan_problems(config: Config) -> list[str]:

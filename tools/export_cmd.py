@@ -35,12 +35,14 @@ def run(args: argparse.Namespace) -> int:
     from rewind.tools.rundir import check_run_dir
 
     check_run_dir(args.what, "RUN")
+    from rewind.tools.export_adapters import prepare_adapters, write_adapters
+
+    # Every check of both outputs before either is written: a refused --adapters leaves no --to behind.
+    prepared = prepare_adapters(args.what, args.adapters) if args.adapters is not None else None
     if args.to is not None:
         export_weights(args.what, args.to)
-    if args.adapters is not None:
-        from rewind.tools.export_adapters import export_adapters
-
-        export_adapters(args.what, args.adapters)
+    if prepared is not None:
+        write_adapters(prepared, args.adapters)
     return 0
 
 
@@ -69,14 +71,14 @@ def export_weights(run_dir: str, out: str) -> int:
     from safetensors.torch import save
 
     from rewind.states.fold import fold
-    from rewind.states.growth import current_layout
     from rewind.stores.trunks import checkpoint_weights
+    from rewind.tools.export_adapters import checkpoint_layout
 
     target = check_target(out)
     ref = last_checkpoint(run_dir)
     groups = {"model": checkpoint_weights(run_dir, ref.checkpoint, ref.files)["model"]}
     # The layout builds the model these weights fit (stack identities and order): rewind.engine.layout.
-    layout = msgspec.json.encode(current_layout(fold(e for _, e in load_records(run_dir)))).decode()
+    layout = msgspec.json.encode(checkpoint_layout(fold(e for _, e in load_records(run_dir)))).decode()
     metadata = {"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step), "layout": layout}
     data = save(groups["model"], metadata=metadata)
     try:

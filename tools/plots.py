@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rewind.states.events import Event, ReferenceRefreshed, StageEntered
+from rewind.states.events import Event, ReferenceRefreshed, StackAppended, StageEntered
 from rewind.states.schedule import Schedule
 
 # One colour per stage, the same in every panel and every plot rewind draws.
@@ -77,7 +77,8 @@ def sample_steps(schedule: Schedule) -> list[int]:
 
 
 def draw_stage_context(ax, schedule: Schedule, events: list[Event], *, label: bool = False) -> None:
-    """Boundaries (dashed), fade windows (shaded) and reference refreshes (red dotted) on one axis."""
+    """Boundaries (dashed), fade windows (shaded), reference refreshes (red dotted) and growths (green,
+    with the new stack's id and the trunk it joined) on one axis."""
     for j, b in enumerate(schedule.boundaries[:-1]):
         ax.axvline(b, color="0.35", linestyle="--", linewidth=0.8, label="stage boundary" if label and j == 0 else None)
     for i, ramp in enumerate(schedule.fades):
@@ -85,6 +86,13 @@ def draw_stage_context(ax, schedule: Schedule, events: list[Event], *, label: bo
     refreshes = [e for e in events if isinstance(e, ReferenceRefreshed)]
     for i, e in enumerate(refreshes):
         ax.axvline(e.tokens, color="#C00000", linestyle=":", linewidth=1.4, label="reference refresh" if label and i == 0 else None)
+    growths = [e for e in events if isinstance(e, StackAppended)]
+    for i, e in enumerate(growths):
+        ax.axvline(e.tokens, color="#2CA02C", linestyle="-.", linewidth=1.4, label="stack joins" if label and i == 0 else None)
+        if label:
+            ax.annotate(f"+stack {e.stack} ({e.position}, trunk {e.trunk})", (e.tokens, 1.0), xycoords=("data", "axes fraction"),
+                        rotation=90, va="top", ha="left", fontsize=7, color="#1A6B1A",
+                        xytext=(3, -14), textcoords="offset points", bbox={"fc": "white", "alpha": 0.75, "lw": 0})
 
 
 def plot_schedule(schedule: Schedule, events: list[Event], out: str | Path, title: str = "") -> None:

@@ -112,7 +112,22 @@ def _describe_event(schedule: Schedule, event: Event) -> str:
     if name == "OptimizerReset":
         lr = "the LR restarts its warmup here" if data["lr_restarted"] else "the LR curve goes on unbroken"
         return f"{name:<19} stage {data['stage']}: AdamW moments cleared; {lr}"
+    if name == "StackAppended":
+        return f"{name:<19} {describe_growth(data)}"
+    if name == "ActivationsCached":
+        return f"{name:<19} trunk {data['version']}: its outputs for {data['num_steps']:,} steps ({data['num_rows']:,} rows) computed once"
     return name
+
+
+def describe_growth(data: dict) -> str:
+    """'stack 2 (2 blocks, append, init copy, fp32); trunk -> lora (ranks 0:8, 1:4)'."""
+    own = f", own adapters rank {data['rank']}" if data["rank"] else ""
+    ranks = ", ".join(f"{k}:{v}" for k, v in data["trunk_ranks"].items())
+    anchor = "; norm and head fixed (anchor)" if data["anchor"] else ""
+    return (
+        f"stack {data['stack']} ({data['num_blocks']} blocks, {data['position']}, init {data['init']}, "
+        f"{data['precision']}{own}); trunk -> {data['trunk']}" + (f" (adapter ranks {ranks})" if ranks else "") + anchor
+    )
 
 
 def stage_rows(schedule: Schedule) -> list[dict]:

@@ -186,8 +186,9 @@ def _stack_lines(run_dir: str, state: Any, config: Any) -> list[str]:
         + (f" (joined at step {r['joined_step']:,})" if r["stack"] else "")
         for r in stack_table(layout)
     ]
-    parts = [f"embedding {'trains' if layout.embed_trains else 'fixed'}", f"norm+head {'train' if layout.head_trains else 'fixed'}"]
-    lines = _listed(f"stacks (input side first; {', '.join(parts)})", rows, "none")
+    lines = _listed("stacks", rows, "none")  # input side first
+    trains = f"embedding {'trains' if layout.embed_trains else 'fixed'}; final norm and head {'train' if layout.head_trains else 'fixed'}"
+    lines.append(_line("  outside", trains))
     cache = state.activation_cache
     if cache is not None and cache.path:
         from rewind.stores.activations import cache_status

@@ -115,7 +115,7 @@ def peft_model(weights: Path, adapters: Path) -> torch.nn.Module:
         if spec.base == "nf4":
             quantise_stack(base.stack(spec.stack))
             base.is_loaded_in_4bit = True  # peft's 4-bit LoRA layer for Linear4bit bases
-    return PeftModel.from_pretrained(base, adapters).train()
+    return eval_mode(PeftModel.from_pretrained(base, adapters))
 
 
 def runs_model(run: Path) -> torch.nn.Module:
