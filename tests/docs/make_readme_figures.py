@@ -145,6 +145,15 @@ def seeds_table(work: Path, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+def progressive_table(work: Path) -> str:
+    """The per-stack table examples/progressive.toml ends with (trained from scratch)."""
+    shutil.rmtree(work / "runs/progressive", ignore_errors=True)
+    printed = rewind(work, "train", "examples/progressive.toml", "--run-dir", "runs/progressive", "--no-progress")
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("per stack:"))
+    return "\n".join(lines[start : start + 6])
+
+
 def excerpt(text: str, keep) -> str:
     return "\n".join(line for line in text.splitlines() if keep(line))
 
@@ -172,11 +181,19 @@ def main() -> None:
     parser.add_argument("--seeds", default="1234,1,2")
     parser.add_argument("--fill-only", action="store_true", help="only paste the figure files into the README")
     parser.add_argument("--seeds-only", action="store_true", help="only the seeds table (reuses finished runs)")
+    parser.add_argument("--progressive-only", action="store_true", help="only the progressive growth table")
     options = parser.parse_args()
     if options.fill_only:
         print(f"{fill_readme()} README block(s) updated")
         return
     work = options.work
+    if options.progressive_only:
+        work.mkdir(parents=True, exist_ok=True)
+        if not (work / "examples").exists():
+            (work / "examples").symlink_to(REPO / "examples")
+        (FIGURES_DIR / "progressive.txt").write_text(progressive_table(work) + "\n")
+        print(f"wrote the progressive table; {fill_readme()} README block(s) updated")
+        return
     if options.seeds_only:
         seeds = [int(s) for s in options.seeds.split(",")]
         (FIGURES_DIR / "seeds.txt").write_text(seeds_table(work, seeds) + "\n")
@@ -206,6 +223,7 @@ def main() -> None:
     figures["demo_table"] = accuracy_table(accuracy(work, "runs/abcd"), accuracy(work, "runs/abcd_nokl"))
     seeds = [int(s) for s in options.seeds.split(",")]
     figures["seeds"] = seeds_table(work, seeds)
+    figures["progressive"] = progressive_table(work)
     checkpoints = sorted(p.name for p in (work / "runs/abcd/checkpoints").iterdir() if p.name[0].isdigit())
     FIGURES_DIR.mkdir(parents=True, exist_ok=True)
     for name, text in figures.items():
