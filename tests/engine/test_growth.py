@@ -216,3 +216,28 @@ def test_replay_and_fork_across_growth(straight, tmp_path):
     assert_bitwise_equal(final_tensors(straight), final_tensors(child))
     layout = msgspec.to_builtins(events_of(child)[1].seed.layout)
     assert [s["stack"] for s in layout["stacks"]] == [2, 0, 1]  # the parent's grown model, by identity
+
+
+VARIANTS = {
+    "mlm": ['objective.kind="mlm"', "training.evaluations=[]", 'growth[0].cache="auto"'],
+    "diffusion-input": ['objective.kind="diffusion"', 'objective.time="input"', "training.evaluations=[]", 'growth[0].cache="auto"'],
+    "diffusion-depth": ['objective.kind="diffusion"', 'objective.time="depth"', "training.evaluations=[]", 'growth[0].cache="auto"'],
+    "bf16-anchor": ['growth[0].precision="bf16"', 'growth[1].position="prepend"', "growth[1].anchor=true",
+                    'growth[1].trunk="frozen"'],
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_objectives_and_precisions_resume_bit_for_bit(tmp_path, variant):
+    """Masked objectives (masks and levels from the run's streams), a bf16 stack and an anchored
+    prepend: stopped every 7 steps and resumed, each ends with the straight run's tensors."""
+    overrides = (*GROWN, *VARIANTS[variant])
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    code, _, err = run_cli(*grown_args(straight, overrides=overrides))
+    assert code == 0, err
+    for _ in range(8):
+        code, out, err = run_cli(*grown_args(stopped, "--max-steps", "7", overrides=overrides))
+        assert code == 0, err
+        if "finished" in out:
+            break
+    assert_bitwise_equal(final_tensors(straight), final_tensors(stopped))
