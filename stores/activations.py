@@ -16,21 +16,38 @@ zarr dtype: its bit patterns are stored as uint16.
 Completion is never inferred from a chunk being there (a killed writer leaves whole chunks, and zarr
 reads a missing one as zeros): a chunk counts once its record exists, and the record is written only
 after the chunk's bytes are durable (the record itself need not be: one lost to a crash only makes the
-chunk missing again). Rewriting a chunk removes its record (and the manifest) first, so a write that
-dies half way leaves the chunk missing, never vouched for with old bytes.
+chunk missing again). Rewriting a chunk removes its record (and the manifest) first, durably, so a
+write that dies half way leaves the chunk missing, never vouched for with old bytes.
 
-Reads go to the chunk objects directly, not through zarr's codec pipeline, which on this kind of data
-runs several times slower than the storage under it: each chunk read is checked against its stored
-crc32c (what zarr's codec checks: flipped bytes, truncation) and that crc32c against the record's, so a
-record never vouches for other bytes. Any mismatch is a CacheError naming the chunk, never zeros.
+Writes go to the chunk objects directly, not through zarr's codec pipeline: the bytes zarr would write
+(raw little-endian values, the last chunk padded with zeros, then the crc32c, little-endian), put
+beside the chunk and renamed over it as zarr's LocalStore does, so zarr reads the cache as its own.
+Durability is grouped: a local chunk's writeback starts as it is written, its completion record is
+queued, and every `GROUP_CHUNKS` chunks or `GROUP_BYTES` bytes (and in `flush`, `mark_complete`,
+`missing_chunks`, and a read that needs a queued chunk) the queued chunks are synced together (their
+syncs issued at once, so the filesystem commits them in one go), the directory naming them is synced
+once, and only then are their records written. A kill loses at most the queued records: those chunks
+are missing to the next process, which writes them again. (Measured on ext4 over virtio, 1 MiB chunks:
+a sync and a directory sync per chunk, through zarr, wrote at about a third of np.memmap's speed; zarr's
+write path alone cost about three times the raw write.)
+
+Reads go to the chunk objects directly too (zarr's codec pipeline runs several times slower than the
+storage under it on this kind of data): each chunk read is checked against its stored crc32c (what
+zarr's codec checks: flipped bytes, truncation) and that crc32c against the record's, so a record never
+vouches for other bytes. Any mismatch is a CacheError naming the chunk, never zeros.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import re
 import shutil
 import sys
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -52,10 +69,15 @@ MANIFEST = "complete.json"
 RECORDS_DIR = "done"
 CRC_SIZE = 4  # zarr's crc32c codec appends the checksum, little-endian, after the chunk's bytes
 MAX_RECORD_BYTES = 1 << 12
+# Queued completion records are made real (chunks synced, then the records written) every this many
+# chunks or bytes: what a kill can cost is recomputing that much.
+GROUP_CHUNKS = 64
+GROUP_BYTES = 256 << 20
+SYNC_THREADS = 8  # a group's chunk syncs issued at once, for the filesystem to commit together
 # (torch dtype, how zarr stores it): bfloat16 travels as its uint16 bit patterns.
 DTYPES = {"float32": (torch.float32, np.dtype("<f4")), "bfloat16": (torch.bfloat16, np.dtype("<u2"))}
-# A chunk, or what zarr's LocalStore leaves of a chunk or zarr.json when killed mid-write (it writes
-# beside the file, then renames).
+# A chunk, or what a write killed half way leaves of a chunk (written beside it, then renamed, as
+# zarr's LocalStore names it) or of zarr.json.
 _CHUNK_NAME = re.compile(r"c\.\d+\.0\.0|(c\.\d+\.0|zarr)\.[0-9a-f]{32}\.partial")
 
 
@@ -106,13 +128,24 @@ def _checked_index(name: str, value: object, low: int, high: int, what: str) -> 
     return value
 
 
+@dataclass(frozen=True)
+class _Queued:
+    """A chunk written but not yet vouched for: its record waits for the group's sync."""
+
+    record: ChunkRecord
+    fd: int | None  # local: the chunk file, held open until it is synced
+    num_bytes: int
+
+
 class ActivationCache:
-    """One cache. Not thread-safe; several processes may write disjoint chunks of the same cache."""
+    """One cache. Not thread-safe; several processes may write disjoint chunks of the same cache.
+    A writer's last chunks are vouched for by `flush` (or `mark_complete`): dropping the cache without
+    either leaves them missing, as a kill does."""
 
     def __init__(self, location: Location, spec: CacheSpec, array: zarr.Array):
         self.location, self.spec = location, spec
         self.num_chunks = -(-spec.num_rows // spec.rows_per_chunk)
-        self._array = array.with_config({"write_empty_chunks": True})  # every chunk really written
+        self._array = array  # for its metadata: chunks are written and read directly
         self._torch_dtype, self._stored_dtype = DTYPES[spec.dtype]
         self._chunk_shape = (spec.rows_per_chunk, spec.seq_len, spec.width)
         self._chunk_bytes = int(np.prod(self._chunk_shape)) * self._stored_dtype.itemsize
@@ -121,6 +154,9 @@ class ActivationCache:
         self._held: tuple[int, np.ndarray] | None = None
         self._buffer: np.ndarray | None = None  # what local chunk reads go into
         self._deleted = False
+        self._queued: dict[int, _Queued] = {}  # chunk -> written, record not yet written
+        # Dropped with chunks queued: their files are closed, their records never written.
+        weakref.finalize(self, _close_queued, self._queued)
 
     @classmethod
     def create(cls, url: str, spec: CacheSpec) -> ActivationCache:
@@ -176,28 +212,69 @@ class ActivationCache:
         return start, min(start + self.spec.rows_per_chunk, self.spec.num_rows)
 
     def write_chunk(self, chunk: int, values: torch.Tensor) -> None:
-        """Write chunk `chunk` (values: (stop-start, seq_len, width) of spec.dtype, on any device), then
-        its completion record."""
+        """Write chunk `chunk` (values: (stop-start, seq_len, width) of spec.dtype, on any device) and
+        queue its completion record, written with its group's (see `flush`)."""
         start, stop = self.chunk_rows(chunk)
         stored = self._stored_values(chunk, values, (stop - start, self.spec.seq_len, self.spec.width))
-        # The record's crc32c is that of the stored chunk: zarr pads the last one to full size with zeros.
-        crc = google_crc32c.value(stored)
-        if stored.nbytes < self._chunk_bytes:
-            crc = google_crc32c.extend(crc, bytes(self._chunk_bytes - stored.nbytes))
+        body = stored.reshape(-1).view(np.uint8)
+        # The stored chunk is whole: zarr pads the last one to full size with zeros.
+        padding = bytes(self._chunk_bytes - body.nbytes)
+        crc = google_crc32c.value(body)
+        if padding:
+            crc = google_crc32c.extend(crc, padding)
+        trailer = padding + crc.to_bytes(CRC_SIZE, "little")
         # Unvouch first: a write that dies from here on leaves the chunk missing, not vouched for.
         self.location.join(MANIFEST).remove()
         self._records.pop(chunk, None)
         self._record_location(chunk).remove()
+        _close_queued(self._queued, [chunk])  # written before in this group: superseded
         self._held = None
-        self._array[start:stop] = stored
-        if self.location.is_local:  # the record may only outlive a power cut if the chunk does
-            _sync_file(self._chunk_location(chunk))
-            fsio.fsync_dir(self.location.path)
-        record = self._record(chunk, crc)
-        # Not synced, and not atomic: a record lost or cut short by a crash only makes the chunk
-        # missing (a torn one does not decode), and the chunk it names is durable already.
-        _write_unsynced(self._record_location(chunk), msgspec.json.encode(record))
-        self._records[chunk] = record
+        fd = self._put_chunk(chunk, body, trailer)
+        self._queued[chunk] = _Queued(self._record(chunk, crc), fd, self._chunk_bytes)
+        num_queued_bytes = sum(q.num_bytes for q in self._queued.values())
+        if len(self._queued) >= GROUP_CHUNKS or num_queued_bytes >= GROUP_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Vouch for the chunks written since the last flush: sync their bytes (the syncs issued
+        together), sync the directory naming them once, then write their completion records (not
+        synced, and not atomic: a record lost or cut short by a crash only makes its chunk missing,
+        and the chunk it names is durable already). A sync that fails leaves those chunks missing."""
+        if not self._queued:
+            return
+        queued = list(self._queued.values())
+        try:
+            if self.location.is_local:
+                _sync_all([q.fd for q in queued])
+                fsio.fsync_dir(self.location.path)  # the chunks' names, renamed into place
+        finally:
+            _close_queued(self._queued)
+        records = {self._record_location(q.record.chunk).path: msgspec.json.encode(q.record) for q in queued}
+        _write_records(self.location, records)
+        self._records.update((q.record.chunk, q.record) for q in queued)
+
+    def _put_chunk(self, chunk: int, body: np.ndarray, trailer: bytes) -> int | None:
+        """The stored chunk, whole: locally written beside it and renamed into place (as zarr's
+        LocalStore does: a reader never sees half a chunk), its writeback started, the file left
+        open for the group's sync; elsewhere one put, which an object store makes atomic and durable."""
+        where = self._chunk_location(chunk)
+        if not where.is_local:
+            where.fs.pipe_file(where.path, body.tobytes() + trailer)
+            return None
+        # c.<k>.0.<hex>.partial: the name zarr's LocalStore gives a chunk on its way (see _CHUNK_NAME).
+        beside = f"{where.path.removesuffix('.0')}.{uuid.uuid4().hex}.partial"
+        fd = os.open(beside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fsio.write_all(fd, body)
+            fsio.write_all(fd, trailer)
+            _start_writeback(fd)
+            os.replace(beside, where.path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(beside)
+            raise
+        return fd
 
     def _stored_values(self, chunk: int, values: object, shape: tuple[int, ...]) -> np.ndarray:
         if not isinstance(values, torch.Tensor):
@@ -209,10 +286,12 @@ class ActivationCache:
         values = values.detach().cpu().contiguous()  # a trunk on a GPU hands its outputs over as they are
         if self.spec.dtype == "bfloat16":
             values = values.view(torch.uint16)
-        return values.numpy()
+        return np.ascontiguousarray(values.numpy(), dtype=self._stored_dtype)  # little-endian: no copy here
 
     def missing_chunks(self) -> list[int]:
-        """Chunks without a valid completion record, read afresh from the store."""
+        """Chunks without a valid completion record, read afresh from the store (after this writer's
+        queued records are written: `flush`)."""
+        self.flush()
         manifest = self._manifest()
         if manifest is not None:
             self._records = {k: self._record(k, crc) for k, crc in enumerate(manifest.crc32c)}
@@ -226,7 +305,7 @@ class ActivationCache:
         return self._manifest() is not None
 
     def mark_complete(self) -> None:
-        """Write the manifest; CacheError unless every chunk has its completion record."""
+        """Flush, then write the manifest; CacheError unless every chunk has its completion record."""
         missing = self.missing_chunks()
         if missing:
             raise CacheError(
@@ -252,6 +331,8 @@ class ActivationCache:
             return out
         per_chunk = self.spec.rows_per_chunk
         chunks = range(start // per_chunk, (stop - 1) // per_chunk + 1)
+        if any(k in self._queued for k in chunks):
+            self.flush()  # written by this writer: vouched for before they are read
         self._load_records([k for k in chunks if k not in self._records])  # written since we looked?
         missing = [k for k in chunks if k not in self._records]
         if missing:
@@ -311,6 +392,7 @@ class ActivationCache:
 
     def delete(self) -> None:
         """Remove the cache; what a killed delete leaves is no cache (`create` clears it away)."""
+        _close_queued(self._queued)
         _remove_tree(self.location)
         self._records, self._held, self._buffer, self._deleted = {}, None, None, True
 
@@ -420,12 +502,61 @@ def _read_chunk_file(where: Location, buffer: np.ndarray) -> tuple[np.ndarray, b
     return buffer[:num_read], trailer
 
 
-def _write_unsynced(location: Location, data: bytes) -> None:
+def _write_records(location: Location, records: dict[str, bytes]) -> None:
+    """Completion records, not synced: one batched put on an object store, plain writes locally."""
     if not location.is_local:
-        location.fs.pipe_file(location.path, data)  # a whole-object put
+        location.fs.pipe(records)  # whole-object puts
         return
-    with open(location.path, "wb") as handle:
-        handle.write(data)
+    for path, data in records.items():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fsio.write_all(fd, data)
+        finally:
+            os.close(fd)
+
+
+def _sync_all(fds: list[int]) -> None:
+    """Sync these files' data, the syncs in flight together: a journaling filesystem commits them in
+    one go, where one after another each would wait for its own commit and cache flush."""
+    sync = fsio.sync_fd  # looked up now: tests replace it
+    if len(fds) == 1:
+        sync(fds[0])
+        return
+    with ThreadPoolExecutor(min(SYNC_THREADS, len(fds)), thread_name_prefix="rewind-sync") as pool:
+        for _ in pool.map(sync, fds):  # the first failure raises, once every sync has returned
+            pass
+
+
+def _close_queued(queued: dict[int, _Queued], chunks: list[int] | None = None) -> None:
+    """Forget queued chunks (all, or these), closing their files unsynced: their records are never
+    written."""
+    for k in list(queued) if chunks is None else [k for k in chunks if k in queued]:
+        fd = queued.pop(k).fd
+        if fd is not None:
+            os.close(fd)
+
+
+def _writeback_starter():
+    """Linux's sync_file_range, or None: starting a chunk's writeback as it is written leaves the
+    group's sync little to wait for. A hint only: the sync is what makes the bytes durable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_SYNC_FILE_RANGE = _writeback_starter()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
+
+
+def _start_writeback(fd: int) -> None:
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # 0, 0: the whole file; a failure is harmless
 
 
 def _sync_file(location: Location) -> None:

@@ -65,7 +65,7 @@ def bench_events(num_steps: int) -> list:
     return events
 
 
-def _best_times(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+def best_times(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
     """Best of `repeats` seconds for each run, interleaved so that a busy spell hits all alike."""
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(repeats):
@@ -131,7 +131,7 @@ def run_log_bench(num_events: int = 20_000, tmpdir: str | None = None, repeats: 
             groups = [
                 b"".join(frames[i : min(i + commit_every, count)]) for i in range(0, count, commit_every)
             ]
-            best = _best_times(
+            best = best_times(
                 {
                     "ours": functools.partial(_log_appends, run, events[:count], commit_every),
                     "raw": functools.partial(_raw_writes, os.path.join(root, "raw"), groups),
@@ -160,7 +160,7 @@ def _replay(run: str, payloads: list[bytes], num_events: int, repeats: int) -> d
     if fold is not None:
         runs["replay"] = _cpu_timed(lambda: fold(read_events(run)))
         runs["raw_replay"] = _cpu_timed(lambda: fold([decode(p) for p in payloads]))
-    best = _best_times(runs, repeats)
+    best = best_times(runs, repeats)
     best.setdefault("replay", best["decode"])
     best.setdefault("raw_replay", best["raw_decode"])
     figures: dict[str, Any] = {"replay_includes_fold": fold is not None}

@@ -10,14 +10,18 @@ import torch
 from rewind.engine.bench_cache import run_trunk_speedup
 
 
-def test_the_cached_side_trains_exactly_like_the_recomputing_side():
+def test_the_cached_sides_train_exactly_like_the_recomputing_sides_at_3x_and_6x():
     before = torch.random.get_rng_state()
     result = run_trunk_speedup(quick=True)
-    assert result["losses_match"] is True  # the cache handed back the trunk's outputs bit for bit
-    assert result["trunk_blocks"] >= 3 * result["new_blocks"]
+    assert result["losses_match"] is True  # the cache handed back the trunk's outputs bit for bit, twice
+    assert result["trunk_blocks"] == 3 * result["new_blocks"] == 6 * result["new_blocks_6x"]
     assert result["num_steps_measured"] == 4
     assert result["recompute_step_ms"] > result["trunk_forward_ms"] > 0
-    assert math.isfinite(result["speedup"]) and result["speedup"] > 0
+    assert result["recompute_step_6x_ms"] > result["trunk_forward_ms"]
+    for key in ("speedup", "speedup_6x"):
+        assert math.isfinite(result[key]) and result[key] > 0, key
+    assert math.isclose(result["speedup"], result["recompute_step_ms"] / result["cached_step_ms"])
+    assert math.isclose(result["speedup_6x"], result["recompute_step_6x_ms"] / result["cached_step_6x_ms"])
     assert torch.equal(torch.random.get_rng_state(), before)  # the caller's RNG is left alone
 
 
@@ -27,8 +31,8 @@ def test_bench_cache_quick_json(rewind_cli):
     result = json.loads(out)
     for key in ("cache_write_MBps", "memmap_write_MBps", "cache_read_MBps", "memmap_read_MBps"):
         assert result[key] > 0, key
-    for key in ("read_ratio", "write_ratio", "speedup"):
+    for key in ("read_ratio", "write_ratio", "speedup", "speedup_6x"):
         assert math.isfinite(result[key]) and result[key] > 0, key
     assert result["recompute_step_ms"] > 0 and result["cached_step_ms"] > 0
+    assert result["recompute_step_6x_ms"] > 0 and result["cached_step_6x_ms"] > 0
     assert result["losses_match"] is True
-

@@ -199,7 +199,9 @@ def test_a_cache_left_half_written_is_completed_on_resume(straight, tmp_path, mo
         run_cli(*grown_args(run))
     monkeypatch.setattr(activations.ActivationCache, "write_chunk", original)
     cache = activations.ActivationCache.open(str(run / "cache" / "trunk-1.zarr"))
-    assert cache.missing_chunks() == list(range(3, cache.num_chunks))  # detected, never read as zeros
+    # Chunks never written are missing (never read as zeros); written ones may be too, if the kill came
+    # before their group of completion records was made durable (stores.activations).
+    assert set(range(3, cache.num_chunks)) <= set(cache.missing_chunks())
     assert not any(isinstance(e, ActivationsCached) for e in events_of(run))
     code, _, err = run_cli(*grown_args(run))
     assert code == 0, err

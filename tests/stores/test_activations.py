@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
+import os
+import sys
 import uuid
 
 import fsspec
@@ -50,10 +53,13 @@ def assert_bitwise(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.equal(got.view(bits), expected.view(bits))
 
 
-def write_all(cache: ActivationCache, values: torch.Tensor, chunks=None) -> None:
+def write_all(cache: ActivationCache, values: torch.Tensor, chunks=None, flush: bool = True) -> None:
+    """Write these chunks (all by default), then flush their records unless told not to."""
     for k in range(cache.num_chunks) if chunks is None else chunks:
         start, stop = cache.chunk_rows(k)
         cache.write_chunk(k, values[start:stop])
+    if flush:
+        cache.flush()
 
 
 @pytest.fixture
@@ -80,13 +86,40 @@ def test_every_bit_pattern_round_trips(url, dtype):
     assert reopened.num_bytes() > values.numel() * values.element_size()
 
 
-def test_zarr_itself_reads_the_cache_and_its_checksum_agrees(url):
-    values = source(SPEC)
-    cache = ActivationCache.create(url, SPEC)
-    write_all(cache, values)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_zarr_itself_reads_the_cache_and_its_checksum_agrees(url, dtype):
+    # Chunks are written directly, not through zarr: they must be the bytes zarr would have written
+    # (the last chunk, rows 8-9 of 4-row chunks, padded to full size), crc32c trailer included.
+    spec = CacheSpec(**{**SPEC.__dict__, "dtype": dtype})
+    values = source(spec)
+    cache = ActivationCache.create(url, spec)
+    write_all(cache, values, chunks=[2, 0, 1])
+    cache.mark_complete()
     stored = zarr.open_array(activations._store(filesystem(url)), mode="r")
-    assert stored.metadata.zarr_format == 3 and stored.dtype == np.dtype("uint16")
-    assert np.array_equal(stored[:], values.view(torch.uint16).numpy())
+    assert stored.metadata.zarr_format == 3
+    assert stored.dtype == np.dtype("uint16" if dtype == "bfloat16" else "float32")
+    bits = torch.uint16 if dtype == "bfloat16" else torch.int32
+    expected = values.view(bits).numpy()
+    assert np.array_equal(stored[:].view(expected.dtype), expected)
+    for k in range(3):  # zarr's own chunk encoding, byte for byte
+        chunk_values = np.zeros((4, 3, 5), dtype=stored.dtype)
+        chunk_values[: min(4, 10 - 4 * k)] = stored[4 * k : 4 * k + 4]
+        written = zarr.create_array(
+            zarr.storage.MemoryStore(),
+            shape=(4, 3, 5),
+            chunks=(4, 3, 5),
+            dtype=stored.dtype,
+            filters=None,
+            serializer=stored.serializer,
+            compressors=stored.compressors,
+            fill_value=0,
+            chunk_key_encoding={"name": "default", "separator": "."},
+            zarr_format=3,
+            config={"write_empty_chunks": True},
+        )
+        written[:] = chunk_values
+        zarr_bytes = written.store._store_dict["c.0.0.0"].to_bytes()
+        assert chunk_file(url, k).read_bytes() == zarr_bytes, k
     flip_a_byte(url, 1)
     with pytest.raises(ValueError, match="checksum"):  # zarr's own crc32c codec sees what we see
         stored[4:8]
@@ -95,8 +128,9 @@ def test_zarr_itself_reads_the_cache_and_its_checksum_agrees(url):
 def test_a_killed_writer_leaves_exactly_the_missing_chunks(url):
     values = source(SPEC)
     cache = ActivationCache.create(url, SPEC)
-    write_all(cache, values, chunks=[2, 0])
-    del cache  # killed: no mark_complete
+    write_all(cache, values, chunks=[2, 0])  # flushed
+    write_all(cache, values, chunks=[1], flush=False)  # its record still queued
+    del cache  # killed: no mark_complete, no flush
     resumed = ActivationCache.create(url, SPEC)
     assert resumed.missing_chunks() == [1] and not resumed.is_complete()
     assert cache_status(url) == "partial (2 of 3 chunks)"
@@ -109,6 +143,123 @@ def test_a_killed_writer_leaves_exactly_the_missing_chunks(url):
     write_all(resumed, values, chunks=[1])
     resumed.mark_complete()
     assert_bitwise(ActivationCache.open(url).read_rows(0, 10), values)
+
+
+def test_a_kill_loses_at_most_the_queued_records(url, monkeypatch):
+    monkeypatch.setattr(activations, "GROUP_CHUNKS", 2)
+    spec = CacheSpec(num_rows=10, seq_len=3, width=5, dtype="float32", rows_per_chunk=2)
+    values = source(spec)
+    cache = ActivationCache.create(url, spec)
+    write_all(cache, values, chunks=[4, 0, 3], flush=False)  # 4 and 0 make a group: flushed
+    assert cache_status(url) == "partial (2 of 5 chunks)"
+    other = ActivationCache.open(url)  # another process: 3's record is not written yet
+    assert other.missing_chunks() == [1, 2, 3]
+    with pytest.raises(CacheIncomplete, match=r"\(3\)"):
+        other.read_rows(6, 8)
+    del cache  # killed: chunk 3 is whole on disk, but nothing vouches for it
+    assert chunk_file(url, 3).exists()
+    resumed = ActivationCache.create(url, spec)
+    assert resumed.missing_chunks() == [1, 2, 3] and not resumed.is_complete()
+    write_all(resumed, values, chunks=resumed.missing_chunks(), flush=False)
+    resumed.mark_complete()  # flushes what is queued first
+    assert cache_status(url) == "complete"
+    assert_bitwise(ActivationCache.open(url).read_rows(0, 10), values)
+
+
+def test_the_writer_reads_and_counts_its_own_queued_chunks(url):
+    values = source(SPEC)
+    cache = ActivationCache.create(url, SPEC)
+    write_all(cache, values, chunks=[1], flush=False)
+    assert_bitwise(cache.read_rows(4, 8), values[4:8])  # vouched for (flushed) first
+    assert ActivationCache.open(url).missing_chunks() == [0, 2]
+    write_all(cache, values, chunks=[0, 2], flush=False)
+    assert cache.missing_chunks() == []  # after writing its own records
+
+
+def test_a_chunk_rewritten_before_its_group_is_flushed_gets_one_record_for_the_new_bytes(url):
+    values = source(SPEC)
+    cache = ActivationCache.create(url, SPEC)
+    write_all(cache, values.neg(), chunks=[0, 1, 2], flush=False)
+    write_all(cache, values, chunks=[1], flush=False)
+    cache.mark_complete()
+    reopened = ActivationCache.open(url)
+    assert_bitwise(reopened.read_rows(0, 4), values.neg()[:4])
+    assert_bitwise(reopened.read_rows(4, 8), values[4:8])
+    assert sorted(filesystem(url).join("done").list_names()) == ["0.json", "1.json", "2.json"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="names synced files through /proc/self/fd")
+def test_records_follow_one_directory_sync_after_their_chunks_syncs(tmp_path, monkeypatch):
+    """The durability order, group by group: every chunk of a group synced, then the cache's directory
+    synced once (the chunks' names), and only then their records written."""
+    url = str(tmp_path / "t.zarr")
+    monkeypatch.setattr(activations, "GROUP_CHUNKS", 2)
+    values = source(SPEC)
+    cache = ActivationCache.create(url, SPEC)
+    trace = []
+    synced = lambda fd: trace.append(("sync", os.readlink(f"/proc/self/fd/{fd}")))  # noqa: E731
+    monkeypatch.setattr(activations.fsio, "sync_fd", synced)
+    monkeypatch.setattr(activations.fsio, "fsync_dir", lambda path: trace.append(("dir", path)))
+    write_records = activations._write_records
+    monkeypatch.setattr(
+        activations,
+        "_write_records",
+        lambda where, records: (trace.append(("records", sorted(records))), write_records(where, records)),
+    )
+    write_all(cache, values, chunks=[2, 0], flush=False)  # a group: flushed
+    write_all(cache, values, chunks=[1], flush=False)
+    assert trace[-1][0] == "records"  # nothing for chunk 1 yet
+    cache.mark_complete()
+    root, done = os.path.realpath(url), os.path.realpath(url) + "/done"
+    group = lambda *ks: {("sync", f"{root}/c.{k}.0.0") for k in ks}  # noqa: E731
+    assert set(trace[:2]) == group(2, 0)  # the syncs went out together: in either order
+    assert trace[2:4] == [("dir", root), ("records", [f"{done}/0.json", f"{done}/2.json"])]
+    assert trace[4:7] == [("sync", f"{root}/c.1.0.0"), ("dir", root), ("records", [f"{done}/1.json"])]
+    assert [kind for kind, _ in trace[7:]] == ["sync", "dir"]  # the manifest, written atomically
+    assert trace[-1] == ("dir", root) and cache.is_complete()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts open files through /proc/self/fd")
+def test_a_failed_sync_leaves_its_group_missing_and_no_file_open(tmp_path, monkeypatch):
+    url = str(tmp_path / "t.zarr")
+    values = source(SPEC)
+    cache = ActivationCache.create(url, SPEC)
+    open_before = len(os.listdir("/proc/self/fd"))
+    write_all(cache, values, chunks=[0, 1], flush=False)
+    assert len(os.listdir("/proc/self/fd")) == open_before + 2  # held for the group's sync
+
+    def fails(fd):
+        raise OSError(errno.EIO, "simulated I/O error")
+
+    monkeypatch.setattr(activations.fsio, "sync_fd", fails)
+    with pytest.raises(OSError, match="simulated I/O error"):
+        cache.flush()
+    assert len(os.listdir("/proc/self/fd")) == open_before
+    monkeypatch.undo()
+    assert ActivationCache.open(url).missing_chunks() == [0, 1, 2]
+    assert cache.missing_chunks() == [0, 1, 2]  # nothing left queued to vouch for later
+
+
+def test_a_write_that_fails_half_way_leaves_the_chunk_missing_and_nothing_beside_it(url, monkeypatch):
+    values = source(SPEC)
+    cache = ActivationCache.create(url, SPEC)
+    write_all(cache, values)
+    cache.mark_complete()
+
+    def disk_full(fd, data):
+        raise OSError(errno.ENOSPC, "simulated full disk")
+
+    def put_fails(path, data):
+        raise OSError(errno.ENOSPC, "simulated full disk")
+
+    monkeypatch.setattr(activations.fsio, "write_all", disk_full)
+    monkeypatch.setattr(cache.location.fs, "pipe_file", put_fails)  # an object store's put
+    with pytest.raises(OSError, match="simulated full disk"):
+        write_all(cache, values, chunks=[1])
+    monkeypatch.undo()
+    names = filesystem(url).list_names()
+    assert not [n for n in names if n.endswith(".partial")]
+    assert ActivationCache.open(url).missing_chunks() == [1] and not cache.is_complete()
 
 
 def test_a_chunk_written_without_its_record_is_missing(url):
@@ -150,7 +301,7 @@ def test_create_resumes_the_same_spec_and_starts_a_different_one_over(url):
     values = source(SPEC)
     write_all(ActivationCache.create(url, SPEC), values, chunks=[0, 1])
     assert ActivationCache.create(url, SPEC).missing_chunks() == [2]
-    # A chunk write killed half way (zarr writes beside the chunk, then renames) is no foreign file.
+    # A chunk write killed half way (written beside the chunk, then renamed) is no foreign file.
     filesystem(url).join(f"c.2.0.{uuid.uuid4().hex}.partial").write_atomic(b"torn")
     other = CacheSpec(num_rows=10, seq_len=3, width=5, dtype="float32", rows_per_chunk=4)
     fresh = ActivationCache.create(url, other)
