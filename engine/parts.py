@@ -71,7 +71,11 @@ def build_model(config: Config, layout: ModelLayout | None = None) -> GPT:
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
-    reference = copy.deepcopy(model)
+    """The KL reference: the model as it is now, fixed. Parameters that do not train are shared, not
+    copied: they cannot change while this model lives (a growth builds a new model from copies), so a
+    frozen or NF4 trunk is held once, not twice."""
+    shared = {id(p): p for p in model.parameters() if not p.requires_grad}
+    reference = copy.deepcopy(model, memo=shared)
     layouts.eval_mode(reference)
     for parameter in reference.parameters():
         parameter.requires_grad_(False)

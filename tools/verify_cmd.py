@@ -103,13 +103,20 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
             "and the next checkpoint writes a new one)"
         )
     num_bad = 0
+    checked_trunks: dict[str, str] = {}  # sha256 -> problem ("" = sound): a trunk file is shared, read once
     for ref in state.live_checkpoints:
         found = store.verify(ref.checkpoint, ref.files)
         problems += [f"checkpoint {ref.checkpoint}: {p}" for p in found]
         if found:
             num_bad += 1
             continue
-        recorded = store.load_manifest(ref.checkpoint).meta.get("control")
+        meta = store.load_manifest(ref.checkpoint).meta
+        trunk_problems = _trunk_problems(run_dir, meta.get("trunks", {}), checked_trunks)
+        problems += [f"checkpoint {ref.checkpoint}: {p}" for p in trunk_problems]
+        if trunk_problems:
+            num_bad += 1
+            continue
+        recorded = meta.get("control")
         expected = at_checkpoint.get(ref.checkpoint)
         if recorded is not None and expected is not None and recorded != expected:
             diff = [k for k in expected if recorded.get(k) != expected[k]]
@@ -133,6 +140,25 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
     if aside := store.set_aside_names():
         notes.append(f"checkpoints a resume set aside under checkpoints/orphaned/ (kept, unused): {', '.join(aside)}")
     return problems, notes
+
+
+def _trunk_problems(run_dir: str, trunks: dict, checked: dict[str, str]) -> list[str]:
+    """Each frozen stack's weights file a checkpoint names (RUN/trunks/<sha256>): present, and its bytes
+    hash to its name."""
+    from rewind.stores.checkpoints import CheckpointError
+    from rewind.stores.trunks import TrunkStore
+
+    found = []
+    for stack, digest in sorted(trunks.items()):
+        if digest not in checked:
+            try:
+                TrunkStore(run_dir).read(digest)
+                checked[digest] = ""
+            except CheckpointError as exc:
+                checked[digest] = str(exc)
+        if checked[digest]:
+            found.append(f"frozen stack {stack}: {checked[digest]}")
+    return found
 
 
 def _snapshot_problems(seq: int, snapshot, event, state, config) -> list[str]:

@@ -243,3 +243,35 @@ def test_objectives_and_precisions_resume_bit_for_bit(tmp_path, variant):
         if "finished" in out:
             break
     assert_bitwise_equal(final_tensors(straight), final_tensors(stopped))
+
+
+def test_the_reference_shares_the_frozen_trunk_and_copies_what_trains(tmp_path):
+    from rewind.engine.parts import frozen_copy
+
+    config = _config('trunk = "qlora"')
+    grown, _ = _grown(fresh_parts(config, str(tmp_path)), config)
+    reference = frozen_copy(grown.model)
+    live = dict(grown.model.named_parameters())
+    for name, parameter in reference.named_parameters():
+        assert not parameter.requires_grad
+        assert (parameter is live[name]) == (not live[name].requires_grad), name  # shared iff frozen
+    assert any(type(p).__name__ == "Params4bit" and p is live[n] for n, p in reference.named_parameters())
+    tokens = _tokens(config)
+    with torch.no_grad():
+        assert torch.equal(reference(tokens[:, :-1]), layouts.eval_mode(grown.model)(tokens[:, :-1]))
+
+
+def test_verify_checks_the_frozen_stacks_files(straight, tmp_path):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(straight, run)
+    code, out, err = run_cli("verify", run)
+    assert code == 0, out + err
+    victim = sorted((run / "trunks").iterdir())[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    code, out, err = run_cli("verify", run)
+    assert code == 1
+    assert "frozen stack" in out + err and "do not hash to its name" in out + err
