@@ -12,6 +12,7 @@ bookkeeping such as checkpoints, stops and evaluations) have no effect.
 
 from __future__ import annotations
 
+from rewind.engine.checkpointing import load_model
 from rewind.engine.growth import grow, plain_weights, transplant
 from rewind.engine.parts import Parts, fresh_parts, frozen_copy, open_datasets
 from rewind.states.config import Config
@@ -41,7 +42,7 @@ def apply_effect(parts: Parts, state: State, event: Event) -> Parts:
         case ConfigChanged(config=config):
             # Before any update, the weights are the seed's: a new seed means new weights.
             fresh = state.step == 0 and state.last_checkpoint is None
-            return rebuilt(parts, config, carry_tensors=not fresh)
+            return rebuilt(parts, config, state, carry_tensors=not fresh)
         case RunResumed():
             # The live objects are already at the restore point: a resuming process loaded them from
             # its checkpoint (build_parts), and a replay walking the effective records has just
@@ -63,12 +64,18 @@ def clear_optimizer_state(parts: Parts) -> None:
     parts.optimizer.state.clear()
 
 
-def rebuilt(parts: Parts, config: Config, *, carry_tensors: bool) -> Parts:
-    """Live objects for `config` (dropout, seed and the optimizer's settings come from it), holding the
-    tensors `parts` holds unless the run is still at its seed's weights. The model keeps its layout
-    (growth is in the log, not the config) and the reference its weights."""
+def rebuilt(parts: Parts, config: Config, state: State, *, carry_tensors: bool) -> Parts:
+    """Live objects for `config` (dropout, seed, RoPE and the optimizer's settings come from it), holding
+    the tensors `parts` holds unless the run is still at its seed's weights. The model keeps its layout
+    (growth is in the log, not the config); the reference is rebuilt for `config` from the checkpoint it
+    is, as a process starting under `config` builds it."""
     if not carry_tensors:
         return fresh_parts(config, parts.run_dir)
     new = transplant(parts, config, parts.layout, plain_weights(parts))
     new.datasets = open_datasets(config)  # the config's own, as a fresh start would open
+    reference = state.reference
+    if parts.reference is not None and reference is not None and reference.checkpoint:
+        files = next((c.files for c in state.live_checkpoints if c.checkpoint == reference.checkpoint), None)
+        model = load_model(config, new.store, reference.checkpoint, files, reference.layout)[0]
+        new.reference = frozen_copy(model)
     return new

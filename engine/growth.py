@@ -64,7 +64,10 @@ def transplant(parts: Parts, config: Config, layout: ModelLayout | None, weights
     }
     model = layouts.shape(plain, config, layout)
     adapters = {layouts.unwrapped(n): p.detach().clone() for n, p in model.named_parameters() if layouts.is_adapter(n)}
-    adapters.update(model_groups(parts).get("adapters", {}))
+    # Carried adapters take their parameter's dtype: peft gives a bf16 base bf16 adapters and an NF4 base
+    # float32 ones, so a bf16 stack quantised later has its adapters widened (exactly).
+    live = {layouts.unwrapped(n): p for n, p in model.named_parameters() if layouts.is_adapter(n)}
+    adapters.update({n: t.to(live[n].dtype) for n, t in model_groups(parts).get("adapters", {}).items() if n in live})
     layouts.load_adapters(model, adapters)
     optimizer = build_optimizer(model, config)
     names = layouts.parameter_names(model)
@@ -101,4 +104,8 @@ def _carry_moments(old, old_names, new, new_names) -> None:
     for parameter, name in new_names.items():
         state = by_name.get(name)
         if state is not None and parameter.requires_grad:
-            new.state[parameter] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            # Moments shaped like their parameter follow its dtype (see transplant); step counts stay.
+            new.state[parameter] = {
+                k: (v.to(parameter.dtype, copy=True) if v.shape == parameter.shape else v.clone()) if isinstance(v, torch.Tensor) else v
+                for k, v in state.items()
+            }

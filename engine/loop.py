@@ -174,7 +174,8 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
         reference=parts.reference,
         step=k,
         trunk_rows=parts.trunk_reader.rows(parts, state, k),
-        stack_index=max(s.stack for s in layout.stacks),  # the newest stack (time as depth)
+        # Time as depth: the position (0 = input side) of the newest stack, the one this stage trains.
+        stack_index=[s.stack for s in layout.stacks].index(max(s.stack for s in layout.stacks)),
         num_stacks=1 + len(config.growth),
     )
     return StepCommitted(

@@ -110,12 +110,27 @@ def continuation_problem(old: Config, new: Config, num_growths: int = 0) -> str:
     fields that give the weights their shapes must stay, and so must the `num_growths` growths already
     performed (the model is what they made; later ones may change). Dropout, RoPE base and the like may
     change."""
+    from rewind.engine.objectives import model_vocab_size, num_time_levels
+
     done_before, done_after = old.growth[:num_growths], new.growth[:num_growths]
     if done_before != done_after:
         return (
             f"growth[0..{num_growths - 1}] already happened and cannot change when continuing from a checkpoint "
             f"(the new config has {len(new.growth)} growth entries; change only later ones)"
         )
+    if num_growths and old.lora.targets != new.lora.targets:
+        return "lora.targets cannot change when continuing from a checkpoint of a grown model: its adapters sit on the old ones"
+    shapes = {
+        "vocabulary": lambda c: model_vocab_size(c.objective, c.architecture.vocab_size),
+        "time levels": lambda c: num_time_levels(c.objective),
+    }
+    for what, shape in shapes.items():
+        before, after = shape(old), shape(new)
+        if before != after:
+            return (
+                f"objective: the model's {what} would change ({before} -> {after}) when continuing from a checkpoint "
+                "(a masked objective adds a mask token; time as input adds a time embedding)"
+            )
     def shaping(config: Config) -> dict:
         a = config.architecture
         return {"vocab_size": a.vocab_size, "num_layers": a.num_layers, "d_model": a.d_model,

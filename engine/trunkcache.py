@@ -20,6 +20,7 @@ from rewind.engine.cursors import assemble_batch
 from rewind.engine.parts import Parts
 from rewind.engine.rng import derive_seed
 from rewind.engine.step import micro_batches
+from rewind.states.config import Config, config_hash
 from rewind.states.events import ActivationsCached
 from rewind.states.plan import CacheTrunk
 from rewind.states.state import CacheRef, State
@@ -29,9 +30,12 @@ from rewind.stores.fsio import filesystem
 CACHE_DIR = "cache"
 
 
-def cache_path(version: int) -> str:
-    """Where the cache of trunk `version` lives, relative to the run directory."""
-    return f"{CACHE_DIR}/trunk-{version}.zarr"
+def cache_path(version: int, first_step: int, config: Config) -> str:
+    """Where the cache of trunk `version` for the steps from `first_step` under `config` lives, relative
+    to the run directory. All three name it: a config changed in place (a fork) changes what the trunk
+    outputs for a step (data, dropout, seed, RoPE...), and a cache found at the path of another's would
+    otherwise be taken for it."""
+    return f"{CACHE_DIR}/trunk-{version}-{first_step:08d}-{config_hash(config)[:12]}.zarr"
 
 
 def cache_url(run_dir: str, path: str) -> str:
@@ -48,7 +52,8 @@ def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCa
     spec = CacheSpec(
         num_rows=intent.num_rows, seq_len=config.architecture.block_size, width=width, dtype=dtype, rows_per_chunk=batch
     )
-    path = cache_path(intent.version)
+    path = cache_path(intent.version, state.step, config)
+    _delete_others(parts.run_dir, path)
     cache = ActivationCache.create(cache_url(parts.run_dir, path), spec)
     missing = set(cache.missing_chunks())
     cursors = dict(state.cursors)
@@ -78,6 +83,21 @@ def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCa
     )
 
 
+def _delete_others(run_dir: str, keep: str) -> None:
+    """Only the cache being written stays: the others hold trunks the run no longer has (or rows another
+    config made). Records naming them stay valid history; a replay over their steps recomputes the trunk,
+    to the same bits."""
+    root = filesystem(run_dir).join(CACHE_DIR)
+    if not root.exists():
+        return
+    for name in root.list_names():
+        if name.endswith(".zarr") and f"{CACHE_DIR}/{name}" != keep:
+            try:
+                ActivationCache.open(root.join(name).url).delete()
+            except CacheError:
+                continue  # not a cache rewind made whole: left for a person to look at
+
+
 def _trunk_dtype(model) -> torch.dtype:
     """The dtype of the stream entering the last stack (the model's residual stream: the embedding's)."""
     return model.embed.weight.dtype
@@ -97,7 +117,10 @@ class TrunkReader:
             return None
         if self._opened is None or self._opened[0] != ref:
             try:
-                self._opened = (ref, ActivationCache.open(cache_url(parts.run_dir, ref.path)))
+                opened = ActivationCache.open(cache_url(parts.run_dir, ref.path))
+                if opened.spec.num_rows != ref.num_rows or not opened.is_complete():
+                    return None  # not the cache the record names: recomputed instead, to the same bits
+                self._opened = (ref, opened)
             except CacheError:
                 # Gone or damaged (a copied run directory without cache/): the trunk is recomputed,
                 # which gives the same bits, only slower.

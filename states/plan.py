@@ -311,7 +311,9 @@ def checkpoints_to_delete(state: State, keep_last: int) -> list[str]:
     Returns names to delete, oldest first."""
     live = sorted(state.live_checkpoints, key=lambda c: c.step)
     protected = {c.checkpoint for c in live[-keep_last:]}
-    kept = ("boundary", "final", "reference") if "reference_checkpoints_kept" in state.features else ("boundary", "final")
+    # A grown run keeps them whatever release started it (growth takes them routinely).
+    keep_references = "reference_checkpoints_kept" in state.features or state.num_growths > 0
+    kept = ("boundary", "final", "reference") if keep_references else ("boundary", "final")
     protected |= {c.checkpoint for c in live if c.reason in kept}
     for held in (state, state.anchor):
         if held is not None and held.reference is not None:

@@ -15,6 +15,7 @@ detectable by its hash).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -81,6 +82,11 @@ class TrunkStore:
             os.close(fd)
         os.replace(tmp, path)
         fsync_dir(self.root)
+        # What a killed writer left (only the run's lock holder writes here, so none is in flight).
+        for name in os.listdir(self.root):
+            if ".tmp-" in name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.root, name))
 
     def load(self, digest: str) -> dict[str, torch.Tensor]:
         """The tensors of trunk file `digest`, after checking its bytes hash to its name."""

@@ -198,7 +198,9 @@ def test_a_cache_left_half_written_is_completed_on_resume(straight, tmp_path, mo
     with pytest.raises(Killed):
         run_cli(*grown_args(run))
     monkeypatch.setattr(activations.ActivationCache, "write_chunk", original)
-    cache = activations.ActivationCache.open(str(run / "cache" / "trunk-1.zarr"))
+    (path,) = (run / "cache").iterdir()  # trunk-<version>-<first step>-<config>.zarr
+    assert path.name.startswith("trunk-1-00000010-")
+    cache = activations.ActivationCache.open(str(path))
     # Chunks never written are missing (never read as zeros); written ones may be too, if the kill came
     # before their group of completion records was made durable (stores.activations).
     assert set(range(3, cache.num_chunks)) <= set(cache.missing_chunks())
@@ -224,6 +226,7 @@ VARIANTS = {
     "mlm": ['objective.kind="mlm"', "training.evaluations=[]", 'growth[0].cache="auto"'],
     "diffusion-input": ['objective.kind="diffusion"', 'objective.time="input"', "training.evaluations=[]", 'growth[0].cache="auto"'],
     "diffusion-depth": ['objective.kind="diffusion"', 'objective.time="depth"', "training.evaluations=[]", 'growth[0].cache="auto"'],
+    "bf16-lora-then-qlora": ['growth[0].precision="bf16"'],  # its bf16 adapters widen when it is quantised
     "bf16-anchor": ['growth[0].precision="bf16"', 'growth[1].position="prepend"', "growth[1].anchor=true",
                     'growth[1].trunk="frozen"'],
 }
@@ -275,3 +278,52 @@ def test_verify_checks_the_frozen_stacks_files(straight, tmp_path):
     code, out, err = run_cli("verify", run)
     assert code == 1
     assert "frozen stack" in out + err and "do not hash to its name" in out + err
+
+
+def test_a_cache_is_never_taken_for_another_config_s(tmp_path):
+    """Forked in place at the cache's first step with other data: the trunk's outputs are those of the
+    new data, as in a run started with it (a cache is named by its trunk, first step and config)."""
+    other = (*GROWN, 'training.datasets[1][0].name="sort"')
+    forked, fresh = tmp_path / "forked", tmp_path / "fresh"
+    code, _, err = run_cli(*grown_args(forked, "--max-steps", "10"))
+    assert code == 0, err
+    assert any(isinstance(e, ActivationsCached) for e in events_of(forked))  # written before the stop
+    code, _, err = run_cli(*grown_args(forked, "--fork", overrides=other))
+    assert code == 0, err
+    code, _, err = run_cli(*grown_args(fresh, overrides=other))
+    assert code == 0, err
+    assert_bitwise_equal(final_tensors(fresh), final_tensors(forked))
+    assert len(list((forked / "cache").iterdir())) == 1  # the old config's cache is gone
+
+
+@pytest.mark.parametrize(
+    "change",
+    ['lora.targets=["attn.qkv"]', 'objective.kind="mlm"'],
+)
+def test_a_continuation_may_not_change_what_shapes_the_grown_model(tmp_path, change):
+    run = tmp_path / "run"
+    code, _, err = run_cli(*grown_args(run, "--max-steps", "25"))
+    assert code == 0, err
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    overrides = (*GROWN, change, "training.evaluations=[]", 'growth[0].cache="auto"')
+    code, _, err = run_cli(*grown_args(run, "--fork", overrides=overrides))
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1
+    assert "cannot change" in err or "would change" in err
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
+def test_replay_rebuilds_the_reference_for_a_changed_config(tmp_path):
+    """A config change in place (here the RoPE base, which the reference computes with too) rebuilds the
+    reference from its checkpoint under the new config, as the process that trained it did: replay
+    reproduces the KL term after the change."""
+    from tests.engine.test_loop import train_args
+
+    run = tmp_path / "run"
+    code, _, err = run_cli(*train_args(run, "--max-steps", "15"))
+    assert code == 0, err
+    code, _, err = run_cli(*train_args(run, "--fork", "--set", "architecture.rope_base=500.0"))
+    assert code == 0, err
+    code, out, err = run_cli("replay", run)
+    assert code == 0, out + err
+    assert "reproducible" in out

@@ -414,6 +414,8 @@ def test_runs_started_with_the_feature_keep_reference_checkpoints():
     assert checkpoints_to_delete(old, keep_last=1) == ["r4", "c8"]
     new = replace(old, features=["reference_checkpoints_kept"])
     assert checkpoints_to_delete(new, keep_last=1) == ["c8"]
+    grown = replace(old, num_growths=1)  # an old run that gained growth keeps them too
+    assert checkpoints_to_delete(grown, keep_last=1) == ["c8"]
 
 
 def test_duties_after_each_step_of_a_small_run():
