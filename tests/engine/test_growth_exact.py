@@ -56,8 +56,11 @@ def test_sigkill_across_growth_then_resume_gives_the_straight_tensors(tmp_path):
     # random fraction of a second later (mid-step, mid-commit, mid-checkpoint, mid-cache).
     for band in range(ROUNDS):
         target = rng.randrange(band * 160 // ROUNDS, (band + 1) * 160 // ROUNDS)
+        num_before = len(committed(killed))
         process = _run(_command(killed), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        while process.poll() is None and _last_step(killed) < target:
+        # Past its own first record (its RunStarted or RunResumed: start-up kills are test_kill_restart's),
+        # and past the band's step.
+        while process.poll() is None and (len(committed(killed)) <= num_before or _last_step(killed) < target):
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.6))
         if process.poll() is not None:
@@ -70,8 +73,7 @@ def test_sigkill_across_growth_then_resume_gives_the_straight_tensors(tmp_path):
     assert final.wait(timeout=600) == 0, final.stderr.read()
     final.stderr.close()
     events = events_of(killed)
-    # (a kill can land in a start-up, before its RunResumed: a restart then resumes the same point)
-    assert num_killed >= ROUNDS - 1 and sum(isinstance(e, RunResumed) for e in events) >= ROUNDS // 2
+    assert num_killed >= ROUNDS - 1 and sum(isinstance(e, RunResumed) for e in events) >= num_killed - 1
     assert sum(isinstance(e, StackAppended) for e in events) >= 3  # every growth happened (some twice)
     assert any(isinstance(e, ActivationsCached) for e in events)
     # Resumed inside at least three of the four stages (a kill in the first steps may come before the
