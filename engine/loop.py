@@ -35,7 +35,7 @@ from rewind.states.events import (
     StepCommitted,
     Validated,
 )
-from rewind.states.growth import current_layout
+from rewind.states.growth import current_layout, depth_of_training
 from rewind.states.plan import (
     CacheTrunk,
     DeleteCheckpoints,
@@ -161,7 +161,7 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
     config, k = parts.config, state.step
     plan = parts.schedule.step_plan(k)
     lr = step_lr(state, parts.schedule, k)  # the run's own curve: its features, its restarts
-    layout = current_layout(state)
+    stack_index, num_stacks = depth_of_training(config, current_layout(state))
     tokens, mask, cursors, _ = assemble_batch(config.run.seed, config, plan.rows, state.cursors, parts.datasets)
     result = train_step(
         parts.model,
@@ -174,9 +174,8 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
         reference=parts.reference,
         step=k,
         trunk_rows=parts.trunk_reader.rows(parts, state, k),
-        # Time as depth: the position (0 = input side) of the newest stack, the one this stage trains.
-        stack_index=[s.stack for s in layout.stacks].index(max(s.stack for s in layout.stacks)),
-        num_stacks=1 + len(config.growth),
+        stack_index=stack_index,
+        num_stacks=num_stacks,
     )
     return StepCommitted(
         step=k + 1,

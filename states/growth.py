@@ -159,6 +159,14 @@ def _as_trunk(stack: StackLayout, event: StackAppended) -> StackLayout:
     return replace(stack, base=base, adapters_train=stack.adapter_rank > 0 and mode != "frozen")
 
 
+def depth_of_training(config: Config, layout: ModelLayout) -> tuple[int, int]:
+    """(position, number of stacks) for masked diffusion with time as depth: the position (0 = input
+    side) of the newest stack, the one a stage after a growth trains, among the stacks the plan will
+    have in the end (1 + the growth entries), so a stack's level does not depend on how far the run got."""
+    newest = max(s.stack for s in layout.stacks)
+    return [s.stack for s in layout.stacks].index(newest), 1 + len(config.growth)
+
+
 def trunk_is_frozen(layout: ModelLayout) -> bool:
     """Whether everything before the last stack (embedding included) is fixed, so that its output is a
     pure function of the input tokens and can be cached."""
