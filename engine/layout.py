@@ -127,33 +127,39 @@ def quantise_stack(stack: nn.Module) -> None:
             setattr(owner, attribute, quantised)
 
 
-def _inject_adapters(model: GPT, config: Config, layout: ModelLayout) -> None:
-    from peft import LoraConfig, inject_adapter_in_model
+def lora_config(modules: dict[str, tuple[int, float]]):
+    """peft's LoraConfig adapting exactly `modules` (full module name -> (rank, alpha)): the one way
+    rewind describes adapters to peft, for injecting them and for exporting them (peft matches
+    rank_pattern / alpha_pattern keys as regular expressions, hence the escapes)."""
+    from peft import LoraConfig
 
-    targets, ranks, alphas = [], {}, {}
-    for spec in layout.stacks:
-        if spec.adapter_rank <= 0:
-            continue
-        for block in range(spec.num_blocks):
-            for layer in config.lora.targets:
-                name = f"stacks.{spec.stack}.blocks.{block}.{layer}"
-                targets.append(name)
-                ranks[re.escape(name)] = spec.adapter_rank
-                alphas[re.escape(name)] = spec.adapter_alpha
-    first = next(s for s in layout.stacks if s.adapter_rank > 0)
-    lora = LoraConfig(
-        r=first.adapter_rank,
-        lora_alpha=first.adapter_alpha,
-        target_modules=targets,
-        rank_pattern=ranks,
-        alpha_pattern=alphas,
+    names = sorted(modules)
+    first_rank, first_alpha = modules[names[0]]
+    return LoraConfig(
+        r=first_rank,
+        lora_alpha=first_alpha,
+        target_modules=names,
+        rank_pattern={re.escape(n): modules[n][0] for n in names},
+        alpha_pattern={re.escape(n): modules[n][1] for n in names},
         lora_dropout=0.0,  # peft's dropout draws from the global RNG
         bias="none",
     )
+
+
+def _inject_adapters(model: GPT, config: Config, layout: ModelLayout) -> None:
+    from peft import inject_adapter_in_model
+
+    modules = {
+        f"stacks.{spec.stack}.blocks.{block}.{layer}": (spec.adapter_rank, spec.adapter_alpha)
+        for spec in layout.stacks
+        if spec.adapter_rank > 0
+        for block in range(spec.num_blocks)
+        for layer in config.lora.targets
+    }
     # peft picks its 4-bit LoRA layer for Linear4bit bases only when the model says it is loaded in 4 bit.
     model.is_loaded_in_4bit = any(s.base == "nf4" for s in layout.stacks)
     with torch.random.fork_rng(devices=[]):
-        inject_adapter_in_model(lora, model, adapter_name=ADAPTER_NAME)
+        inject_adapter_in_model(lora_config(modules), model, adapter_name=ADAPTER_NAME)
     init_adapters(model, config.run.seed)
 
 

@@ -70,6 +70,12 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, config: Config) -> N
         group.update(betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=weight_decay)
 
 
+def dropout_seed(config: Config, step: int, micro_batch: int) -> int:
+    """The seed of the dropout masks of one micro-batch of step `step` (rank 0): the one place it is
+    derived, so the activation cache computes the trunk with exactly the masks the step uses."""
+    return derive_seed(config.run.seed, "dropout", step, 0, micro_batch)
+
+
 def _levels(levels: torch.Tensor | None, rows: slice) -> dict:
     return {} if levels is None else {"levels": levels[rows]}
 
@@ -122,11 +128,11 @@ def train_step(
     total_ce = total_kl = 0.0
     num_correct = 0
     for index, rows in enumerate(micro_batches(tokens.shape[0], config.training.per_device_batch_size)):
-        dropout_seed = derive_seed(config.run.seed, "dropout", step, 0, index)
+        seed = dropout_seed(config, step, index)
         if trunk_rows is not None:
-            logits = model.forward_from_trunk(trunk_rows[rows], dropout_seed=dropout_seed)
+            logits = model.forward_from_trunk(trunk_rows[rows], dropout_seed=seed)
         else:
-            logits = model(inputs[rows], dropout_seed=dropout_seed, **_levels(levels, rows))
+            logits = model(inputs[rows], dropout_seed=seed, **_levels(levels, rows))
         reference_logits = None
         if use_kl:
             with torch.no_grad():  # no reference forward at all when beta is 0

@@ -18,8 +18,7 @@ import torch
 
 from rewind.engine.cursors import assemble_batch
 from rewind.engine.parts import Parts
-from rewind.engine.rng import derive_seed
-from rewind.engine.step import micro_batches
+from rewind.engine.step import dropout_seed, micro_batches
 from rewind.states.config import Config, config_hash
 from rewind.states.events import ActivationsCached
 from rewind.states.plan import CacheTrunk
@@ -68,8 +67,7 @@ def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCa
             inputs = tokens[:, :-1]
             parts_out = []
             for index, rows in enumerate(micro_batches(inputs.shape[0], config.training.per_device_batch_size)):
-                dropout_seed = derive_seed(config.run.seed, "dropout", k, 0, index)
-                parts_out.append(model.trunk_output(inputs[rows], dropout_seed=dropout_seed))
+                parts_out.append(model.trunk_output(inputs[rows], dropout_seed=dropout_seed(config, k, index)))
             cache.write_chunk(offset, torch.cat(parts_out).contiguous())
     cache.mark_complete()
     return ActivationsCached(

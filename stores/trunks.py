@@ -25,7 +25,7 @@ import torch
 
 from rewind.stores import confine
 from rewind.stores.checkpoints import CheckpointCorrupt, CheckpointError
-from rewind.stores.fsio import filesystem, fsync_dir, sync_fd, write_all
+from rewind.stores.fsio import filesystem, fsync_dir
 from rewind.stores.manifest import checked_tensors
 
 TRUNKS_DIR = "trunks"
@@ -43,8 +43,8 @@ def serialize(tensors: dict[str, torch.Tensor]) -> tuple[bytes, str]:
 class TrunkStore:
     def __init__(self, run_dir: str | os.PathLike[str]):
         run = filesystem(run_dir)
-        location = run.join(TRUNKS_DIR)
-        self._fs, self.root, self._is_local = location.fs, location.path, location.is_local
+        self._location = run.join(TRUNKS_DIR)
+        self._fs, self.root, self._is_local = self._location.fs, self._location.path, self._location.is_local
         self._run_root = run.path
 
     def _path(self, digest: str) -> str:
@@ -56,37 +56,29 @@ class TrunkStore:
         return bool(self._fs.exists(self._path(digest)))
 
     def write(self, data: bytes, digest: str) -> None:
-        """Store `data` under its hash `digest` unless a good copy is there already."""
+        """Store `data` under its hash `digest` unless a good copy is there already (atomically and
+        durably: fsio's write_atomic, the directory made durable first)."""
         if hashlib.sha256(data).hexdigest() != digest:
             raise CheckpointError("trunk bytes do not match the hash they are stored under")
-        path = self._path(digest)
-        if self._fs.exists(path):
+        self._path(digest)  # checks the name
+        if self.exists(digest):
             try:
-                self.load(digest)
+                self.read(digest)
                 return
             except CheckpointError:
                 pass  # a damaged copy: write it again
-        if not self._is_local:
-            self._fs.makedirs(self.root, exist_ok=True)
-            self._fs.pipe_file(path, data)
-            return
-        if not os.path.isdir(self.root):
-            os.makedirs(self.root, exist_ok=True)
+        if self._is_local and not os.path.isdir(self.root):
+            self._location.makedirs()
             fsync_dir(os.path.dirname(self.root))
-        tmp = f"{path}.tmp-{os.urandom(8).hex()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            write_all(fd, data)
-            sync_fd(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(self.root)
-        # What a killed writer left (only the run's lock holder writes here, so none is in flight).
-        for name in os.listdir(self.root):
-            if ".tmp-" in name:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.root, name))
+        elif not self._is_local:
+            self._location.makedirs()
+        self._location.join(f"{digest}{SUFFIX}").write_atomic(data)
+        if self._is_local:
+            # What a killed writer left (only the run's lock holder writes here, so none is in flight).
+            for name in os.listdir(self.root):
+                if ".tmp-" in name:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.root, name))
 
     def load(self, digest: str) -> dict[str, torch.Tensor]:
         """The tensors of trunk file `digest`, after checking its bytes hash to its name."""
@@ -120,13 +112,11 @@ def checkpoint_weights(run_dir: str, name: str, files: dict[str, str] | None) ->
     from rewind.stores.checkpoints import CheckpointStore
 
     store = CheckpointStore(run_dir)
-    groups = store.load(name, files, groups=[g for g in ("model", "adapters") if g in _groups_of(store, name)])
+    manifest = store.load_manifest(name)
+    present = {entry.name.removesuffix(SUFFIX) for entry in manifest.files}
+    groups = store.load(name, files, groups=[g for g in ("model", "adapters") if g in present])
     weights = dict(groups["model"])
     trunks = TrunkStore(run_dir)
-    for digest in store.load_manifest(name).meta.get("trunks", {}).values():
+    for digest in manifest.meta.get("trunks", {}).values():
         weights.update(trunks.load(digest))
     return {"model": weights, "adapters": dict(groups.get("adapters", {}))}
-
-
-def _groups_of(store, name: str) -> set[str]:
-    return {entry.name.removesuffix(".safetensors") for entry in store.load_manifest(name).files}

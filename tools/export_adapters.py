@@ -41,7 +41,7 @@ def adapter_config(tensors: dict, layout):
     of a model of `layout`: the adapted modules are those the tensors name, each module's rank is its
     lora_A's, its alpha its stack's. None when there are no tensors; CommandError (exit 1) when the
     tensors are not a set of LoRA pairs that agrees with the layout."""
-    from peft import LoraConfig
+    from rewind.engine.layout import lora_config
 
     if not tensors:
         return None
@@ -52,7 +52,7 @@ def adapter_config(tensors: dict, layout):
         if match is None:
             raise CommandError(f"checkpoint adapter {name!r} is not a LoRA weight of a stack's block", 1)
         parts.setdefault(match["module"], {})[match["part"]] = tensor
-    targets, ranks, alphas = [], {}, {}
+    modules: dict[str, tuple[int, float]] = {}
     for module, pair in sorted(parts.items()):
         a, b = pair.get("A"), pair.get("B")
         if a is None or b is None or a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
@@ -63,19 +63,8 @@ def adapter_config(tensors: dict, layout):
             raise CommandError(
                 f"checkpoint adapters of {module} (rank {a.shape[0]}) do not fit the layout ({wanted})", 1
             )
-        targets.append(module)
-        ranks[re.escape(module)] = spec.adapter_rank
-        alphas[re.escape(module)] = spec.adapter_alpha
-    first = specs[int(targets[0].split(".")[1])]
-    return LoraConfig(
-        r=first.adapter_rank,
-        lora_alpha=first.adapter_alpha,
-        target_modules=targets,
-        rank_pattern=ranks,
-        alpha_pattern=alphas,
-        lora_dropout=0.0,
-        bias="none",
-    )
+        modules[module] = (spec.adapter_rank, spec.adapter_alpha)
+    return lora_config(modules)
 
 
 def config_json(lora) -> bytes:
