@@ -86,23 +86,28 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_s
 
 
 def load_model(
-    config: Config, store: CheckpointStore, name: str, files: dict[str, str] | None, layout: ModelLayout | None
+    config: Config,
+    store: CheckpointStore,
+    name: str,
+    files: dict[str, str] | None,
+    layout: ModelLayout | None,
+    *,
+    with_optimizer: bool = False,
 ) -> tuple[torch.nn.Module, Groups, dict, dict[int, dict[str, torch.Tensor]], dict[int, str]]:
     """The model of `layout` with checkpoint `name`'s weights: (model, groups, meta, trunk sources,
-    trunk hashes). Plain weights first (base and trunk files, under unwrapped names), then quantised
-    and given adapters as the layout says, then the adapters' values."""
-    groups = store.load(name, files)
-    meta = store.load_manifest(name).meta
+    trunk hashes; the optimizer group only `with_optimizer`: a reference needs none). Its base weights
+    are the checkpoint's own and its frozen stacks' files (RUN/trunks/), each checked against its hash."""
+    manifest = store.load_manifest(name)
+    present = {entry.name.removesuffix(".safetensors") for entry in manifest.files}
+    wanted = ("model", "adapters", "optimizer") if with_optimizer else ("model", "adapters")
+    groups = store.load(name, files, groups=[g for g in wanted if g in present])
+    meta = manifest.meta
     trunks = TrunkStore(store.run_dir)
-    sources = {int(stack): trunks.load(digest) for stack, digest in meta.get("trunks", {}).items()}
-    hashes = {int(stack): digest for stack, digest in meta.get("trunks", {}).items()}
-    plain = layouts.build_plain(config, layout)
     tensors = dict(groups["model"])
-    for stack_tensors in sources.values():
-        tensors.update(stack_tensors)
-    snapshot.load_model_tensors(plain, tensors)
-    model = layouts.shape(plain, config, layout)
-    layouts.load_adapters(model, groups.get("adapters", {}))
+    for digest in meta.get("trunks", {}).values():
+        tensors.update(trunks.load(digest))
+    hashes = {int(stack): digest for stack, digest in meta.get("trunks", {}).items()}
+    model, sources = layouts.model_from_weights(config, layout, tensors, groups.get("adapters", {}), complete=True)
     return model, groups, meta, sources, hashes
 
 
@@ -112,8 +117,10 @@ def load_checkpoint(parts: Parts, state: State) -> None:
     to. Every file is checked against the hashes the log recorded."""
     ref = state.last_checkpoint
     assert ref is not None
-    model, groups, meta, sources, hashes = load_model(parts.config, parts.store, ref.checkpoint, ref.files, state.layout)
-    parts.model, parts.layout = model, state.layout
+    model, groups, meta, sources, hashes = load_model(
+        parts.config, parts.store, ref.checkpoint, ref.files, state.layout, with_optimizer=True
+    )
+    parts.model = model
     parts.trunk_sources, parts.trunk_hashes = sources, hashes
     parts.optimizer = build_optimizer(model, parts.config)
     parts.param_names = layouts.parameter_names(model)

@@ -12,8 +12,7 @@ bookkeeping such as checkpoints, stops and evaluations) have no effect.
 
 from __future__ import annotations
 
-from rewind.engine.checkpointing import load_model
-from rewind.engine.growth import grow, plain_weights, transplant
+from rewind.engine.growth import grow, plain_weights, reference_for, transplant
 from rewind.engine.parts import Parts, fresh_parts, frozen_copy, open_datasets
 from rewind.states.config import Config
 from rewind.states.events import (
@@ -49,7 +48,7 @@ def apply_effect(parts: Parts, state: State, event: Event) -> Parts:
             # re-executed the steps up to it (the superseded ones are not in its stream).
             return parts
         case StackAppended():
-            return grow(parts, event)
+            return grow(parts, state, event)
         case ActivationsCached():
             # The cache was written before its record (the loop's perform); a replay or a resume finds
             # it by the state, and training reads it (rewind.engine.trunkcache).
@@ -67,15 +66,12 @@ def clear_optimizer_state(parts: Parts) -> None:
 def rebuilt(parts: Parts, config: Config, state: State, *, carry_tensors: bool) -> Parts:
     """Live objects for `config` (dropout, seed, RoPE and the optimizer's settings come from it), holding
     the tensors `parts` holds unless the run is still at its seed's weights. The model keeps its layout
-    (growth is in the log, not the config); the reference is rebuilt for `config` from the checkpoint it
-    is, as a process starting under `config` builds it."""
+    (growth is in the log, not the config); the reference keeps its weights and is rebuilt for `config`
+    (its RoPE base, say), as a process starting under `config` builds it."""
     if not carry_tensors:
         return fresh_parts(config, parts.run_dir)
-    new = transplant(parts, config, parts.layout, plain_weights(parts))
+    new = transplant(parts, config, state.layout, plain_weights(parts))
     new.datasets = open_datasets(config)  # the config's own, as a fresh start would open
-    reference = state.reference
-    if parts.reference is not None and reference is not None and reference.checkpoint:
-        files = next((c.files for c in state.live_checkpoints if c.checkpoint == reference.checkpoint), None)
-        model = load_model(config, new.store, reference.checkpoint, files, reference.layout)[0]
-        new.reference = frozen_copy(model)
+    if parts.reference is not None and state.reference is not None:
+        new.reference = reference_for(parts, config, state.reference.layout)
     return new

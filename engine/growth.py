@@ -15,17 +15,17 @@ moments, which is part of the logged transition (the layout says what trains).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from rewind.engine import layout as layouts
-from rewind.engine import snapshot
 from rewind.engine.checkpointing import model_groups
-from rewind.engine.parts import Parts
+from rewind.engine.parts import Parts, frozen_copy
 from rewind.engine.step import apply_hyperparameters, build_optimizer
 from rewind.states.config import Config
 from rewind.states.events import StackAppended
-from rewind.states.growth import grown_layout
+from rewind.states.growth import current_layout, grown_layout
 from rewind.states.schedule import Schedule
-from rewind.states.state import ModelLayout
+from rewind.states.state import ModelLayout, State
 
 
 def plain_weights(parts: Parts) -> dict[str, torch.Tensor]:
@@ -36,9 +36,9 @@ def plain_weights(parts: Parts) -> dict[str, torch.Tensor]:
     return weights
 
 
-def grow(parts: Parts, event: StackAppended) -> Parts:
-    """The live objects after `event`: see the module docstring."""
-    old_layout = layouts.layout_of(parts.config, parts.layout)
+def grow(parts: Parts, state: State, event: StackAppended) -> Parts:
+    """The live objects after `event`, which is being applied to `state`: see the module docstring."""
+    old_layout = current_layout(state)
     new_layout = grown_layout(old_layout, event)
     weights = plain_weights(parts)
     order = [(s.stack, s.num_blocks) for s in old_layout.stacks]
@@ -54,21 +54,7 @@ def transplant(parts: Parts, config: Config, layout: ModelLayout | None, weights
     """Parts for `config` whose model is `layout` holding `weights` (unwrapped base weights) and the
     adapters `parts` has (new adapters keep their initialisation), and whose optimizer carries the
     moments of every parameter that trained before and trains now."""
-    plain = layouts.build_plain(config, layout)
-    snapshot.load_model_tensors(plain, weights)
-    spec = layouts.layout_of(config, layout)
-    fixed = {s.stack for s in spec.stacks if s.base != "trainable"}
-    sources = {
-        stack: {name: tensor.detach().clone() for name, tensor in plain.state_dict().items() if layouts.stack_of(name) == stack}
-        for stack in fixed
-    }
-    model = layouts.shape(plain, config, layout)
-    adapters = {layouts.unwrapped(n): p.detach().clone() for n, p in model.named_parameters() if layouts.is_adapter(n)}
-    # Carried adapters take their parameter's dtype: peft gives a bf16 base bf16 adapters and an NF4 base
-    # float32 ones, so a bf16 stack quantised later has its adapters widened (exactly).
-    live = {layouts.unwrapped(n): p for n, p in model.named_parameters() if layouts.is_adapter(n)}
-    adapters.update({n: t.to(live[n].dtype) for n, t in model_groups(parts).get("adapters", {}).items() if n in live})
-    layouts.load_adapters(model, adapters)
+    model, sources = layouts.model_from_weights(config, layout, weights, model_groups(parts).get("adapters", {}))
     optimizer = build_optimizer(model, config)
     names = layouts.parameter_names(model)
     _carry_moments(parts.optimizer, parts.param_names, optimizer, names)
@@ -84,10 +70,29 @@ def transplant(parts: Parts, config: Config, layout: ModelLayout | None, weights
         store=parts.store,
         reference=parts.reference,
         param_names=names,
-        layout=layout,
         trunk_sources=sources,
         trunk_hashes=kept,
     )
+
+
+def reference_for(parts: Parts, config: Config, layout: ModelLayout | None) -> nn.Module:
+    """The live reference (of `layout`, the model's when it was refreshed) rebuilt for `config`, from the
+    tensors held in memory: its own, and for its NF4 stacks (which hold no float weights) the float
+    weights `parts` keeps of them, unchanged since they were quantised (NF4 is for good)."""
+    assert parts.reference is not None
+    nf4 = {s.stack for s in layouts.layout_of(config, layout).stacks if s.base == "nf4"}
+    missing = nf4 - set(parts.trunk_sources)
+    if missing:  # cannot happen while stacks are never removed; said plainly if it ever does
+        raise RuntimeError(f"the float weights of the reference's NF4 stacks {sorted(missing)} are not held")
+    weights, adapters = {}, {}
+    for name, tensor in parts.reference.state_dict().items():
+        if layouts.is_adapter(name):
+            adapters[layouts.unwrapped(name)] = tensor
+        elif layouts.stack_of(name) not in nf4:
+            weights[layouts.unwrapped(name)] = tensor
+    for stack in nf4:
+        weights.update(parts.trunk_sources[stack])
+    return frozen_copy(layouts.model_from_weights(config, layout, weights, adapters)[0])
 
 
 def _same(parts: Parts, sources: dict[int, dict[str, torch.Tensor]], stack: int) -> bool:

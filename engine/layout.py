@@ -100,6 +100,42 @@ def shape(model: GPT, config: Config, layout: ModelLayout | None) -> GPT:
     return model
 
 
+def model_from_weights(
+    config: Config,
+    layout: ModelLayout | None,
+    weights: dict[str, torch.Tensor],
+    adapters: dict[str, torch.Tensor],
+    *,
+    complete: bool = False,
+) -> tuple[GPT, dict[int, dict[str, torch.Tensor]]]:
+    """The model of `layout` for `config` holding `weights` (every unwrapped base weight) and `adapters`
+    (unwrapped), and the float weights of its fixed stacks (what checkpoints store of them and NF4
+    quantises from): plain weights first, then quantised and given adapters as the layout says, then the
+    adapters' values. The one way a model is made from tensors: resume (a checkpoint, `complete`: every
+    adapter given, each at its dtype), growth and config changes (the adapters that existed; a new one
+    keeps its initialisation, and a carried one takes its parameter's dtype: peft gives a bf16 base bf16
+    adapters and an NF4 base float32 ones, so a bf16 stack quantised later has its adapters widened,
+    exactly)."""
+    from rewind.engine.snapshot import load_model_tensors
+
+    plain = build_plain(config, layout)
+    load_model_tensors(plain, weights)
+    fixed = {s.stack for s in layout_of(config, layout).stacks if s.base != "trainable"}
+    sources = {
+        stack: {name: tensor.detach().clone() for name, tensor in plain.state_dict().items() if stack_of(name) == stack}
+        for stack in fixed
+    }
+    model = shape(plain, config, layout)
+    if complete:
+        values = dict(adapters)
+    else:
+        live = {unwrapped(n): p for n, p in model.named_parameters() if is_adapter(n)}
+        values = {n: p.detach().clone() for n, p in live.items()}
+        values.update({n: t.to(live[n].dtype) for n, t in adapters.items() if n in live})
+    load_adapters(model, values)
+    return model, sources
+
+
 def build_model(config: Config, layout: ModelLayout | None) -> GPT:
     """A fresh model of `layout`, shaped (what a run at its start trains)."""
     return shape(build_plain(config, layout), config, layout)

@@ -51,10 +51,9 @@ class Parts:
     store: CheckpointStore
     reference: nn.Module | None = None
     param_names: dict[nn.Parameter, str] = field(default_factory=dict)
-    # The model's structure (None: the initial model) and, for each stack whose base is frozen or
-    # quantised, its float base weights under their unwrapped names: what checkpoints store of it
-    # (once, stores.trunks) and what NF4 is quantised from. trunk_hashes: their files' sha256, known.
-    layout: ModelLayout | None = None
+    # For each stack whose base is frozen or quantised, its float base weights under their unwrapped
+    # names: what checkpoints store of it (once, stores.trunks) and what NF4 is quantised from.
+    # trunk_hashes: their files' sha256, known. (The model's structure is the folded state's layout.)
     trunk_sources: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     trunk_hashes: dict[int, str] = field(default_factory=dict)
     trunk_reader: TrunkReader = field(default_factory=lambda: _trunk_reader())
