@@ -5,7 +5,8 @@
 Parameter names are stable (`stacks.0.blocks.1.attn.qkv.weight`), and initialisation is a function
 of (seed, parameter name) only, so neither the global RNG nor the order modules were created in can
 change the weights. Stacks are named by a stable identity, not their position: growth adds a stack
-whose blocks are initialised from their own derived stream, and prepending renames nothing.
+whose blocks are initialised from their own derived stream (`init_new_stack`; rewind.engine.growth builds
+the grown model), and prepending renames nothing.
 
 Dropout never reads the global RNG either: each dropout site draws its mask from a generator keyed
 by the `dropout_seed` passed to `forward` plus the site's position, so a training loop that derives
@@ -240,27 +241,6 @@ class GPT(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Re-initialise every parameter from (seed, "init", parameter name)."""
         _init_parameters(self, seed, ("init",), self.num_blocks)
-
-    def append_stack(self, num_blocks: int, seed: int, *, function_preserving: bool = False) -> Stack:
-        """Add a stack after the last one; see `_grow`."""
-        return self._grow(num_blocks, seed, "append", function_preserving)
-
-    def prepend_stack(self, num_blocks: int, seed: int, *, function_preserving: bool = False) -> Stack:
-        """Add a stack before the first one (the others keep their names); see `_grow`."""
-        return self._grow(num_blocks, seed, "prepend", function_preserving)
-
-    def _grow(self, num_blocks: int, seed: int, position: str, function_preserving: bool) -> Stack:
-        """A new stack with the next identity, its blocks from `new_stack_weights`."""
-        stack_id = len(self.stacks)
-        with torch.random.fork_rng(devices=[]):
-            stack = Stack(self.arch, num_blocks)
-        init_new_stack(stack, seed, stack_id, self.num_blocks + num_blocks, function_preserving=function_preserving)
-        reference = self.head.weight
-        stack.to(device=reference.device, dtype=reference.dtype)
-        stack.train(self.training)
-        self.stacks[str(stack_id)] = stack
-        self.order = [*self.order, stack_id] if position == "append" else [stack_id, *self.order]
-        return stack
 
     def embed_tokens(self, idx: torch.Tensor, levels: torch.Tensor | None, dropout_seed: int | None) -> torch.Tensor:
         x = self.embed(idx)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rewind.engine.model import GPT
+from rewind.engine.model import GPT, Stack, init_new_stack
 from rewind.states.config import ArchitectureSection
 
 ARCH = ArchitectureSection(block_size=16, vocab_size=32, num_layers=2, num_heads=2, d_model=16)
@@ -115,63 +115,45 @@ def test_default_is_one_stack_and_stack_sizes_are_honoured():
     assert "stacks.1.blocks.2.attn.proj.weight" in model.state_dict()
 
 
-def test_append_stack_adds_names_after_and_keeps_existing_weights():
-    model = GPT(ARCH, seed=1)
-    before = state(model)
-    stack = model.append_stack(2, seed=1)
-    assert model.stack_sizes == [2, 2]
-    assert model.stack(1) is stack
-    after = model.state_dict()
-    for name, value in before.items():
-        assert torch.equal(after[name], value)
-    assert set(after) - set(before) == {n for n in after if n.startswith("stacks.1.")}
-    assert model(tokens()).shape == (2, 12, ARCH.vocab_size)
+def test_stacks_are_named_by_identity_and_run_in_order():
+    # Growth itself (engine.growth) builds models like these: stack 1 prepended before stack 0.
+    model = GPT(ARCH, [1, 2], stack_ids=[1, 0], seed=1)
+    assert model.order == [1, 0] and model.stack_sizes == [1, 2]
+    assert len(model.stack(0).blocks) == 2 and len(model.stack(1).blocks) == 1
+    assert "stacks.0.blocks.1.attn.qkv.weight" in model.state_dict()
+    assert "stacks.1.blocks.0.attn.qkv.weight" in model.state_dict()
+    swapped = GPT(ARCH, [2, 1], stack_ids=[0, 1], seed=1)
+    swapped.load_state_dict(model.state_dict())  # the same stacks, the other way round
+    with torch.no_grad():
+        assert not torch.equal(model(tokens()), swapped(tokens()))
+    with pytest.raises(ValueError, match="distinct"):
+        GPT(ARCH, [1, 1], stack_ids=[0, 0])
 
 
-def test_prepend_stack_renames_nothing():
-    model = GPT(ARCH, seed=1)
-    before = state(model)
-    model.prepend_stack(1, seed=1)
-    assert model.stack_sizes == [1, 2]
-    assert model.order == [1, 0]
-    after = model.state_dict()
-    for name, value in before.items():  # the existing stack keeps its names and weights
-        assert torch.equal(after[name], value)
-    # The new first stack (identity 1) must not repeat the original stack's draws.
-    assert not torch.equal(after["stacks.1.blocks.0.attn.qkv.weight"], before["stacks.0.blocks.0.attn.qkv.weight"])
-    assert model(tokens()).shape == (2, 12, ARCH.vocab_size)
+def test_a_new_stack_draws_from_its_own_stream():
+    def drawn(stack_id: int) -> dict[str, torch.Tensor]:
+        stack = Stack(ARCH, 1)
+        init_new_stack(stack, seed=5, stack_id=stack_id, depth=3)
+        return {k: v.clone() for k, v in stack.state_dict().items()}
+
+    assert_same_weights(drawn(1), drawn(1))
+    assert not torch.equal(drawn(1)["blocks.0.mlp.fc.weight"], drawn(2)["blocks.0.mlp.fc.weight"])
+    initial = GPT(ARCH, seed=5).state_dict()["stacks.0.blocks.0.mlp.fc.weight"]
+    assert not torch.equal(drawn(1)["blocks.0.mlp.fc.weight"], initial)
 
 
-def test_growth_is_deterministic_and_differs_per_growth():
-    def grown() -> GPT:
-        model = GPT(ARCH, seed=5)
-        model.append_stack(1, seed=5)
-        model.append_stack(1, seed=5)
-        return model
-
-    a, b = grown(), grown()
-    assert_same_weights(state(a), state(b))
-    first, second = (
-        a.state_dict()["stacks.1.blocks.0.mlp.fc.weight"],
-        a.state_dict()["stacks.2.blocks.0.mlp.fc.weight"],
-    )
-    assert not torch.equal(first, second)
-
-
-@pytest.mark.parametrize("position", ["append", "prepend"])
-def test_function_preserving_growth_keeps_outputs(position):
+def test_function_preserving_init_makes_identity_blocks_that_can_learn():
     model = GPT(ARCH, seed=2).eval()
+    grown = GPT(ARCH, [2, 2], stack_ids=[0, 1], seed=2).eval()
+    init_new_stack(grown.stack(1), seed=2, stack_id=1, depth=4, function_preserving=True)
+    grown.stack(0).load_state_dict(model.stack(0).state_dict())
+    for part in ("embed", "norm", "head"):
+        getattr(grown, part).load_state_dict(getattr(model, part).state_dict())
     idx = tokens()
     with torch.no_grad():
-        before = model(idx)
-        grow = model.append_stack if position == "append" else model.prepend_stack
-        grow(2, seed=2, function_preserving=True)
-        after = model(idx)
-    assert torch.equal(before, after)
-    grad_model = model.train()
-    lm_loss(grad_model, idx).backward()
-    new_stack = grad_model.stack(1)
-    assert new_stack.blocks[0].attn.proj.weight.grad.abs().sum() > 0  # the new blocks can learn
+        assert torch.equal(model(idx), grown(idx))
+    lm_loss(grown.train(), idx).backward()
+    assert grown.stack(1).blocks[0].attn.proj.weight.grad.abs().sum() > 0  # the new blocks can learn
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
