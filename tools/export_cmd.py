@@ -56,29 +56,29 @@ def export_metrics(run_dir: str) -> int:
     return 0
 
 
-def last_checkpoint(run_dir: str):
-    """The run's last committed checkpoint (CommandError, exit 1, when it has none)."""
+def checkpointed_state(run_dir: str):
+    """The run's folded state, which has a committed checkpoint (CommandError, exit 1, when it has none)."""
     from rewind.states.fold import fold
 
     state = fold(e for _, e in load_records(run_dir))
     if state.last_checkpoint is None:
         raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
-    return state.last_checkpoint
+    return state
 
 
 def export_weights(run_dir: str, out: str) -> int:
     import msgspec
     from safetensors.torch import save
 
-    from rewind.states.fold import fold
     from rewind.stores.trunks import checkpoint_weights
     from rewind.tools.export_adapters import checkpoint_layout
 
     target = check_target(out)
-    ref = last_checkpoint(run_dir)
+    state = checkpointed_state(run_dir)
+    ref = state.last_checkpoint
     groups = {"model": checkpoint_weights(run_dir, ref.checkpoint, ref.files)["model"]}
     # The layout builds the model these weights fit (stack identities and order): rewind.engine.layout.
-    layout = msgspec.json.encode(checkpoint_layout(fold(e for _, e in load_records(run_dir)))).decode()
+    layout = msgspec.json.encode(checkpoint_layout(state)).decode()
     metadata = {"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step), "layout": layout}
     data = save(groups["model"], metadata=metadata)
     try:
