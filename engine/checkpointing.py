@@ -20,7 +20,7 @@ from rewind.engine.parts import Parts, frozen_copy
 from rewind.engine.step import apply_hyperparameters, build_optimizer
 from rewind.states.config import Config
 from rewind.states.events import CheckpointCommitted
-from rewind.states.state import CheckpointReason, ModelLayout, State, control_summary
+from rewind.states.state import CheckpointReason, ModelLayout, State, control_summary, reference_to_restore
 from rewind.stores.checkpoints import CheckpointStore, group_file
 from rewind.stores.trunks import TrunkStore, serialize
 
@@ -126,16 +126,16 @@ def load_checkpoint(parts: Parts, state: State) -> None:
     parts.param_names = layouts.parameter_names(model)
     restore_optimizer(parts, groups["optimizer"], meta["optimizer"])
     parts.reference = None
-    # A refresh due before the next step replaces the reference before anything reads it, and the
-    # checkpoint it names may be gone (retention keeps it only while it is the reference).
-    if state.reference is not None and not state.pending_refreshes:
-        reference_ref = state.reference
+    reference_ref = reference_to_restore(state)
+    if reference_ref is not None:
         if reference_ref.checkpoint == ref.checkpoint:
             parts.reference = frozen_copy(model)
         else:
             files = next((c.files for c in state.live_checkpoints if c.checkpoint == reference_ref.checkpoint), None)
             reference = load_model(parts.config, parts.store, reference_ref.checkpoint, files, reference_ref.layout)[0]
             parts.reference = frozen_copy(reference)
+
+
 def restore_optimizer(parts: Parts, tensors: dict[str, torch.Tensor], layout: dict) -> None:
     """The saved moments into the live optimizer, under the settings of the config in force."""
     snapshot.load_optimizer_tensors(parts.optimizer, parts.param_names, tensors, layout)

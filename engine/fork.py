@@ -33,7 +33,7 @@ from rewind.states.config import Config, config_hash
 from rewind.states.events import ConfigChanged, ForkOrigin, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, fold, seed_of
 from rewind.states.history import SeqEvent, config_in_force, effective, restore_points
-from rewind.states.state import State
+from rewind.states.state import State, reference_to_restore
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import read_seq_events
@@ -138,11 +138,8 @@ def open_fork(
     )
     preamble = [started]
     if point.checkpoint:
-        state = point.state
-        if state.pending_refreshes:
-            # The reference is replaced before the first step (the refresh is due), and the checkpoint
-            # it names may be gone since (retention keeps it only while it is the reference).
-            state = replace(state, reference=None)
+        # The child holds (and copies) only the reference a restart needs (none while a refresh is due).
+        state = replace(point.state, reference=reference_to_restore(point.state))
         copied = {point.checkpoint} | ({state.reference.checkpoint} if state.reference else set())
         live = [c for c in state.live_checkpoints if c.checkpoint in copied]
         preamble.append(

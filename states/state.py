@@ -199,3 +199,10 @@ def control_summary(state: State) -> dict:
 def anchor_checkpoint(anchor: State) -> str:
     """The checkpoint a restore anchor restarts from ("" = the run's start: weights from the seed)."""
     return anchor.last_checkpoint.checkpoint if anchor.last_checkpoint is not None else ""
+
+
+def reference_to_restore(state: State) -> Reference | None:
+    """The KL reference a process restarting at `state` must load: none while a refresh is due, since
+    the refresh replaces it before any step reads it (and the checkpoint it names may be gone:
+    retention keeps a checkpoint only while it is the reference). Resume and fork both ask this."""
+    return None if state.pending_refreshes else state.reference
