@@ -28,7 +28,10 @@ LrScheduleName = Literal["wsds", "wsd", "cosine", "sgdr", "constant", "cosine_re
 KlKind = Literal["token_kl", "nll_difference"]
 NormName = Literal["rmsnorm", "layernorm"]
 NonFiniteAction = Literal["stop", "skip"]
-DataKind = Literal["tokens", "jsonl"]
+DataKind = Literal["tokens", "jsonl", "text", "parquet"]
+MlpName = Literal["gelu", "swiglu"]
+SplitMode = Literal["", "random", "tail"]
+EpochEndPolicy = Literal["reshuffle", "repeat"]
 StackPosition = Literal["append", "prepend"]
 InitMode = Literal["random", "copy", "identity"]
 TrunkChoice = Literal["full", "frozen", "lora", "qlora"]
@@ -54,6 +57,9 @@ class ArchitectureSection(Struct):
     d_model: int = 64
     d_ff: int = 0  # 0 = 4 * d_model
     norm: NormName = "rmsnorm"
+    # gelu: fc -> GELU -> proj. swiglu: fc computes gate and up (2 * d_ff rows, gate first), proj(silu(gate) * up):
+    # with rmsnorm, the Llama block, which `rewind export --hf` writes as LlamaForCausalLM.
+    mlp: MlpName = "gelu"
     dropout: float = 0.0
     rope_base: float = 10000.0
     activation_checkpointing: bool = False
@@ -120,13 +126,39 @@ class LoggingSection(Struct):
 
 
 class DataSource(Struct):
-    """A user dataset: flat token file (uint16/uint32, memory-mapped) or JSONL text (byte tokenizer)."""
+    """A user dataset (see docs/data.md). tokens: a flat uint16/uint32 token file (memory-mapped; fsspec for
+    remote URLs) or a directory written by `rewind data prepare`. text / jsonl / parquet: documents, tokenised
+    at the run's start (by the run's tokenizer, else as UTF-8 bytes) into the run directory."""
 
     kind: DataKind
-    path: str
+    path: str  # a file, a glob (several files, read in sorted order), or a prepared directory (tokens)
     dtype: Literal["uint16", "uint32"] = "uint16"
-    text_field: str = "text"
+    text_field: str = "text"  # jsonl / parquet: the field or column holding a document
+    # jsonl / parquet: prompt/response pairs instead of documents, one example per row, left-truncated and
+    # padded, the loss on the response only (both set, or neither).
+    prompt_field: str = ""
+    response_field: str = ""
     validation_fraction: float = 0.05
+    validation_path: str = ""  # the validation split from its own file(s); validation_fraction is then unused
+    # How validation rows are carved out of `path`: random (a fixed pseudo-random choice of windows) or tail
+    # (the last ones). "" = random; runs started before rewind 0.3 (without the "data_identity" feature): tail.
+    split: SplitMode = ""
+    on_epoch_end: EpochEndPolicy = "reshuffle"  # past the last train row: a new order, or the same again
+
+
+class TokenizerSection(Struct):
+    """The run's tokenizer: a Hugging Face `tokenizers` file, one trained at the run's start, or bytes."""
+
+    path: str = ""  # tokenizer.json; "" = token id = UTF-8 byte value (unless train_vocab_size is set)
+    train_vocab_size: int = 0  # > 0: train a byte-level BPE tokenizer of this size at the run's start
+    train_on: list[str] = []  # the text datasets it is trained on (empty = every text / jsonl / parquet one)
+
+
+class PretrainedSection(Struct):
+    """Weights a new run starts from instead of random ones: a transformers Llama directory (config.json +
+    model.safetensors) or a rewind export (.safetensors with its architecture in the metadata)."""
+
+    path: str = ""
 
 
 class GrowthStep(Struct):
@@ -186,6 +218,8 @@ class Config(Struct):
     growth: list[GrowthStep] = []
     lora: LoraSection = LoraSection()
     objective: ObjectiveSection = ObjectiveSection()
+    tokenizer: TokenizerSection = TokenizerSection()
+    pretrained: PretrainedSection = PretrainedSection()
 
     @property
     def num_stages(self) -> int:

@@ -22,6 +22,7 @@ from typing import Literal
 import msgspec
 
 from rewind.states.config import Config, InitMode, Precision, StackPosition, TrunkChoice
+from rewind.states.data_identity import DataIdentity
 from rewind.states.state import CheckpointReason, ForkSeed
 
 # What a run started by this release does that older releases did not (RunStarted.features):
@@ -29,8 +30,15 @@ from rewind.states.state import CheckpointReason, ForkSeed
 # "baseline_evaluation": one evaluation before the first update (Evaluated boundary -1) of a run started
 # from scratch, when the config names evaluations (a fork starts from weights its parent evaluated);
 # "reference_checkpoints_kept": retention keeps checkpoints taken for a reference refresh, as it keeps
-# boundary ones (a later boundary checkpoint's restore state names them; growth takes them routinely).
-RUN_FEATURES: tuple[str, ...] = ("lr_warmup_floor", "baseline_evaluation", "reference_checkpoints_kept")
+# boundary ones (a later boundary checkpoint's restore state names them; growth takes them routinely);
+# "data_identity": user datasets are tokenised into the run directory, their identity is on record and
+# checked, and validation rows are carved at random (DataSource.split = "" means "random"; before: "tail").
+RUN_FEATURES: tuple[str, ...] = (
+    "lr_warmup_floor",
+    "baseline_evaluation",
+    "reference_checkpoints_kept",
+    "data_identity",
+)
 
 # Bumped whenever an event changes incompatibly; the log frames carry it and the codec upcasts.
 # 1: rewind 0.1 (RunResumed carried the whole restored State). 2: RunResumed carries no state; a fork's
@@ -38,7 +46,8 @@ RUN_FEATURES: tuple[str, ...] = ("lr_warmup_floor", "baseline_evaluation", "refe
 # .cpu_capability (only
 # additions: a record of 2 upcasts unchanged; the bump tells a reader that predates them what it holds).
 # 4: StackAppended's growth decisions and ActivationsCached (additions again: model growth).
-SCHEMA_VERSION = 4
+# 5: the data on record (RunStarted/ConfigChanged .data, .tokenizer, RunStarted.pretrained) and EpochStarted.
+SCHEMA_VERSION = 5
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -70,6 +79,19 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="RunStarted"):
     # that changes what a run computes gates the change on a new name here and old runs (whose logs
     # lack it) resume and replay as they were. The engine stamps new runs (`rewind.engine.loop.record`).
     features: list[str] = []
+    # What the run's data and weights are (see rewind.states.data_identity): every user dataset's identity,
+    # the sha256 of the tokenizer file ("" = bytes) and of the pretrained weights it started from ("" = none).
+    data: dict[str, DataIdentity] = {}
+    tokenizer: str = ""
+    pretrained: str = ""
+
+
+class EpochStarted(Event, frozen=True, kw_only=True, tag="EpochStarted"):
+    """The step about to be committed read past the last train row of `dataset`: epoch `epoch` (0-based)
+    of it begins, in a new order (on_epoch_end = "reshuffle") or the same one ("repeat")."""
+
+    dataset: str
+    epoch: int
 
 
 class OptimizerReset(Event, frozen=True, kw_only=True, tag="OptimizerReset"):
@@ -152,8 +174,9 @@ class Evaluated(Event, frozen=True, kw_only=True, tag="Evaluated"):
     """Task scores at a stage boundary (or the end): answer-token accuracy per task."""
 
     boundary: int  # -1 = before training, n - 1 = end of the run
-    scores: dict[str, float]
+    scores: dict[str, float]  # only datasets with answers (tasks, prompt/response pairs)
     losses: dict[str, float] = {}
+    bits_per_byte: dict[str, float] = {}  # text datasets whose tokens have a known byte length
 
 
 class CheckpointCommitted(Event, frozen=True, kw_only=True, tag="CheckpointCommitted"):
@@ -202,6 +225,9 @@ class ConfigChanged(Event, frozen=True, kw_only=True, tag="ConfigChanged"):
     config: Config
     config_hash: str
     previous_hash: str
+    # The identity of every user dataset of the new config (as RunStarted.data) and its tokenizer's.
+    data: dict[str, DataIdentity] = {}
+    tokenizer: str = ""
 
 
 class RunFinished(Event, frozen=True, kw_only=True, tag="RunFinished"):
@@ -217,6 +243,7 @@ AnyEvent = (
     | OptimizerReset
     | StackAppended
     | ActivationsCached
+    | EpochStarted
     | StepCommitted
     | Validated
     | Evaluated

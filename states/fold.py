@@ -21,6 +21,7 @@ from rewind.states.events import (
     CheckpointCommitted,
     CheckpointDeleted,
     ConfigChanged,
+    EpochStarted,
     Evaluated,
     Event,
     FadeEnded,
@@ -108,6 +109,9 @@ def _transition(state: State, event: Event) -> State:
                 features=list(event.features),
                 baseline_step=0 if baseline else -1,
                 num_layers=config.architecture.num_layers,
+                data=dict(event.data),
+                tokenizer=event.tokenizer,
+                pretrained=event.pretrained,
             )
         case StageEntered(stage=stage):
             _require(stage == state.num_stages_entered, event, f"expected stage {state.num_stages_entered} next")
@@ -180,6 +184,12 @@ def _transition(state: State, event: Event) -> State:
                 num_bytes=event.num_bytes,
             )
             return replace(state, activation_cache=cache)
+        case EpochStarted(dataset=dataset, epoch=epoch):
+            _require(event.step == state.step, event, f"expected step {state.step} (an epoch starts with a step)")
+            _require(
+                epoch > state.epochs.get(dataset, 0), event, f"dataset {dataset!r} is already in epoch {state.epochs.get(dataset, 0)}"
+            )
+            return replace(state, epochs={**state.epochs, dataset: epoch})
         case StepCommitted():
             _require(event.step == state.step + 1, event, f"expected step {state.step + 1}")
             _require(
@@ -275,6 +285,10 @@ def _transition(state: State, event: Event) -> State:
                 # change; the data may change at any time, and a cache of the old data's rows with it.
                 num_layers=config.architecture.num_layers if state.step == 0 else state.num_layers,
                 activation_cache=None,
+                # The new config's data on record (what a resume under it checks); the tokenizer is
+                # the run's for life (the session refuses another once a step has been taken).
+                data=dict(event.data),
+                tokenizer=event.tokenizer,
             )
         case RunFinished():
             _require(

@@ -14,6 +14,8 @@ from typing import Literal
 
 import msgspec
 
+from rewind.states.data_identity import DataIdentity
+
 CheckpointReason = Literal["interval", "boundary", "reference", "final", "stop"]
 # How a stack's base weights are held: trained, fixed, or fixed and quantised to NF4 (bitsandbytes).
 BaseMode = Literal["trainable", "frozen", "nf4"]
@@ -171,6 +173,12 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int = 0  # CPU threads the run computes with (RunStarted's; 0 = not recorded)
     cpu_capability: str = ""  # the CPU kernels it computes with (RunStarted's; "" = not recorded)
     features: list[str] = []  # RunStarted's (a fork's: its parent's), see events.RUN_FEATURES
+    # The data on record: each user dataset's identity (RunStarted's, updated by ConfigChanged), the
+    # tokenizer's and the pretrained weights' sha256 ("" = bytes / none), and the epoch each dataset is in.
+    data: dict[str, DataIdentity] = {}
+    tokenizer: str = ""
+    pretrained: str = ""
+    epochs: dict[str, int] = {}
     # The step before whose first update the baseline evaluation is due; -1 = none (done, or the run
     # was started without the feature or without evaluations).
     baseline_step: int = -1

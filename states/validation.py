@@ -179,13 +179,9 @@ def check_config(config: Config) -> list[str]:
     if lg.keep_last_checkpoints < 1:
         add(f"logging.keep_last_checkpoints: must be >= 1, got {lg.keep_last_checkpoints}")
 
-    for name, source in config.data.items():
-        if name in BUILTIN_DATASETS:
-            add(f"data.{name}: the name is taken by a built-in dataset")
-        if not source.path:
-            add(f"data.{name}.path: must not be empty")
-        if not 0.0 < source.validation_fraction < 1.0:
-            add(f"data.{name}.validation_fraction: must be in (0, 1), got {source.validation_fraction}")
+    from rewind.states.data_checks import data_problems
+
+    problems += data_problems(config, BUILTIN_DATASETS)
     from rewind.states.growth_checks import growth_problems  # (it builds schedules, which need this module)
 
     problems += growth_problems(config, schedule_ok=not problems and not non_finite)

@@ -66,6 +66,13 @@ def v3_to_v4(raw: dict) -> dict:
     return raw
 
 
+def v4_to_v5(raw: dict) -> dict:
+    """Schema 4 -> 5 added the data on record (fields with defaults: a run without them recorded no
+    identities, which is what their absence means) and EpochStarted."""
+    return raw
+
+
 UPCASTERS[1] = v1_to_v2
 UPCASTERS[2] = v2_to_v3
 UPCASTERS[3] = v3_to_v4
+UPCASTERS[4] = v4_to_v5

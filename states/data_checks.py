@@ -1,0 +1,61 @@
+"""The rules for a config's data, tokenizer and pretrained sections (see rewind.states.validation)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rewind.states.config import Config
+
+TEXT_KINDS = ("text", "jsonl", "parquet")  # documents the run tokenises (kind "tokens" is already token ids)
+# A byte-level BPE starts from the 256 byte symbols; a vocabulary of that size would learn no merge.
+MIN_TRAINED_VOCAB = 257
+
+
+def data_problems(config: Config, builtin: tuple[str, ...]) -> list[str]:
+    problems: list[str] = []
+    add = problems.append
+    for name, source in config.data.items():
+        where = f"data.{name}"
+        if name in builtin:
+            add(f"{where}: the name is taken by a built-in dataset")
+        if not source.path:
+            add(f"{where}.path: must not be empty")
+        if source.validation_path:
+            if source.split:
+                add(f"{where}.split: the validation split comes from validation_path; leave split unset")
+        elif not 0.0 < source.validation_fraction < 1.0:
+            add(f"{where}.validation_fraction: must be in (0, 1), got {source.validation_fraction}")
+        pairs = (source.prompt_field, source.response_field)
+        if any(pairs):
+            if source.kind not in ("jsonl", "parquet"):
+                add(f"{where}.prompt_field: prompt/response pairs need kind jsonl or parquet, not {source.kind!r}")
+            elif not all(pairs):
+                missing = "response_field" if source.prompt_field else "prompt_field"
+                add(f"{where}.{missing}: prompt_field and response_field go together")
+            elif source.prompt_field == source.response_field:
+                add(f"{where}.response_field: must differ from prompt_field ({source.prompt_field!r})")
+        elif source.kind in ("jsonl", "parquet") and not source.text_field:
+            add(f"{where}.text_field: must not be empty")
+    tok = config.tokenizer
+    text_datasets = [n for n, s in config.data.items() if s.kind in TEXT_KINDS and not s.prompt_field]
+    if tok.train_vocab_size:
+        if tok.path:
+            add("tokenizer.train_vocab_size: a tokenizer is either read from tokenizer.path or trained, not both")
+        if tok.train_vocab_size < MIN_TRAINED_VOCAB:
+            add(f"tokenizer.train_vocab_size: must be >= {MIN_TRAINED_VOCAB} (256 bytes and at least one merge), "
+                f"got {tok.train_vocab_size}")
+        if tok.train_vocab_size > config.architecture.vocab_size:
+            add(f"tokenizer.train_vocab_size: {tok.train_vocab_size} exceeds architecture.vocab_size "
+                f"{config.architecture.vocab_size}")
+        if not (tok.train_on or text_datasets):
+            add("tokenizer.train_vocab_size: no text dataset to train it on (declare a [data.NAME] of kind text, "
+                "jsonl or parquet)")
+    elif tok.train_on:
+        add("tokenizer.train_on: only used with tokenizer.train_vocab_size")
+    for i, name in enumerate(tok.train_on):
+        if name not in config.data:
+            add(f"tokenizer.train_on[{i}]: {name!r} is not a [data.NAME] dataset")
+        elif config.data[name].kind not in TEXT_KINDS:
+            add(f"tokenizer.train_on[{i}]: {name!r} is of kind {config.data[name].kind!r}, not text")
+    return problems
