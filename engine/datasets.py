@@ -45,6 +45,9 @@ class Dataset(ABC):
 
     name: str
     block_size: int
+    # Whether the loss mask marks answers (a task's answer, a response) rather than every next token of
+    # running text: answer-token accuracy is reported only where this holds.
+    has_answers: bool = False
 
     @abstractmethod
     def num_samples(self, split: str) -> int: ...
@@ -89,6 +92,7 @@ class BuiltinDataset(Dataset):
             )
         self.name = name
         self.block_size = block_size
+        self.has_answers = name != "grammar"
 
     def num_samples(self, split: str) -> int:
         if split not in SPLITS:
@@ -256,3 +260,9 @@ class DatasetRegistry(Mapping[str, Dataset]):
 
     def __len__(self) -> int:
         return len(self.config.dataset_names())
+
+
+def run_datasets(run_dir: str, config: Config) -> DatasetRegistry:
+    """The datasets of run `run_dir` under `config` as the run itself reads them (for tools that score or
+    sample a run from outside its training process)."""
+    return DatasetRegistry(config)
