@@ -19,6 +19,7 @@ import msgspec
 import pytest
 
 from rewind.states.config import Config
+from rewind.states.data_identity import DataIdentity, SourceFile
 from rewind.states.events import (
     EVENT_TYPES,
     SCHEMA_VERSION,
@@ -26,6 +27,7 @@ from rewind.states.events import (
     CheckpointCommitted,
     CheckpointDeleted,
     ConfigChanged,
+    EpochStarted,
     Evaluated,
     FadeEnded,
     FadeStarted,
@@ -53,11 +55,12 @@ GOLDEN_RUNS = {
     2: GOLDEN_DIR / "run-v2",
     3: GOLDEN_DIR / "run-v3-f2",
     4: GOLDEN_DIR / "run-v4-f2",
+    5: GOLDEN_DIR / "run-v5-f2",
 }  # 1, 2: frame format 1
 # By frame format: format 2 marks the end of each commit group (stores/codec.py).
 GOLDEN_FRAME_RUNS = {1: GOLDEN_DIR / "run-v2", 2: GOLDEN_DIR / "run-v3-f2"}
 # Event types a schema version added, which the goldens of older versions cannot hold.
-ADDED_IN = {"OptimizerReset": 3, "ActivationsCached": 4}
+ADDED_IN = {"OptimizerReset": 3, "ActivationsCached": 4, "EpochStarted": 5}
 GOLDEN_CONFIG = GOLDEN_DIR / "config.json"  # Config() as it was when the log was written
 GOLDEN_SEGMENT_BYTES = 1024  # small, so the golden log spans several segments
 HASH = "9f2c4e1a" * 8
@@ -78,6 +81,14 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
     them (a field added since decodes to its default)."""
     config = config if config is not None else golden_config()
     newer = version >= 3
+    corpus = DataIdentity(
+        kind="tokens",
+        sources=[SourceFile(path="data/corpus.bin", size=1 << 20, fingerprint=SHA, sha256=SHA)],
+        prepared=SHA,
+        tokenizer=HASH,
+        num_tokens=1 << 19,
+    )
+    data_on_record = {"data": {"corpus": corpus}, "tokenizer": HASH} if version >= 5 else {}
     checkpoint = CheckpointRef(
         checkpoint="00000120-3fa85f64",
         step=120,
@@ -108,8 +119,17 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
             rewind_version="0.1.0",
             parent=ForkOrigin(run="runs/base", step=400, checkpoint="00000400-deadbeef", config_hash=HASH),
             features=["lr_warmup_floor", "baseline_evaluation"] if newer else [],
+            **data_on_record,
+            **({"pretrained": SHA} if version >= 5 else {}),
         ),
-        Evaluated(step=0, tokens=0, boundary=-1, scores={"add": 0.0625, "sort": 0.125}, losses={"add": 4.5}),
+        Evaluated(
+            step=0,
+            tokens=0,
+            boundary=-1,
+            scores={"add": 0.0625, "sort": 0.125},
+            losses={"add": 4.5},
+            **({"bits_per_byte": {"corpus": 1.25}} if version >= 5 else {}),
+        ),
         StageEntered(step=0, tokens=0, stage=0),
         StackAppended(step=0, tokens=0, stack=1, num_blocks=2, position="prepend", trunk="lora"),
         *(
@@ -132,6 +152,7 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
             if version >= 4
             else []
         ),
+        *([EpochStarted(step=0, tokens=0, dataset="corpus", epoch=1)] if version >= 5 else []),
         StepCommitted(
             step=1,
             tokens=512,
@@ -184,7 +205,12 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
             seed=seed,
         ),
         ConfigChanged(
-            step=120, tokens=61440, config=config, config_hash=DEFAULT_CONFIG_HASH, previous_hash=HASH
+            step=120,
+            tokens=61440,
+            config=config,
+            config_hash=DEFAULT_CONFIG_HASH,
+            previous_hash=HASH,
+            **data_on_record,
         ),
         RunFinished(step=200, tokens=102400),
     ]
