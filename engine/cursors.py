@@ -18,7 +18,6 @@ is read from its one cursor, shared by all stages that mix it in.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
@@ -26,83 +25,24 @@ import numpy as np
 import torch
 
 from rewind.engine.datasets import Dataset
-from rewind.engine.rng import derive_seed
+from rewind.engine.permutation import permute, permute_int, round_keys
 from rewind.states.config import Config, Sampling
 
-NUM_FEISTEL_ROUNDS = 6  # >= 4 rounds make a Feistel network a strong pseudo-random permutation
-_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64 finaliser constants
-_MIX_2 = np.uint64(0x94D049BB133111EB)
-_MASK_64 = (1 << 64) - 1
 # Below this many positions a draw runs on Python ints: numpy's per-call overhead on arrays of a few
 # elements cost ~1% of a small model's step. Both paths compute the same bits (tested).
 _SCALAR_MAX_COUNT = 64
 
 
-@functools.lru_cache(maxsize=1024)
 def _round_keys(seed: int, name: str, epoch: int) -> tuple[int, ...]:
-    """The Feistel round keys of one epoch of one dataset: a pure function, so cached."""
-    epoch_seed = derive_seed(seed, "shuffle", name, epoch)
-    return tuple(derive_seed(epoch_seed, "round", r) for r in range(NUM_FEISTEL_ROUNDS))
+    """The Feistel round keys of one epoch of one dataset."""
+    return round_keys(seed, "shuffle", name, epoch)
 
 
-def _round_function_int(half: int, key: int) -> int:
-    """`_round_function` on one Python int (masking to 64 bits where uint64 arithmetic wraps)."""
-    z = half ^ key
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
-    return z ^ (z >> 31)
-
-
-def _permute_int(within: int, num_samples: int, keys: tuple[int, ...]) -> int:
-    """`_permute` for one position."""
-    half_bits = max(1, ((num_samples - 1).bit_length() + 1) // 2)
-    mask = (1 << half_bits) - 1
-    value = within
-    while True:
-        left, right = value >> half_bits, value & mask
-        for key in keys:
-            left, right = right, left ^ (_round_function_int(right, key) & mask)
-        value = (left << half_bits) | right
-        if value < num_samples:
-            return value
-
-
-def _round_function(half: np.ndarray, key: np.uint64) -> np.ndarray:
-    """splitmix64's finaliser of (half ^ key): every input bit flips about half of the output bits.
-    uint64 array arithmetic wraps around modulo 2**64, which is what the hash wants."""
-    z = half ^ key
-    z = (z ^ (z >> np.uint64(30))) * _MIX_1
-    z = (z ^ (z >> np.uint64(27))) * _MIX_2
-    return z ^ (z >> np.uint64(31))
-
-
-def _feistel(values: np.ndarray, half_bits: int, keys: Sequence[int]) -> np.ndarray:
-    """A bijection on [0, 4**half_bits): each round swaps the halves and mixes one into the other."""
-    shift = np.uint64(half_bits)
-    mask = np.uint64((1 << half_bits) - 1)
-    left, right = values >> shift, values & mask
-    for key in keys:
-        left, right = right, left ^ (_round_function(right, np.uint64(key)) & mask)
-    return (left << shift) | right
-
-
-def _permute(within: np.ndarray, num_samples: int, keys: Sequence[int]) -> np.ndarray:
-    # Half width so that 4**half_bits >= num_samples: the domain is at most 4x larger than needed,
-    # so cycle-walking takes fewer than 4 Feistel passes on average.
-    half_bits = max(1, ((num_samples - 1).bit_length() + 1) // 2)
-    permuted = _feistel(within.astype(np.uint64), half_bits, keys)
-    outside = permuted >= num_samples
-    while outside.any():
-        # Cycle-walking: re-encrypt until the value lands in [0, n). Since the Feistel network is a
-        # bijection on the larger domain, following its cycle from a point of [0, n) yields a
-        # bijection on [0, n).
-        permuted[outside] = _feistel(permuted[outside], half_bits, keys)
-        outside = permuted >= num_samples
-    return permuted.astype(np.int64)
-
-
-def sample_indices(seed: int, name: str, num_samples: int, start: int, count: int) -> np.ndarray:
-    """Rows read at cursor positions [start, start + count) of dataset `name` (int64 array)."""
+def sample_indices(
+    seed: int, name: str, num_samples: int, start: int, count: int, *, reshuffle: bool = True
+) -> np.ndarray:
+    """Rows read at cursor positions [start, start + count) of dataset `name` (int64 array). `reshuffle`:
+    every epoch in its own order (else every epoch repeats the first one's)."""
     if num_samples < 1:
         raise ValueError(f"dataset {name!r}: cannot draw from an empty split")
     if start < 0 or count < 0:
@@ -113,7 +53,8 @@ def sample_indices(seed: int, name: str, num_samples: int, start: int, count: in
         rows = []
         for position in range(start, start + count):
             epoch, within_epoch = divmod(position, num_samples)
-            rows.append(_permute_int(within_epoch, num_samples, _round_keys(seed, name, epoch)))
+            keys = _round_keys(seed, name, epoch if reshuffle else 0)
+            rows.append(permute_int(within_epoch, num_samples, keys))
         return np.array(rows, dtype=np.int64)
     positions = np.arange(start, start + count, dtype=np.int64)
     epochs, within = np.divmod(positions, num_samples)
@@ -121,7 +62,8 @@ def sample_indices(seed: int, name: str, num_samples: int, start: int, count: in
     # A batch spans at most a couple of epochs unless the split is tiny; each gets its own keys.
     for epoch in np.unique(epochs).tolist():
         in_epoch = epochs == epoch
-        indices[in_epoch] = _permute(within[in_epoch], num_samples, _round_keys(seed, name, epoch))
+        keys = _round_keys(seed, name, epoch if reshuffle else 0)
+        indices[in_epoch] = permute(within[in_epoch], num_samples, keys)
     return indices
 
 
@@ -135,8 +77,24 @@ def draw(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows for cursor positions [start, start + count) of `dataset`'s `split`:
     (tokens LongTensor (count, block_size + 1), loss_mask BoolTensor (count, block_size))."""
-    indices = sample_indices(seed, dataset.name, dataset.num_samples(split), start, count)
+    indices = sample_indices(seed, dataset.name, dataset.num_samples(split), start, count, reshuffle=dataset.reshuffle)
     return dataset.batch(split, indices)
+
+
+def epochs_started(
+    before: Mapping[str, int], after: Mapping[str, int], datasets: Mapping[str, Dataset]
+) -> list[tuple[str, int]]:
+    """(dataset, epoch) for every epoch of a train split that the cursor moves from `before` to `after`
+    begin (a step can begin several when a split is smaller than the batch), in dataset name order."""
+    started = []
+    for name in sorted(after):
+        old, new = before.get(name, 0), after[name]
+        if new > old:
+            num_samples = datasets[name].num_samples("train")
+            # Positions [old, new) are read; epoch e begins when position e * n is among them (e >= 1).
+            first, last = (old + num_samples - 1) // num_samples, (new - 1) // num_samples
+            started += [(name, epoch) for epoch in range(max(first, 1), last + 1)]
+    return started
 
 
 def split_rows(mixture: Sequence[Sampling], rows: int) -> list[int]:

@@ -1,30 +1,30 @@
-"""Datasets by name: the built-in synthetic tasks and the user's files declared under `[data.NAME]`.
+"""Datasets by name: the built-in synthetic tasks and the user's data declared under `[data.NAME]`.
 
-Every dataset serves rows of block_size + 1 tokens with a loss mask over the block_size targets,
-from two splits, "train" and "validation". User files:
-- kind = "tokens": a flat binary file of uint16/uint32 token ids, memory-mapped read-only.
-- kind = "jsonl": one JSON object per line, its text under `text_field`; documents are joined with
-  "\\n" and tokenised as UTF-8 bytes (token id = byte value). The file is read whole into memory.
-Both are cut into non-overlapping windows of block_size + 1 tokens (a trailing partial window is
-dropped); the last `validation_fraction` of the windows (rounded down) is the validation split.
+Every dataset serves rows of block_size + 1 tokens with a loss mask over the block_size targets, from
+two splits, "train" and "validation":
+- `BuiltinDataset`: a task of rewind.engine.tasks, byte level or through the run's tokenizer;
+- `WindowedDataset`: a token stream (a token file, or documents tokenised into a prepared directory) cut
+  into non-overlapping windows, the loss on every target, validation rows carved by `RowSplit`
+  (rewind.engine.tokens);
+- `PairDataset`: prompt/response examples, one per row, left-truncated and right-padded, the loss on the
+  response only.
+How each user source is opened and what identity it records: rewind.engine.userdata.
 
-`DatasetRegistry` opens each dataset once per process and keeps it (the set of names is the
-config's, so the cache is bounded). Errors a user can cause raise `DatasetError` with one line that
-names the dataset and, for files, the path.
+Opening them by name: rewind.engine.registry. Errors a user can cause raise `DatasetError` with one line
+that names the dataset and, for files, the path.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-import msgspec
 import numpy as np
 import torch
 
 from rewind.engine import tasks
-from rewind.states.config import BUILTIN_DATASETS, Config, DataSource
+from rewind.engine.tokens import RowSplit, TokenStream
+from rewind.states.config import BUILTIN_DATASETS
 
 SPLITS = tasks.SPLITS
 # Files up to this many tokens are scanned for out-of-vocabulary ids when opened (a few tens of ms);
@@ -48,6 +48,8 @@ class Dataset(ABC):
     # Whether the loss mask marks answers (a task's answer, a response) rather than every next token of
     # running text: answer-token accuracy is reported only where this holds.
     has_answers: bool = False
+    # Past the last train row: a new order for every epoch, or the first epoch's again (on_epoch_end).
+    reshuffle: bool = True
 
     @abstractmethod
     def num_samples(self, split: str) -> int: ...
@@ -76,7 +78,7 @@ class Dataset(ABC):
 class BuiltinDataset(Dataset):
     """One of the synthetic tasks of `rewind.engine.tasks`, generated on demand."""
 
-    def __init__(self, name: str, block_size: int, vocab_size: int):
+    def __init__(self, name: str, block_size: int, vocab_size: int, encode: tasks.Encoder | None = None):
         if name not in tasks.TASK_NAMES:
             raise DatasetError(
                 f"dataset {name!r}: not a built-in dataset (built-ins: {', '.join(tasks.TASK_NAMES)})"
@@ -86,13 +88,14 @@ class BuiltinDataset(Dataset):
                 f"dataset {name!r}: architecture.block_size {block_size} is too small, "
                 f"one example needs block_size >= {tasks.min_block_size(name)}"
             )
-        if vocab_size < 128:
+        if encode is None and vocab_size < 128:
             raise DatasetError(
                 f"dataset {name!r}: byte-level ASCII text needs architecture.vocab_size >= 128, got {vocab_size}"
             )
         self.name = name
         self.block_size = block_size
         self.has_answers = name != "grammar"
+        self._encode = encode
 
     def num_samples(self, split: str) -> int:
         if split not in SPLITS:
@@ -101,63 +104,69 @@ class BuiltinDataset(Dataset):
 
     def sample(self, split: str, index: int) -> tuple[np.ndarray, np.ndarray]:
         self._check(split, index)
-        return tasks.task_sample(self.name, split, index, self.block_size)
+        return tasks.task_sample(self.name, split, index, self.block_size, self._encode)
 
 
 class WindowedDataset(Dataset):
-    """A flat array of token ids cut into non-overlapping windows; the loss covers every target."""
+    """A token stream cut into non-overlapping windows of block_size + 1; the loss covers every target.
+    With a validation stream of its own (`validation`), every window of `train` is a train row."""
 
     def __init__(
         self,
         name: str,
-        path: str,
-        token_ids: np.ndarray,
+        train: TokenStream,
         block_size: int,
         vocab_size: int,
-        validation_fraction: float,
+        *,
+        split: str,
+        fraction: float,
+        validation: TokenStream | None = None,
     ):
-        self.name, self.path, self.block_size, self.vocab_size = name, path, block_size, vocab_size
-        window = block_size + 1
-        num_windows = len(token_ids) // window
-        self.num_validation = int(num_windows * validation_fraction)
-        self.num_train = num_windows - self.num_validation
-        if self.num_train == 0 or self.num_validation == 0:
+        self.name, self.block_size, self.vocab_size = name, block_size, vocab_size
+        self.path = train.path
+        self._width = block_size + 1
+        self._streams = {"train": train, "validation": validation or train}
+        num_windows = train.num_tokens // self._width
+        num_validation_windows = validation.num_tokens // self._width if validation is not None else 0
+        self.rows = RowSplit(num_windows, "file" if validation is not None else split, fraction, num_validation_windows)
+        if self.rows.num_train == 0 or self.rows.num_validation == 0:
+            sizes = f"{train.num_tokens} tokens make {num_windows} windows of {self._width} tokens"
+            if validation is not None:
+                sizes += f", {validation.path}: {validation.num_tokens} tokens make {num_validation_windows}"
             raise DatasetError(
-                f"dataset {name!r}: {path}: too small: {len(token_ids)} tokens make {num_windows} windows of "
-                f"{window} tokens, leaving {self.num_train} for train and {self.num_validation} for validation"
+                f"dataset {name!r}: {self.path}: too small: {sizes}, leaving {self.rows.num_train} for train "
+                f"and {self.rows.num_validation} for validation"
             )
-        # A view of the windows, row i = tokens [i * window, (i + 1) * window): no copy of a memmap.
-        self._windows = token_ids[: num_windows * window].reshape(num_windows, window)
-        # Vocab check: whole file now when it is affordable, otherwise each window as it is read.
+        # Vocab check: whole streams now when it is affordable, otherwise each window as it is read.
         self._check_lazily = False
-        if int(np.iinfo(token_ids.dtype).max) >= vocab_size:
-            if len(token_ids) <= EAGER_VOCAB_CHECK_TOKENS:
-                self._check_vocab(self._windows)
-            else:
-                self._check_lazily = True
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            if int(np.iinfo(stream.dtype).max) >= vocab_size:
+                if stream.num_tokens <= EAGER_VOCAB_CHECK_TOKENS:
+                    self._check_vocab(stream.path, stream.max_token())
+                else:
+                    self._check_lazily = True
 
-    def _check_vocab(self, rows: np.ndarray) -> None:
-        if rows.size and int(rows.max()) >= self.vocab_size:
+    def _check_vocab(self, path: str, largest: int) -> None:
+        if largest >= self.vocab_size:
             raise DatasetError(
-                f"dataset {self.name!r}: {self.path}: token id {int(rows.max())} is outside "
-                f"architecture.vocab_size {self.vocab_size}"
+                f"dataset {self.name!r}: {path}: token id {largest} is outside architecture.vocab_size {self.vocab_size}"
             )
 
     def num_samples(self, split: str) -> int:
         if split not in SPLITS:
             raise ValueError(f"dataset {self.name!r}: unknown split {split!r} (expected one of {SPLITS})")
-        return self.num_train if split == "train" else self.num_validation
+        return self.rows.count(split)
 
     def _rows(self, split: str, indices: np.ndarray) -> np.ndarray:
-        offset = 0 if split == "train" else self.num_train
-        rows = self._windows[indices + offset]  # fancy indexing copies only the selected windows
-        if self._check_lazily:
-            self._check_vocab(rows)
-        return np.asarray(rows, dtype=np.int64)  # a plain writable ndarray, even from a memmap
+        stream = self._streams[split]
+        rows = stream.windows(self.rows.rows(split, indices), self._width)
+        if self._check_lazily and rows.size:
+            self._check_vocab(stream.path, int(rows.max()))
+        return rows
 
     def sample(self, split: str, index: int) -> tuple[np.ndarray, np.ndarray]:
         self._check(split, index)
-        return self._rows(split, np.array([index]))[0], np.ones(self.block_size, dtype=bool)
+        return self._rows(split, np.array([index], dtype=np.int64))[0], np.ones(self.block_size, dtype=bool)
 
     def batch(self, split: str, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         index_array = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -167,102 +176,43 @@ class WindowedDataset(Dataset):
         return tokens, torch.ones((len(index_array), self.block_size), dtype=torch.bool)
 
 
-def _read_token_file(name: str, path: Path, dtype: str) -> np.ndarray:
-    itemsize = np.dtype(dtype).itemsize
-    try:
-        num_bytes = path.stat().st_size
-        if num_bytes % itemsize:
-            raise DatasetError(
-                f"dataset {name!r}: {path}: size {num_bytes} bytes is not a multiple of {itemsize} ({dtype})"
-            )
-        if num_bytes == 0:
-            return np.zeros(0, dtype=dtype)  # mmap refuses empty files; "too small" is reported later
-        return np.memmap(path, dtype=dtype, mode="r")
-    except FileNotFoundError:
-        raise DatasetError(f"dataset {name!r}: {path}: file not found") from None
-    except OSError as exc:
-        raise DatasetError(f"dataset {name!r}: {path}: cannot read: {exc.strerror or exc}") from None
+class PairDataset(Dataset):
+    """Prompt/response examples, one per row: prompt + response (+ the end-of-text token when the
+    tokenizer has one) left-truncated to block_size + 1 tokens (the end of a long prompt is what the
+    response depends on), right-padded, the loss on the response tokens only."""
+
+    has_answers = True
+
+    def __init__(self, name: str, rows: dict[str, tuple[np.ndarray, np.ndarray]], block_size: int, label: str):
+        self.name, self.block_size, self.path = name, block_size, label
+        self._rows = rows  # split -> (tokens (n, block_size + 1), loss_mask (n, block_size))
+        for split in SPLITS:
+            if len(rows[split][0]) == 0:
+                raise DatasetError(f"dataset {name!r}: {label}: too small: no {split} examples")
+
+    def num_samples(self, split: str) -> int:
+        if split not in SPLITS:
+            raise ValueError(f"dataset {self.name!r}: unknown split {split!r} (expected one of {SPLITS})")
+        return len(self._rows[split][0])
+
+    def sample(self, split: str, index: int) -> tuple[np.ndarray, np.ndarray]:
+        self._check(split, index)
+        tokens, mask = self._rows[split]
+        return tokens[index].copy(), mask[index].copy()
 
 
-def _read_jsonl_bytes(name: str, path: Path, text_field: str) -> np.ndarray:
-    try:
-        lines = path.read_bytes().splitlines()
-    except FileNotFoundError:
-        raise DatasetError(f"dataset {name!r}: {path}: file not found") from None
-    except OSError as exc:
-        raise DatasetError(f"dataset {name!r}: {path}: cannot read: {exc.strerror or exc}") from None
-    decoder = msgspec.json.Decoder()
-    documents: list[str] = []
-    for line_number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue  # blank lines (a trailing newline, spacing) carry no document
-        try:
-            record = decoder.decode(line)
-        except msgspec.DecodeError as exc:
-            raise DatasetError(f"dataset {name!r}: {path}:{line_number}: not valid JSON: {exc}") from None
-        if not isinstance(record, dict) or text_field not in record:
-            raise DatasetError(f"dataset {name!r}: {path}:{line_number}: no {text_field!r} field")
-        text = record[text_field]
-        if not isinstance(text, str):
-            raise DatasetError(
-                f"dataset {name!r}: {path}:{line_number}: field {text_field!r} is {type(text).__name__}, not a string"
-            )
-        documents.append(text)
-    return np.frombuffer("\n".join(documents).encode("utf-8"), dtype=np.uint8)
-
-
-def open_user_dataset(
-    name: str, source: DataSource, block_size: int, vocab_size: int, base_dir: str | Path | None = None
-) -> WindowedDataset:
-    path = Path(source.path).expanduser()
-    if base_dir is not None and not path.is_absolute():
-        path = Path(base_dir) / path
-    if source.kind == "tokens":
-        token_ids = _read_token_file(name, path, source.dtype)
-    else:
-        token_ids = _read_jsonl_bytes(name, path, source.text_field)
-    return WindowedDataset(name, str(path), token_ids, block_size, vocab_size, source.validation_fraction)
-
-
-def open_dataset(name: str, config: Config, *, base_dir: str | Path | None = None) -> Dataset:
-    """Open dataset `name`: a built-in, or `config.data[name]` (relative paths resolved against
-    `base_dir` when given, else the working directory)."""
-    arch = config.architecture
-    if name in config.data:
-        return open_user_dataset(name, config.data[name], arch.block_size, arch.vocab_size, base_dir)
-    if name in tasks.TASK_NAMES:
-        return BuiltinDataset(name, arch.block_size, arch.vocab_size)
-    known = ", ".join(sorted(config.dataset_names()))
-    raise DatasetError(f"dataset {name!r}: unknown (known: {known})")
-
-
-class DatasetRegistry(Mapping[str, Dataset]):
-    """The datasets a config can name, each opened on first use and then kept for the process."""
-
-    def __init__(self, config: Config, *, base_dir: str | Path | None = None):
-        self.config = config
-        self.base_dir = base_dir
-        self._opened: dict[str, Dataset] = {}
-
-    def __getitem__(self, name: str) -> Dataset:
-        if name not in self._opened:
-            if name not in self:
-                raise KeyError(name)
-            self._opened[name] = open_dataset(name, self.config, base_dir=self.base_dir)
-        return self._opened[name]
-
-    def __contains__(self, name: object) -> bool:
-        # Mapping's default would open the dataset just to answer a membership question.
-        return name in self.config.dataset_names()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self.config.dataset_names()))
-
-    def __len__(self) -> int:
-        return len(self.config.dataset_names())
-
-
-def run_datasets(run_dir: str, config: Config) -> DatasetRegistry:
-    """The datasets of run `run_dir` under `config` as the run itself reads them (for tools that score or
-    sample a run from outside its training process)."""
-    return DatasetRegistry(config)
+def pack_pairs(
+    pairs: list[tuple[list[int], list[int]]], block_size: int, pad_id: int, end_id: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, loss_mask) rows of `PairDataset` for tokenised (prompt, response) pairs."""
+    width = block_size + 1
+    tokens = np.full((len(pairs), width), pad_id, dtype=np.int64)
+    loss_mask = np.zeros((len(pairs), block_size), dtype=bool)
+    for row, (prompt, response) in enumerate(pairs):
+        answer = [*response, end_id] if end_id is not None else list(response)
+        ids = ([*prompt, *answer])[-width:]
+        num_answer = min(len(answer), len(ids) - 1)  # the first token is never a target
+        tokens[row, : len(ids)] = ids
+        # Target t is ids[t + 1]: the answer's tokens at [len - num_answer, len) are targets from len - num_answer - 1.
+        loss_mask[row, len(ids) - num_answer - 1 : len(ids) - 1] = True
+    return tokens, loss_mask

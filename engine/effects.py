@@ -13,7 +13,7 @@ bookkeeping such as checkpoints, stops and evaluations) have no effect.
 from __future__ import annotations
 
 from rewind.engine.growth import grow, plain_weights, reference_for, transplant
-from rewind.engine.parts import Parts, fresh_parts, frozen_copy, open_datasets
+from rewind.engine.parts import Parts, fresh_parts, frozen_copy, open_datasets, starting_weights
 from rewind.states.config import Config
 from rewind.states.events import (
     ActivationsCached,
@@ -68,10 +68,11 @@ def rebuilt(parts: Parts, config: Config, state: State, *, carry_tensors: bool) 
     the tensors `parts` holds unless the run is still at its seed's weights. The model keeps its layout
     (growth is in the log, not the config); the reference keeps its weights and is rebuilt for `config`
     (its RoPE base, say), as a process starting under `config` builds it."""
-    if not carry_tensors:
-        return fresh_parts(config, parts.run_dir)
+    place = parts.datasets.place  # the run's tokenizer and data directory, whatever the config
+    if not carry_tensors:  # still at the weights the run started from (the seed's or pretrained ones)
+        return fresh_parts(config, parts.run_dir, open_datasets(config, place), starting_weights(config, state))
     new = transplant(parts, config, state.layout, plain_weights(parts))
-    new.datasets = open_datasets(config)  # the config's own, as a fresh start would open
+    new.datasets = open_datasets(config, place)  # the config's own, as a fresh start would open
     if parts.reference is not None and state.reference is not None:
         new.reference = reference_for(parts, config, state.reference.layout)
     return new

@@ -21,7 +21,8 @@ import msgspec
 
 from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
-from rewind.engine.parts import RunError, build_parts, fresh_parts, open_datasets
+from rewind.engine.parts import RunError, build_parts, fresh_parts, open_datasets, starting_weights
+from rewind.engine.rundata import check_data, copy_run_data, identities, place_of, replace_config_data
 from rewind.engine.session import (
     REWIND_VERSION,
     adopt_cpu_capability,
@@ -125,6 +126,17 @@ def open_fork(
     origin = ForkOrigin(
         run=_run_identity(parent_dir), step=point.step, checkpoint=point.checkpoint, config_hash=point.state.config_hash
     )
+    # The parent's tokenizer, and its data as it recorded it (a dataset the child declares as the parent
+    # did must be unchanged); documents are tokenised into a scratch directory, copied into the child's
+    # with its checkpoints: nothing is written to the parent.
+    parent_state = fold(e for _, e in records)
+    place = dataclasses.replace(place_of(parent_dir, parent_state), data_dir=None)
+    changes = check_data(replace_config_data(config, point.config), parent_state, place)
+    if changes:
+        raise RunError(f"cannot fork {parent_dir}: {changes[0]}; its data changed since it recorded it", 1)
+    datasets = open_datasets(config, place)
+    on_record = "data_identity" in records[0][1].features
+    data = {"data": identities(config, place), "tokenizer": place.tokenizer.identity} if on_record else {}
     started = RunStarted(
         step=0,
         tokens=0,
@@ -135,6 +147,8 @@ def open_fork(
         num_threads=point.state.num_threads,  # the parent's: an unchanged fork must compute the same bits
         cpu_capability=point.state.cpu_capability,
         features=list(records[0][1].features),  # and the parent's behaviours (a run of an older release: its old ones)
+        pretrained=parent_state.pretrained,
+        **data,
     )
     preamble = [started]
     if point.checkpoint:
@@ -157,7 +171,7 @@ def open_fork(
             preamble.append(
                 ConfigChanged(
                     step=state.step, tokens=state.tokens, config=config, config_hash=child_hash,
-                    previous_hash=state.config_hash,
+                    previous_hash=state.config_hash, **data,
                 )
             )
     if point.checkpoint and (problem := continuation_problem(point.config, config, point.state.num_growths)):
@@ -166,7 +180,6 @@ def open_fork(
         state = fold(preamble)
     except IllegalTransition as exc:
         raise RunError(f"cannot fork {parent_dir} at step {point.step}: {exc.reason}") from None
-    datasets = open_datasets(config)
     adopt_cpu_capability(state.cpu_capability)  # the parent's kernels, before the first tensor is computed
     # The live objects for the child's config, from the parent's checkpoint, before the child's
     # directory is touched (a checkpoint that does not load must leave nothing behind).
@@ -174,7 +187,7 @@ def open_fork(
         if point.checkpoint:
             parts = build_parts(config, parent_dir, fold(preamble[:2]), datasets)
         else:
-            parts = fresh_parts(config, parent_dir, datasets)
+            parts = fresh_parts(config, parent_dir, datasets, starting_weights(config, parent_state))
     except CheckpointError as exc:
         raise RunError(f"{parent_dir}: cannot load its checkpoint {point.checkpoint}: {exc}", 1) from None
     child_store = CheckpointStore(child_dir)
@@ -187,6 +200,7 @@ def open_fork(
         try:
             for ref in state.live_checkpoints:  # before the log names them
                 _copy_checkpoint(parent_store, child_store, ref)
+            copy_run_data(place, config, parent_dir, child_dir)
         except CheckpointError as exc:
             raise RunError(f"{parent_dir}: cannot copy its checkpoint: {exc}", 1) from None
         run = Run(parts, Journal(log, metrics_for(child_dir, metrics), config.logging.report_interval))

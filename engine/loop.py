@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rewind.engine.checkpointing import write_checkpoint
-from rewind.engine.cursors import assemble_batch
+from rewind.engine.cursors import assemble_batch, epochs_started
 from rewind.engine.effects import apply_effect
 from rewind.engine.evaluation import evaluate, validate
 from rewind.engine.journal import Journal
@@ -28,6 +28,7 @@ from rewind.engine.step import nonfinite_quantity, train_step
 from rewind.engine.trunkcache import write_cache
 from rewind.states.events import (
     CheckpointDeleted,
+    EpochStarted,
     Evaluated,
     Event,
     NonFiniteLoss,
@@ -202,6 +203,10 @@ def run_one_step(run: Run, state: State) -> tuple[State, bool]:
         state = record(run, state, NonFiniteLoss(**at, loss=committed.loss, action=action, quantity=quantity))
         if action == "stop":
             return state, False
+    # A dataset read past its last train row begins a new epoch: on record (with the step that read
+    # it, so a step that is not committed begins none), never silently.
+    for name, epoch in epochs_started(state.cursors, committed.cursors, run.parts.datasets):
+        state = record(run, state, EpochStarted(step=state.step, tokens=state.tokens, dataset=name, epoch=epoch))
     return record(run, state, committed), True
 
 
@@ -212,8 +217,11 @@ def perform(run: Run, state: State, intent: Intent) -> State:
         case Validate():
             return record(run, state, Validated(**at, losses=validate(parts.model, parts.datasets, parts.config, state.step)))
         case Evaluate(boundary=boundary):
-            scores, losses = evaluate(parts.model, parts.datasets, parts.config)
-            return record(run, state, Evaluated(**at, boundary=boundary, scores=scores, losses=losses))
+            result = evaluate(parts.model, parts.datasets, parts.config, parts.datasets.place.token_num_bytes())
+            # Bits per byte for running text; a task's or a response's figure is its accuracy.
+            bits = {name: b for name, b in result.bits_per_byte.items() if not parts.datasets[name].has_answers}
+            evaluated = Evaluated(**at, boundary=boundary, scores=result.scores, losses=result.losses, bits_per_byte=bits)
+            return record(run, state, evaluated)
         case TakeCheckpoint(reason=reason):
             return checkpoint(run, state, reason)
         case DeleteCheckpoints(names=names):

@@ -96,13 +96,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gelu: proj(gelu(fc(x))). swiglu: one `fc` of 2 * d_ff rows, the gate's first and the up
+    projection's next, so proj(silu(gate) * up) is Llama's MLP under the parameter names gelu has
+    (LoRA targets, growth's zeroed `mlp.proj` and init by name apply unchanged)."""
+
     def __init__(self, arch: ArchitectureSection):
         super().__init__()
         d_ff = arch.d_ff or 4 * arch.d_model
-        self.fc = nn.Linear(arch.d_model, d_ff, bias=False)
+        self.gated = arch.mlp == "swiglu"
+        self.fc = nn.Linear(arch.d_model, 2 * d_ff if self.gated else d_ff, bias=False)
         self.proj = nn.Linear(d_ff, arch.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.proj(F.silu(gate) * up)
         return self.proj(F.gelu(self.fc(x)))
 
 

@@ -18,9 +18,12 @@ import torch
 from torch import nn
 
 from rewind.engine import layout as layouts
-from rewind.engine.datasets import DatasetError, DatasetRegistry
+from rewind.engine.datasets import DatasetError
 from rewind.engine.model import GPT
+from rewind.engine.pretrained import Pretrained, PretrainedError, apply_pretrained, load_pretrained
+from rewind.engine.registry import DatasetRegistry
 from rewind.engine.step import build_optimizer
+from rewind.engine.userdata import DataPlace
 from rewind.states.config import Config
 from rewind.states.schedule import Schedule
 from rewind.states.state import ModelLayout, State
@@ -81,10 +84,10 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return reference
 
 
-def open_datasets(config: Config, datasets: DatasetRegistry | None = None) -> DatasetRegistry:
+def open_datasets(config: Config, place: DataPlace) -> DatasetRegistry:
     """Open every dataset the config names now, so a bad one fails before any log is touched."""
     try:
-        datasets = datasets or DatasetRegistry(config)
+        datasets = DatasetRegistry(config, place)
         for mixture in config.training.datasets:
             for sampling in mixture:
                 datasets[sampling.name]
@@ -95,27 +98,54 @@ def open_datasets(config: Config, datasets: DatasetRegistry | None = None) -> Da
     return datasets
 
 
-def fresh_parts(config: Config, run_dir: str, datasets: DatasetRegistry | None = None) -> Parts:
-    """Model and optimizer as the seed makes them (a run's start), nothing loaded."""
-    model = build_model(config)
+def fresh_parts(
+    config: Config, run_dir: str, datasets: DatasetRegistry, pretrained: Pretrained | None = None
+) -> Parts:
+    """Model and optimizer as a run starts with them: the seed's weights, or `pretrained`'s (loaded into
+    the plain model before it is quantised or given adapters)."""
+    if pretrained is None:
+        model = build_model(config)
+    else:
+        plain = layouts.build_plain(config, None)
+        apply_pretrained(plain, pretrained.tensors)
+        model = layouts.shape(plain, config, None)
     return Parts(
         config=config,
         run_dir=run_dir,
         schedule=Schedule(config),
         model=model,
         optimizer=build_optimizer(model, config),
-        datasets=open_datasets(config, datasets),
+        datasets=datasets,
         store=CheckpointStore(run_dir),
         param_names=layouts.parameter_names(model),
     )
 
 
-def build_parts(config: Config, run_dir: str, state: State, datasets: DatasetRegistry | None = None) -> Parts:
+def build_parts(config: Config, run_dir: str, state: State, datasets: DatasetRegistry) -> Parts:
     """The live objects a run has at `state`: built for `config`, then loaded with the tensors of the
     state's last checkpoint (its restore point) and of its reference, when it has them."""
     from rewind.engine.checkpointing import load_checkpoint  # checkpointing builds on Parts
 
-    parts = fresh_parts(config, run_dir, datasets)
     if state.last_checkpoint is not None:
+        parts = fresh_parts(config, run_dir, datasets)
         load_checkpoint(parts, state)
-    return parts
+        return parts
+    return fresh_parts(config, run_dir, datasets, starting_weights(config, state))
+
+
+def starting_weights(config: Config, state: State | None) -> Pretrained | None:
+    """The pretrained weights a run of `config` starts from (None: the seed's), checked against the
+    identity the run recorded (`state`; None at the start itself, which records it)."""
+    if not config.pretrained.path:
+        return None
+    try:
+        pretrained = load_pretrained(config.pretrained.path, config)
+    except PretrainedError as exc:
+        raise RunError(str(exc)) from None
+    if state is not None and state.pretrained and pretrained.identity != state.pretrained:
+        raise RunError(
+            f"pretrained: {config.pretrained.path} changed since the run started (sha256 {pretrained.identity[:12]}, "
+            f"recorded {state.pretrained[:12]})",
+            1,
+        )
+    return pretrained

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from rewind.engine.checkpointing import tensor_hashes
 from rewind.engine.effects import apply_effect
 from rewind.engine.loop import execute_step
-from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts
+from rewind.engine.parts import Parts, RunError, build_parts, open_datasets
+from rewind.engine.rundata import check_data, place_of
 from rewind.states.compare import FieldDifference, first_difference
 from rewind.states.events import CheckpointCommitted, CheckpointDeleted, RunStarted, StepCommitted
 from rewind.states.fold import apply, fold
@@ -112,8 +113,13 @@ def replay(
         )
     state = window.state
     config = config_in_force(records[: window.index])
+    place = place_of(run_dir, state)
+    changes = check_data(config, state, place)
+    if changes:
+        raise ReplayError(f"{changes[0]}; the run's data changed since it recorded it (`rewind verify --data`)", 1)
     try:
-        parts = build_parts(config, run_dir, state) if window.checkpoint else fresh_parts(config, run_dir)
+        datasets = open_datasets(config, place)
+        parts = build_parts(config, run_dir, state, datasets)  # from the window's checkpoint, or the run's start
     except CheckpointError as exc:  # missing or damaged files: say which, never a traceback
         raise ReplayError(f"cannot load checkpoint {window.checkpoint}: {exc}", 1) from None
     report = ReplayReport(start_checkpoint=window.checkpoint, start_step=window.state.step, to_step=end_step)

@@ -16,10 +16,20 @@ from pathlib import Path
 
 import torch
 
-from rewind.engine.datasets import DatasetRegistry
+from rewind.engine.datasets import DatasetError
+from rewind.engine.documents import DocumentError
 from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
-from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts, open_datasets
+from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts, open_datasets, starting_weights
+from rewind.engine.rundata import (
+    DataChanged,
+    check_data,
+    identities,
+    place_of,
+    replace_config_data,
+    start_place,
+)
+from rewind.engine.tokenizer import TokenizerError
 from rewind.states.config import Config, config_differences, config_hash
 from rewind.states.events import RUN_FEATURES, ConfigChanged, Event, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, apply
@@ -28,6 +38,7 @@ from rewind.states.schedule import Schedule
 from rewind.states.state import State
 from rewind.stores import snapshots
 from rewind.stores.checkpoints import ORPHANED_DIR, CheckpointStore
+from rewind.stores.datamanifest import ManifestError
 from rewind.stores.eventlog import EventLog, LogNotFoundError
 from rewind.stores.folding import FoldedLog, fold_log, save_snapshot
 from rewind.stores.fsio import filesystem
@@ -112,6 +123,8 @@ def continuation_problem(old: Config, new: Config, num_growths: int = 0) -> str:
     change."""
     from rewind.engine.objectives import model_vocab_size, num_time_levels
 
+    if old.tokenizer != new.tokenizer:
+        return "tokenizer: a run's tokenizer is fixed when it starts (its token ids are what the weights learned)"
     done_before, done_after = old.growth[:num_growths], new.growth[:num_growths]
     if done_before != done_after:
         return (
@@ -134,7 +147,7 @@ def continuation_problem(old: Config, new: Config, num_growths: int = 0) -> str:
     def shaping(config: Config) -> dict:
         a = config.architecture
         return {"vocab_size": a.vocab_size, "num_layers": a.num_layers, "d_model": a.d_model,
-                "d_ff": a.d_ff or 4 * a.d_model, "norm": a.norm}
+                "d_ff": a.d_ff or 4 * a.d_model, "norm": a.norm, "mlp": a.mlp}
 
     before, after = shaping(old), shaping(new)
     changed = [f"architecture.{k} ({before[k]} -> {after[k]})" for k in before if before[k] != after[k]]
@@ -164,9 +177,7 @@ def metrics_for(run_dir: str, enabled: bool) -> MetricsProjection | None:
     return MetricsProjection(run_dir) if enabled and filesystem(run_dir).is_local else None
 
 
-def open_run(
-    config: Config, run_dir: str, *, fork: bool = False, metrics: bool = True, datasets: DatasetRegistry | None = None
-) -> tuple[Run, State, str]:
+def open_run(config: Config, run_dir: str, *, fork: bool = False, metrics: bool = True) -> tuple[Run, State, str]:
     """Returns (run, state, how) with how in {"started", "resumed", "finished"}. The log stays open
     (and locked) in run.journal; the caller closes it.
 
@@ -174,8 +185,12 @@ def open_run(
     read (no lock, nothing written), every check made and the live objects built; only then is the
     log opened for writing (which takes the lock and cuts a torn tail) and the opening records appended."""
     check_directory(run_dir)
-    datasets = open_datasets(config, datasets)
-    opening = _plan(config, run_dir, fork=fork, datasets=datasets)
+    try:
+        opening = _plan(config, run_dir, fork=fork)
+    except DataChanged as exc:
+        raise RunError(f"{run_dir}: {exc}; the run's data changed under it (`rewind verify --data {run_dir}`)", 1) from None
+    except (DatasetError, DocumentError, ManifestError, TokenizerError) as exc:
+        raise RunError(str(exc)) from None  # the config names data that is not what it says: exit 2
     prepare_directory(run_dir)
     # "tail": the writer trusts sealed segments whose index checks out, so a resume reads the tail;
     # damage further back is found by whoever reads it (`rewind verify` reads everything).
@@ -240,15 +255,15 @@ class OrphansSetAside(UserWarning):
         self.names = names
 
 
-def _plan(config: Config, run_dir: str, *, fork: bool, datasets) -> _Opening:
+def _plan(config: Config, run_dir: str, *, fork: bool) -> _Opening:
     try:
         log = EventLog.open(run_dir)  # read-only: no lock, nothing written
     except LogNotFoundError:
-        return _plan_start(config, run_dir, datasets)
+        return _plan_start(config, run_dir)
     with log:
         if not log.next_seq:  # a start that died before its first record
-            return _plan_start(config, run_dir, datasets)
-        return _plan_resume(config, run_dir, log, fork=fork, datasets=datasets)
+            return _plan_start(config, run_dir)
+        return _plan_resume(config, run_dir, log, fork=fork)
 
 
 def _check_unchanged(run_dir: str, log: EventLog, end_seq: int) -> None:
@@ -257,13 +272,16 @@ def _check_unchanged(run_dir: str, log: EventLog, end_seq: int) -> None:
         raise RunError(f"{run_dir}: another process wrote to the run while it was being opened; try again", 1)
 
 
-def _plan_start(config: Config, run_dir: str, datasets) -> _Opening:
+def _plan_start(config: Config, run_dir: str) -> _Opening:
     schedule = Schedule(config)
     if schedule.num_steps == 0:
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
-    parts = fresh_parts(config, run_dir, datasets)  # built before the first record
+    place = start_place(config, run_dir)
+    datasets = open_datasets(config, place)
+    pretrained = starting_weights(config, None)
+    parts = fresh_parts(config, run_dir, datasets, pretrained)  # built before the first record
     started = RunStarted(
         step=0,
         tokens=0,
@@ -273,19 +291,23 @@ def _plan_start(config: Config, run_dir: str, datasets) -> _Opening:
         num_threads=torch.get_num_threads(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         features=list(RUN_FEATURES),  # a run started today does what today's engine does, for life
+        data=identities(config, place),
+        tokenizer=place.tokenizer.identity,
+        pretrained=pretrained.identity if pretrained is not None else "",
     )
     return _Opening(run_dir, "started", parts, end_seq=-1, events=(started,))
 
 
-def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool, datasets) -> _Opening:
+def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool) -> _Opening:
     # From the newest snapshot that agrees with the log and with its checkpoint's manifest.
     store = CheckpointStore(run_dir)
     folded = fold_log(log, run_dir, store)
     current, logged_config = folded.state, folded.config
     if not current.started:
         raise RunError(f"{run_dir}: the event log does not start with RunStarted", 1)
+    place = place_of(run_dir, current)
     if current.finished:
-        parts = fresh_parts(logged_config, run_dir, datasets)
+        parts = fresh_parts(logged_config, run_dir, open_datasets(logged_config, place))
         return _Opening(run_dir, "finished", parts, end_seq=folded.end_seq, state=current)
     refusal = config_mismatch(run_dir, logged_config, config)
     if refusal and not fork:
@@ -302,10 +324,17 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool, dat
             f"`rewind verify {run_dir}` lists what is missing)",
             1,
         )
+    going_on = config if refusal else logged_config
+    # The data the run recorded, checked (cheaply) before anything is built: a dataset the new config
+    # declares differently is a change on record (ConfigChanged's identities), not a surprise.
+    unchanged = replace_config_data(going_on, logged_config)
+    changes = check_data(unchanged, current, place)
+    if changes:
+        raise DataChanged(changes)
     adopt_cpu_capability(current.cpu_capability)  # before the first tensor is computed
     # Built for the config the run goes on under (the new one when forking in place, so that the old
     # config's datasets, perhaps moved since, are never opened), from the restore point's tensors.
-    parts = build_parts(config if refusal else logged_config, run_dir, point.state, datasets)
+    parts = build_parts(going_on, run_dir, point.state, open_datasets(going_on, place))
     resumed = RunResumed(
         step=point.state.step,
         tokens=point.state.tokens,
@@ -324,6 +353,11 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool, dat
                 config=config,
                 config_hash=config_hash(config),
                 previous_hash=state_after.config_hash,
+                **(
+                    {"data": identities(config, place), "tokenizer": place.tokenizer.identity}
+                    if "data_identity" in current.features
+                    else {}
+                ),
             )
             apply(state_after, change)
             events = (resumed, change)

@@ -17,10 +17,14 @@ position t predicts tokens[t + 1] and counts when loss_mask[t].
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from rewind.engine.rng import numpy_rng
+
+Encoder = Callable[[str], list[int]]  # text -> token ids (a tokenizer's encode)
 
 # Dataset-level seed: part of the datasets' definition. Changing it changes every built-in dataset.
 TASK_SEED = 0x5EED_DA7A
@@ -138,20 +142,26 @@ def _split_example(name: str, split: str, draws: Draws) -> tuple[str, str]:
             return prompt, answer
 
 
-def _packed_examples(name: str, split: str, draws: Draws, row_length: int) -> tuple[np.ndarray, np.ndarray]:
+def _packed_examples(
+    name: str, split: str, draws: Draws, row_length: int, encode: Encoder | None
+) -> tuple[np.ndarray, np.ndarray]:
     tokens = np.zeros(row_length, dtype=np.int64)
     loss_mask = np.zeros(row_length - 1, dtype=bool)
     used = 0
     while True:
         prompt, answer = _split_example(name, split, draws)
-        size = len(prompt) + len(answer)
+        if encode is None:  # byte level: token id = byte value
+            prompt_ids, answer_ids = prompt.encode("ascii"), answer.encode("ascii")
+        else:  # prompt and answer apart, so the answer's first token never straddles the "="
+            prompt_ids, answer_ids = encode(prompt), encode(answer)
+        size = len(prompt_ids) + len(answer_ids)
         if used + size > row_length:
             # The row is full; an example that does not fit is dropped whole, never cut.
             break
-        encoded = (prompt + answer).encode("ascii")
-        tokens[used : used + size] = np.frombuffer(encoded, dtype=np.uint8)
-        answer_start = used + len(prompt)
-        # Target t is tokens[t + 1]: the answer bytes at [start, end) are targets [start - 1, end - 1).
+        tokens[used : used + len(prompt_ids)] = np.frombuffer(prompt_ids, dtype=np.uint8) if encode is None else prompt_ids
+        answer_start = used + len(prompt_ids)
+        tokens[answer_start : used + size] = np.frombuffer(answer_ids, dtype=np.uint8) if encode is None else answer_ids
+        # Target t is tokens[t + 1]: the answer tokens at [start, end) are targets [start - 1, end - 1).
         loss_mask[answer_start - 1 : used + size - 1] = True
         used += size
     return tokens, loss_mask
@@ -329,23 +339,32 @@ def grammar_text(draws: Draws, min_length: int) -> str:
     return " ".join(sentences)
 
 
-def _grammar_row(split: str, draws: Draws, row_length: int) -> tuple[np.ndarray, np.ndarray]:
+def _grammar_row(split: str, draws: Draws, row_length: int, encode: Encoder | None) -> tuple[np.ndarray, np.ndarray]:
     del split  # grammar splits differ by their generator key only (text is practically never repeated)
-    encoded = grammar_text(draws, row_length).encode("ascii")[:row_length]
-    tokens = np.frombuffer(encoded, dtype=np.uint8).astype(np.int64)
-    return tokens, np.ones(row_length - 1, dtype=bool)
+    if encode is None:
+        encoded = grammar_text(draws, row_length).encode("ascii")[:row_length]
+        return np.frombuffer(encoded, dtype=np.uint8).astype(np.int64), np.ones(row_length - 1, dtype=bool)
+    # A tokenizer packs several characters per token: more sentences until the row is full.
+    ids = encode(grammar_text(draws, row_length))
+    while len(ids) < row_length:
+        ids = ids + encode(" " + grammar_text(draws, row_length))
+    return np.asarray(ids[:row_length], dtype=np.int64), np.ones(row_length - 1, dtype=bool)
 
 
-def task_sample(name: str, split: str, index: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row `index` of the built-in dataset `name`: (tokens int64 (block_size+1,), loss_mask bool (block_size,))."""
+def task_sample(
+    name: str, split: str, index: int, block_size: int, encode: Encoder | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Row `index` of the built-in dataset `name`: (tokens int64 (block_size+1,), loss_mask bool (block_size,)).
+    `encode`: the run's tokenizer (None: byte level). A tokenizer never makes more tokens than a text has
+    bytes (byte-level BPE merges bytes), so the byte-level minimum block size still holds an example."""
     if not 0 <= index < _SPLIT_SIZES[name][split]:
         raise IndexError(f"{name}/{split}: index {index} out of range [0, {_SPLIT_SIZES[name][split]})")
     if block_size < min_block_size(name):
         raise ValueError(f"{name}: block_size {block_size} is below the minimum {min_block_size(name)}")
     draws = Draws(numpy_rng(TASK_SEED, name, split, int(index), block_size))
     if name == "grammar":
-        return _grammar_row(split, draws, block_size + 1)
-    return _packed_examples(name, split, draws, block_size + 1)
+        return _grammar_row(split, draws, block_size + 1, encode)
+    return _packed_examples(name, split, draws, block_size + 1, encode)
 
 
 def answer_accuracy(logits: torch.Tensor, tokens: torch.Tensor, loss_mask: torch.Tensor) -> float:

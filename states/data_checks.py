@@ -8,6 +8,9 @@ if TYPE_CHECKING:
     from rewind.states.config import Config
 
 TEXT_KINDS = ("text", "jsonl", "parquet")  # documents the run tokenises (kind "tokens" is already token ids)
+# In a data path, the Python standard library's directory (the engine substitutes it): a real corpus on
+# every machine rewind runs on.
+STDLIB_PLACEHOLDER = "{stdlib}"
 # A byte-level BPE starts from the 256 byte symbols; a vocabulary of that size would learn no merge.
 MIN_TRAINED_VOCAB = 257
 

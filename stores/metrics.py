@@ -5,11 +5,14 @@ per line, `type` first, then the seq of the log record it projects, `step`, `tok
 
     {"type": "train", "seq", "step", "tokens", "stage", "loss", "kl", "lr", "beta", "grad_norm", "rows", "skipped"}
     {"type": "validation", "seq", "step", "tokens", "losses": {dataset: loss}}
-    {"type": "evaluation", "seq", "step", "tokens", "boundary", "scores": {task: accuracy}, "losses": {task: loss}}
+    {"type": "evaluation", "seq", "step", "tokens", "boundary", "scores": {task: accuracy}, "losses": {task: loss},
+     "perplexity": {task: exp(loss)}, "bits_per_byte": {task: bits per byte}}
 
 Nested dicts are written with sorted keys; a non-finite float (a skipped step's NaN loss) is written as
 null, since JSON has no NaN. TensorBoard gets the same numbers as scalars against the step:
-train/{loss,kl,lr,beta,grad_norm,stage}, validation/<dataset>, eval/<task>/accuracy, eval/<task>/loss.
+train/{loss,kl,lr,beta,grad_norm,stage}, validation/<dataset>, eval/<task>/{accuracy,loss,perplexity,bits_per_byte}.
+Accuracy is there only for tasks with answers, bits per byte only where the run knew its tokens' byte
+lengths (older logs have none), perplexity wherever there is a loss (exp of it, derived here).
 
 Durability. The projection is derived data: its lines are flushed at each group commit of the log (the
 engine calls `flush()`), never fsynced, and everything here can be rebuilt from the log at any time
@@ -30,6 +33,7 @@ projection of a run kept on an object store can be rebuilt locally from its log.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -53,6 +57,7 @@ PENDING_LINE_BYTES = 64 * 1024
 # How long a resume waits for the clock to pass the newest event file's second (see `_open_tensorboard`).
 _EVENT_FILE_ORDER_WAIT_S = 2.0
 _TRAIN_SCALARS = ("loss", "kl", "lr", "beta", "grad_norm", "stage")
+_MAX_EXP = 709.78  # math.exp overflows a float past this
 
 
 class MetricsError(Exception):
@@ -95,16 +100,29 @@ def project(event: Event) -> tuple[dict[str, Any], list[tuple[str, float]]] | No
         return record, [(f"validation/{dataset}", loss) for dataset, loss in losses.items()]
     if isinstance(event, Evaluated):
         scores, losses = dict(sorted(event.scores.items())), dict(sorted(event.losses.items()))
+        # exp(loss) is derived here rather than logged: a pure function of the event, so a rebuild
+        # from the log gives it again, bit for bit.
+        perplexities = {task: perplexity(loss) for task, loss in losses.items()}
+        bits_per_byte = dict(sorted(event.bits_per_byte.items()))
         record = {
             "type": "evaluation",
             **head,
             "boundary": event.boundary,
             "scores": scores,
             "losses": losses,
+            "perplexity": perplexities,
+            "bits_per_byte": bits_per_byte,
         }
         scalars = [(f"eval/{task}/accuracy", score) for task, score in scores.items()]
-        return record, scalars + [(f"eval/{task}/loss", loss) for task, loss in losses.items()]
+        scalars += [(f"eval/{task}/loss", loss) for task, loss in losses.items()]
+        scalars += [(f"eval/{task}/perplexity", value) for task, value in perplexities.items()]
+        return record, scalars + [(f"eval/{task}/bits_per_byte", bits) for task, bits in bits_per_byte.items()]
     return None
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where that overflows a float (NaN stays NaN; written as null like any non-finite)."""
+    return math.inf if loss > _MAX_EXP else math.exp(loss)
 
 
 def complete_lines_backwards(

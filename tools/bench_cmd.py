@@ -12,13 +12,14 @@ import time
 
 from rewind.tools.errors import UsageError
 
-TARGETS = ("schedule", "log", "overhead", "resume", "cache")
+TARGETS = ("schedule", "log", "overhead", "resume", "cache", "data")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: schedule dry-run, event log, training-loop overhead, resume bookkeeping, activation cache",
+        help="benchmarks: schedule dry-run, event log, training-loop overhead, resume bookkeeping, activation cache, "
+        "data reading and preparation",
     )
     p.add_argument("target", choices=TARGETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -50,6 +51,12 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise UsageError(f"bench cache needs the engine and zarr: {exc}") from None
         result = {**run_cache_bench(quick=args.quick), **run_trunk_speedup(quick=args.quick)}
+    elif args.target == "data":
+        try:  # torch for the engine's datasets, tokenizers for preparing
+            from rewind.engine.bench_data import run_data_bench
+        except ImportError as exc:
+            raise UsageError(f"bench data needs the engine and tokenizers: {exc}") from None
+        result = run_data_bench(quick=args.quick)
     else:  # argparse's choices make this unreachable
         raise UsageError(f"unknown bench target {args.target!r}")
     if args.json:

@@ -17,6 +17,7 @@ import warnings
 # subcommand module -> its `add_parser`; the order is the order of `rewind --help`.
 COMMAND_MODULES = [
     "rewind.tools.train_cmd",
+    "rewind.tools.data_cmd",
     "rewind.tools.schedule_cmd",
     "rewind.tools.import_cmd",
     "rewind.tools.log_cmd",
@@ -27,6 +28,8 @@ COMMAND_MODULES = [
     "rewind.tools.fork_cmd",
     "rewind.tools.verify_cmd",
     "rewind.tools.export_cmd",
+    "rewind.tools.sample_cmd",
+    "rewind.tools.eval_cmd",
     "rewind.tools.bench_cmd",
 ]
 

@@ -88,18 +88,27 @@ def _kind(mode: int) -> str:
 
 
 def _resolve_data_paths(config: Config, base: Path) -> Config:
-    """Relative dataset paths are relative to the config file, not to the current directory."""
-    if not config.data:
-        return config
+    """Relative paths to data, a tokenizer or pretrained weights are relative to the config file, not to
+    the current directory. URLs, absolute paths and `{stdlib}` paths stay as they are."""
     import msgspec
 
+    from rewind.states.data_checks import STDLIB_PLACEHOLDER
+
+    def resolved(path: str) -> str:
+        if not path or "://" in path or path.startswith(STDLIB_PLACEHOLDER) or Path(path).expanduser().is_absolute():
+            return path
+        return str((base / path).resolve())
+
     data = {
-        name: msgspec.structs.replace(src, path=str((base / src.path).resolve()))
-        if "://" not in src.path and not Path(src.path).is_absolute()
-        else src
+        name: msgspec.structs.replace(src, path=resolved(src.path), validation_path=resolved(src.validation_path))
         for name, src in config.data.items()
     }
-    return msgspec.structs.replace(config, data=data)
+    return msgspec.structs.replace(
+        config,
+        data=data,
+        tokenizer=msgspec.structs.replace(config.tokenizer, path=resolved(config.tokenizer.path)),
+        pretrained=msgspec.structs.replace(config.pretrained, path=resolved(config.pretrained.path)),
+    )
 
 
 __all__ = ["MAX_CONFIG_BYTES", "SET_HELP", "ConfigError", "add_set_option", "load_config"]

@@ -1,5 +1,11 @@
-"""`rewind export RUN --to FILE.safetensors` (weights of the last committed checkpoint) and
-`rewind export tensorboard RUN` (rebuild the metrics projection from the log alone)."""
+"""`rewind export RUN --to FILE.safetensors` (weights of the last committed checkpoint), `--adapters DIR`
+(its LoRA adapters for peft), `--hf DIR` (a transformers LlamaForCausalLM directory, rewind.tools.export_hf)
+and `rewind export tensorboard RUN` (rebuild the metrics projection from the log alone).
+
+The `--to` file's metadata says what model its tensors make, so the file alone can start a run
+(`[pretrained] path`, rewind.engine.pretrained): "layout" (the stacks in order, JSON of ModelLayout),
+"rewind.architecture" (the architecture section, num_layers = all blocks), "rewind.objective", and
+"rewind.format" (the version of these keys)."""
 
 from __future__ import annotations
 
@@ -20,6 +26,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="also write the LoRA adapters in peft's layout (adapter_config.json + adapter_model.safetensors)",
     )
+    p.add_argument(
+        "--hf",
+        metavar="DIR",
+        help="write a transformers LlamaForCausalLM directory (config.json, model.safetensors, tokenizer), "
+        "adapters merged",
+    )
     p.set_defaults(run=run)
 
 
@@ -30,19 +42,23 @@ def run(args: argparse.Namespace) -> int:
         return export_metrics(args.run_dir)
     if args.run_dir:
         raise UsageError(f"export: unexpected argument {args.run_dir!r}")
-    if args.to is None and args.adapters is None:
-        raise UsageError("export RUN: --to FILE.safetensors (and/or --adapters DIR) is required")
+    if args.to is None and args.adapters is None and args.hf is None:
+        raise UsageError("export RUN: --to FILE.safetensors, --adapters DIR or --hf DIR is required")
     from rewind.tools.rundir import check_run_dir
 
     check_run_dir(args.what, "RUN")
     from rewind.tools.export_adapters import prepare_adapters, write_adapters
+    from rewind.tools.export_hf import prepare_hf, write_hf
 
-    # Every check of both outputs before either is written: a refused --adapters leaves no --to behind.
+    # Every check of every output before any is written: a refused --adapters or --hf leaves no --to behind.
     prepared = prepare_adapters(args.what, args.adapters) if args.adapters is not None else None
+    prepared_hf = prepare_hf(args.what, args.hf) if args.hf is not None else None
     if args.to is not None:
         export_weights(args.what, args.to)
     if prepared is not None:
         write_adapters(prepared, args.adapters)
+    if prepared_hf is not None:
+        write_hf(prepared_hf, args.hf)
     return 0
 
 
@@ -56,30 +72,47 @@ def export_metrics(run_dir: str) -> int:
     return 0
 
 
-def checkpointed_state(run_dir: str):
+def checkpointed_state(run_dir: str, records: list | None = None):
     """The run's folded state, which has a committed checkpoint (CommandError, exit 1, when it has none)."""
     from rewind.states.fold import fold
 
-    state = fold(e for _, e in load_records(run_dir))
+    state = fold(e for _, e in (load_records(run_dir) if records is None else records))
     if state.last_checkpoint is None:
         raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
     return state
 
 
-def export_weights(run_dir: str, out: str) -> int:
+def model_metadata(config, layout) -> dict[str, str]:
+    """What makes the exported tensors a model again (see the module docstring)."""
     import msgspec
+
+    from rewind.engine.pretrained import ARCHITECTURE_KEY, FORMAT, FORMAT_KEY, LAYOUT_KEY, OBJECTIVE_KEY
+
+    num_layers = sum(spec.num_blocks for spec in layout.stacks)
+    architecture = msgspec.structs.replace(config.architecture, num_layers=num_layers)
+    return {
+        LAYOUT_KEY: msgspec.json.encode(layout).decode(),
+        ARCHITECTURE_KEY: msgspec.json.encode(architecture).decode(),
+        OBJECTIVE_KEY: msgspec.json.encode(config.objective).decode(),
+        FORMAT_KEY: FORMAT,
+    }
+
+
+def export_weights(run_dir: str, out: str) -> int:
     from safetensors.torch import save
 
+    from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
     from rewind.tools.export_adapters import checkpoint_layout
 
     target = check_target(out)
-    state = checkpointed_state(run_dir)
+    records = load_records(run_dir)
+    state = checkpointed_state(run_dir, records)
     ref = state.last_checkpoint
     groups = {"model": checkpoint_weights(run_dir, ref.checkpoint, ref.files)["model"]}
     # The layout builds the model these weights fit (stack identities and order): rewind.engine.layout.
-    layout = msgspec.json.encode(checkpoint_layout(state)).decode()
-    metadata = {"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step), "layout": layout}
+    model = model_metadata(config_in_force(records), checkpoint_layout(state))
+    metadata = {"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step), **model}
     data = save(groups["model"], metadata=metadata)
     try:
         write_file_atomically(target, data)

@@ -55,22 +55,33 @@ def run_resume(args: argparse.Namespace) -> int:
 class ProgressBar:
     """step / stage / loss / tokens per second, on stderr."""
 
-    def __init__(self, total: int, initial: int, enabled: bool):
+    def __init__(self, total: int, initial: int, enabled: bool, epochs: dict[str, int] | None = None):
         self.bar = None
         self.started = time.perf_counter()
         self.initial = initial
+        self.epochs = dict(epochs or {})  # the epoch each dataset is in, to say when one begins
         if enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def __call__(self, state) -> None:
+        for name, epoch in sorted(state.epochs.items()):
+            if self.epochs.get(name, 0) != epoch:  # never silent, with or without the bar
+                self._say(f"dataset {name!r}: all its train rows read; epoch {epoch} begins at step {state.step}")
+        self.epochs = dict(state.epochs)
         if self.bar is None:
             return
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         rate = (state.step - self.initial) * state.tokens_per_step / elapsed
         self.bar.set_postfix_str(f"stage {state.stage} loss {state.last_loss:.3f} {rate:,.0f} tok/s", refresh=False)
         self.bar.update(1)
+
+    def _say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"rewind: {line}", file=sys.stderr)
+        else:
+            print(f"rewind: {line}", file=sys.stderr)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -125,7 +136,7 @@ def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progres
 
     try:
         _write_schedule_plot(run.parts, run_dir)
-        bar = ProgressBar(run.parts.schedule.num_steps, state.step, progress)
+        bar = ProgressBar(run.parts.schedule.num_steps, state.step, progress, state.epochs)
         try:
             outcome = drive(run, state, max_steps=max_steps, progress=bar)
         finally:

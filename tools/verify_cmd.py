@@ -18,7 +18,9 @@ Checks, reporting every problem with its exact location:
    (rewind.stores.orphans: which checkpoint, and the step the log should reach);
 7. every state snapshot beside the log (`snapshots/`, a cache that lets resume fold only the tail) is
    exactly the fold of the log up to its record, under the config then in force; a damaged or wrong
-   one is named (it is never used over the log, and deleting it is safe).
+   one is named (it is never used over the log, and deleting it is safe);
+8. with --data: every file of every dataset the run recorded, re-hashed whole against its record
+   (RunStarted/ConfigChanged .data), and the prepared token files against their manifests.
 Exit 0 when clean, 1 otherwise.
 """
 
@@ -32,11 +34,17 @@ from rewind.tools.errors import CommandError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check a run's log, fold and checkpoints; exit 0 when clean")
     p.add_argument("run_dir", metavar="RUN")
+    p.add_argument(
+        "--data",
+        action="store_true",
+        help="also re-hash every data file the run recorded (its datasets, prepared token files, tokenizer)",
+    )
     p.set_defaults(run=run)
 
 
-def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
-    """(problems, notes). Problems make the run fail verification; notes are informational."""
+def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str]]:
+    """(problems, notes). Problems make the run fail verification; notes are informational. `data`: the
+    run's data files too (8.)."""
     from rewind.states.events import CheckpointCommitted, ConfigChanged, RunStarted
     from rewind.states.fold import IllegalTransition, apply
     from rewind.states.state import State, anchor_checkpoint, control_summary
@@ -139,6 +147,12 @@ def verify_run(run_dir: str) -> tuple[list[str], list[str]]:
         notes.append(f"checkpoints on disk that no live event names (ignored by rewind): {', '.join(orphans)}")
     if aside := store.set_aside_names():
         notes.append(f"checkpoints a resume set aside under checkpoints/orphaned/ (kept, unused): {', '.join(aside)}")
+    if data and config is not None:
+        from rewind.engine.rundata import verify_data  # the engine (torch) only when asked
+
+        found, said = verify_data(run_dir, config, state)
+        problems += found
+        notes += said
     return problems, notes
 
 
@@ -178,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     from rewind.stores.eventlog import LogNotFoundError
 
     try:
-        problems, notes = verify_run(args.run_dir)
+        problems, notes = verify_run(args.run_dir, data=args.data)
     except LogNotFoundError:
         raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
     for line in notes:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rewind.engine import snapshot
-from rewind.engine.parts import build_parts
+from rewind.engine.parts import build_parts, open_datasets
+from rewind.engine.rundata import place_of
 from rewind.states.events import CheckpointCommitted, ReferenceRefreshed
 from rewind.states.fold import fold
 from rewind.states.history import config_in_force
@@ -33,7 +34,8 @@ def test_checkpoints_hold_no_copy_of_the_reference_and_resume_follows_the_pointe
     store = CheckpointStore(straight)
     assert store.load_manifest(state.last_checkpoint.checkpoint).meta["reference"] == refresh.checkpoint
     with one_torch_thread():
-        parts = build_parts(config_in_force(records), str(straight), state)
+        config = config_in_force(records)
+        parts = build_parts(config, str(straight), state, open_datasets(config, place_of(str(straight), state)))
     expected = store.load(refresh.checkpoint, groups=("model",))["model"]
     loaded = snapshot.model_tensors(parts.reference)
     assert loaded.keys() == expected.keys()

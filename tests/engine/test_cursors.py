@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rewind.engine.cursors import assemble_batch, draw, sample_index, sample_indices, split_rows
-from rewind.engine.datasets import DatasetRegistry
+from rewind.engine.registry import DatasetRegistry
 from rewind.states.config import ArchitectureSection, Config, Sampling, TrainingSection
 
 seeds = st.integers(0, 2**63 - 1)
@@ -157,5 +157,5 @@ def test_small_draws_on_python_ints_are_the_vectorised_draws_bit_for_bit(seed, n
     vectorised = np.empty(count, dtype=np.int64)
     for epoch in np.unique(epochs).tolist():
         in_epoch = epochs == epoch
-        vectorised[in_epoch] = cursors._permute(within[in_epoch], num_samples, cursors._round_keys(seed, "d", epoch))
+        vectorised[in_epoch] = cursors.permute(within[in_epoch], num_samples, cursors._round_keys(seed, "d", epoch))
     assert sample_indices(seed, "d", num_samples, start, count).tolist() == vectorised.tolist()

@@ -13,8 +13,9 @@ import torch
 
 from rewind.engine import layout as layouts
 from rewind.engine.growth import grow
-from rewind.engine.parts import fresh_parts
+from rewind.engine.parts import fresh_parts, open_datasets
 from rewind.engine.step import train_step
+from rewind.engine.userdata import DataPlace
 from rewind.states.config import loads_config
 from rewind.states.events import ActivationsCached, StackAppended
 from rewind.states.growth import growth_event, initial_layout
@@ -34,6 +35,11 @@ GROWN = (
     "growth[1].position=prepend",
     "growth[2].precision=nf4",
 )
+
+
+def _fresh(config, run_dir):
+    """Parts as a run of `config` starts with, its datasets read as bytes."""
+    return fresh_parts(config, str(run_dir), open_datasets(config, DataPlace()))
 
 
 def grown_args(run_dir, *extra: str, overrides: tuple[str, ...] = GROWN) -> list[str]:
@@ -100,7 +106,7 @@ def _grown(parts, config):
 def test_identity_growth_leaves_the_logits_unchanged(tmp_path, position, trunk):
     config = _config(f'init = "identity"\nposition = "{position}"\ntrunk = "{trunk}"\nnum_blocks = 2')
     tokens = _tokens(config)
-    parts = _trained(fresh_parts(config, str(tmp_path)), tokens)  # trained weights, not the seed's
+    parts = _trained(_fresh(config, tmp_path), tokens)  # trained weights, not the seed's
     before = _logits(parts, tokens)
     grown, _ = _grown(parts, config)
     assert grown.model.num_blocks == config.architecture.num_layers + 2
@@ -110,7 +116,7 @@ def test_identity_growth_leaves_the_logits_unchanged(tmp_path, position, trunk):
 def test_a_prepended_stack_renames_nothing_and_moments_follow_their_parameters(tmp_path):
     config = _config('position = "prepend"\ntrunk = "full"')
     tokens = _tokens(config)
-    parts = _trained(fresh_parts(config, str(tmp_path)), tokens)
+    parts = _trained(_fresh(config, tmp_path), tokens)
     old = {parts.param_names[p]: (p.detach().clone(), {k: v.clone() for k, v in parts.optimizer.state[p].items()})
            for p in parts.optimizer.state}
     grown, _ = _grown(parts, config)
@@ -133,7 +139,7 @@ def test_what_trains_after_each_trunk_choice(tmp_path):
         "full": {"stacks.0", "stacks.1", "head", "norm", "embed"},
     }.items():
         config = _config(f'trunk = "{trunk}"')
-        grown, _ = _grown(fresh_parts(config, str(tmp_path)), config)
+        grown, _ = _grown(_fresh(config, tmp_path), config)
         training = set()
         for name, parameter in grown.model.named_parameters():
             if parameter.requires_grad:
@@ -152,7 +158,7 @@ def test_adapters_are_initialised_from_the_run_not_from_the_global_rng(tmp_path)
     adapters = []
     for global_seed in (1, 2):
         torch.manual_seed(global_seed)
-        grown, _ = _grown(fresh_parts(config, str(tmp_path)), config)
+        grown, _ = _grown(_fresh(config, tmp_path), config)
         adapters.append({n: p.detach().clone() for n, p in grown.model.named_parameters() if layouts.is_adapter(n)})
     assert adapters[0] and adapters[0].keys() == adapters[1].keys()
     assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
@@ -254,7 +260,7 @@ def test_the_reference_shares_the_frozen_trunk_and_copies_what_trains(tmp_path):
     from rewind.engine.parts import frozen_copy
 
     config = _config('trunk = "qlora"')
-    grown, _ = _grown(fresh_parts(config, str(tmp_path)), config)
+    grown, _ = _grown(_fresh(config, tmp_path), config)
     reference = frozen_copy(grown.model)
     live = dict(grown.model.named_parameters())
     for name, parameter in reference.named_parameters():

@@ -190,3 +190,75 @@ def test_dropout_masks_are_keyed_by_dropout_seed_not_global_rng():
         model(idx)
     model.eval()
     assert torch.equal(model(idx), model(idx, dropout_seed=1))  # no dropout in eval mode
+
+
+# --- the SwiGLU MLP ---------------------------------------------------------------------------------
+
+SWIGLU = msgspec.structs.replace(ARCH, mlp="swiglu")
+
+
+@pytest.mark.parametrize("d_ff", [0, 24])
+def test_swiglu_fc_holds_gate_then_up_under_the_gelu_names(d_ff):
+    arch = msgspec.structs.replace(SWIGLU, d_ff=d_ff)
+    width = d_ff or 4 * arch.d_model
+    model = GPT(arch, seed=1)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert shapes["stacks.0.blocks.0.mlp.fc.weight"] == (2 * width, arch.d_model)
+    assert shapes["stacks.0.blocks.0.mlp.proj.weight"] == (arch.d_model, width)
+    gelu = GPT(msgspec.structs.replace(arch, mlp="gelu"), seed=1)
+    assert list(shapes) == [name for name, _ in gelu.named_parameters()]  # LoRA targets, checkpoints: same names
+    assert model(tokens(2, 9)).shape == (2, 9, arch.vocab_size)
+
+
+def test_swiglu_computes_proj_of_silu_gate_times_up():
+    mlp = GPT(SWIGLU, seed=4).stack(0).blocks[0].mlp
+    x = torch.randn(2, 5, SWIGLU.d_model, generator=torch.Generator().manual_seed(0))
+    width = 4 * SWIGLU.d_model
+    fused = F.linear(x, mlp.fc.weight)
+    with torch.no_grad():
+        assert torch.equal(mlp(x), F.linear(F.silu(fused[..., :width]) * fused[..., width:], mlp.proj.weight))
+        gate, up = F.linear(x, mlp.fc.weight[:width]), F.linear(x, mlp.fc.weight[width:])  # first rows: the gate
+        torch.testing.assert_close(mlp(x), F.linear(F.silu(gate) * up, mlp.proj.weight), rtol=1e-6, atol=1e-6)
+
+
+def test_swiglu_init_is_by_name_and_deterministic():
+    a, b = GPT(SWIGLU, seed=6), GPT(SWIGLU, seed=6)
+    assert_same_weights(state(a), state(b))
+    gelu = state(GPT(ARCH, seed=6))
+    fc = "stacks.0.blocks.0.mlp.fc.weight"
+    # The same stream per name: every tensor shaped alike is the gelu model's, fc only is wider.
+    assert all(torch.equal(t, gelu[n]) for n, t in state(a).items() if not n.endswith("mlp.fc.weight"))
+    assert not torch.equal(state(GPT(SWIGLU, seed=7))[fc], state(a)[fc])
+
+
+def test_swiglu_forward_backward_are_deterministic_and_causal():
+    idx = tokens(2, 12)
+    runs = []
+    for _ in range(2):
+        model = GPT(SWIGLU, seed=8).train()
+        loss = lm_loss(model, idx)
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.isfinite(runs[0][0])
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert_same_weights(runs[0][1], runs[1][1])
+    assert all(grad.abs().sum() > 0 for grad in runs[0][1].values())  # the gate and up halves both learn
+    fc_grad = runs[0][1]["stacks.0.blocks.0.mlp.fc.weight"]
+    half = fc_grad.shape[0] // 2
+    assert fc_grad[:half].abs().sum() > 0 and fc_grad[half:].abs().sum() > 0
+    model = GPT(SWIGLU, seed=8).eval()
+    changed = idx.clone()
+    changed[:, 8] = (changed[:, 8] + 1) % SWIGLU.vocab_size
+    with torch.no_grad():
+        assert torch.equal(model(idx)[:, :8], model(changed)[:, :8])
+
+
+def test_swiglu_function_preserving_growth_keeps_outputs():
+    model = GPT(SWIGLU, seed=2).eval()
+    grown = GPT(SWIGLU, [2, 1], stack_ids=[0, 1], seed=2).eval()
+    init_new_stack(grown.stack(1), seed=2, stack_id=1, depth=3, function_preserving=True)
+    grown.stack(0).load_state_dict(model.stack(0).state_dict())
+    for part in ("embed", "norm", "head"):
+        getattr(grown, part).load_state_dict(getattr(model, part).state_dict())
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), grown(tokens()))

@@ -59,6 +59,8 @@ EXPECTED_LINES = [
         "boundary": -1,
         "scores": {"copy": 0.0},
         "losses": {"copy": 3.0},
+        "perplexity": {"copy": math.exp(3.0)},
+        "bits_per_byte": {},
     },
     {
         "type": "train",
@@ -98,7 +100,8 @@ EXPECTED_LINES = [
     }
     | {"grad_norm": 1.5, "rows": [3, 1], "skipped": True},
     {"type": "evaluation", "seq": 8, "step": 3, "tokens": 192, "boundary": 0}
-    | {"scores": {"add": 0.25, "copy": 0.5}, "losses": {"copy": 1.5}},
+    | {"scores": {"add": 0.25, "copy": 0.5}, "losses": {"copy": 1.5}, "perplexity": {"copy": math.exp(1.5)}}
+    | {"bits_per_byte": {}},
 ]
 
 
@@ -161,6 +164,7 @@ def test_tensorboard_gets_every_scalar_against_the_step(tmp_path):
     assert sorted(found) == sorted(
         [f"train/{name}" for name in ("loss", "kl", "lr", "beta", "grad_norm", "stage")]
         + ["validation/a", "validation/b", "eval/copy/accuracy", "eval/add/accuracy", "eval/copy/loss"]
+        + ["eval/copy/perplexity"]
     )
     assert found["train/loss"][:2] == [(1, 2.5), (2, 2.25)]
     assert found["train/loss"][2][0] == 3 and math.isnan(found["train/loss"][2][1])
@@ -171,6 +175,7 @@ def test_tensorboard_gets_every_scalar_against_the_step(tmp_path):
     assert found["eval/copy/accuracy"] == [(0, 0.0), (3, 0.5)]
     assert found["eval/add/accuracy"] == [(3, 0.25)]
     assert found["eval/copy/loss"] == [(0, 3.0), (3, 1.5)]
+    assert found["eval/copy/perplexity"] == [(0, f32(math.exp(3.0))), (3, f32(math.exp(1.5)))]
 
 
 def test_rebuild_gives_the_same_bytes_as_the_live_projection(tmp_path):

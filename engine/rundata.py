@@ -1,0 +1,211 @@
+"""A run's data: its tokenizer and data directory, the identity of its datasets on record, and the check
+that a resumed, forked or replayed run reads the data it started on.
+
+    RUN/data/tokenizer.json   the run's tokenizer (absent: UTF-8 bytes), written when the run starts
+    RUN/data/NAME/            documents of dataset NAME tokenised by it (rewind.engine.userdata)
+
+At a start (`start_place`) the tokenizer is read from `[tokenizer] path`, trained on the run's text
+(`train_vocab_size`), or adopted from the prepared directories the config names, and copied into the run,
+so everything after (resume, sample, export) reads the run's own copy. Every later process builds its
+`DataPlace` from the run directory and the folded state (`place_of`): the run's tokenizer, and the
+validation carving the run started with (its features).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import msgspec
+
+from rewind.engine.documents import DocumentError, expand_inputs, iter_documents
+from rewind.engine.registry import DatasetRegistry
+from rewind.engine.tokenizer import ByteTokenizer, TextTokenizer, TokenizerError, load_tokenizer, train_bpe
+from rewind.engine.userdata import DataPlace, dataset_identity
+from rewind.states.config import Config
+from rewind.states.data_checks import TEXT_KINDS
+from rewind.states.data_identity import DataIdentity, identity_changes
+from rewind.states.state import State
+from rewind.stores.datafiles import bytes_identity
+from rewind.stores.datamanifest import (
+    TOKENIZER_FILE,
+    ManifestError,
+    check_prepared,
+    is_prepared,
+    read_manifest,
+)
+from rewind.stores.fsio import filesystem
+
+DATA_DIR = "data"
+
+
+class DataChanged(Exception):
+    """The data a run reads is not what it recorded (one line per difference in `lines`)."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+        super().__init__(lines[0] if len(lines) == 1 else f"{lines[0]} (and {len(lines) - 1} more)")
+
+
+def data_dir(run_dir: str) -> str | None:
+    """Where documents are tokenised for the run: RUN/data on a local filesystem; None (a temporary
+    directory per process) for a run on an object store."""
+    location = filesystem(run_dir)
+    return os.path.join(location.path, DATA_DIR) if location.is_local else None
+
+
+def tokenizer_path(run_dir: str) -> str:
+    return filesystem(run_dir).join(DATA_DIR, TOKENIZER_FILE).url
+
+
+def _default_split(state: State | None) -> str:
+    return "random" if state is None or "data_identity" in state.features else "tail"
+
+
+def place_of(run_dir: str, state: State, *, base_dir: str | None = None) -> DataPlace:
+    """The data place of an existing run, from its directory and folded state."""
+    path = tokenizer_path(run_dir)
+    tokenizer: TextTokenizer = ByteTokenizer()
+    if filesystem(path).exists():
+        tokenizer = load_tokenizer(path)
+    if tokenizer.identity != state.tokenizer and "data_identity" in state.features:
+        raise DataChanged([f"{path}: the run's tokenizer file changed since the run started "
+                           f"({tokenizer.identity[:12] or 'absent'}, recorded {state.tokenizer[:12] or 'none'})"])
+    return DataPlace(tokenizer=tokenizer, data_dir=data_dir(run_dir), base_dir=base_dir, default_split=_default_split(state))
+
+
+def start_place(config: Config, run_dir: str, *, base_dir: str | None = None) -> DataPlace:
+    """The data place of a run about to start: its tokenizer decided, checked against the architecture
+    and written to RUN/data/tokenizer.json (before the first record, like prepared data: a start that
+    fails later leaves them to be reused, never a log that names them)."""
+    place = DataPlace(data_dir=data_dir(run_dir), base_dir=base_dir, full_identity=True)
+    tokenizer = _choose_tokenizer(config, place)
+    vocab_size = config.architecture.vocab_size
+    # (UTF-8 bytes need no check here: the datasets check the ids they hold, and ASCII tasks fit 128.)
+    if tokenizer.identity and tokenizer.vocab_size > vocab_size:
+        raise TokenizerError(
+            f"the tokenizer has {tokenizer.vocab_size} ids, more than architecture.vocab_size {vocab_size}"
+        )
+    text = tokenizer.to_json()
+    if text is not None:
+        target = filesystem(tokenizer_path(run_dir))
+        target.parent.makedirs()
+        target.write_atomic(text.encode("utf-8"))
+    place.tokenizer = tokenizer
+    return place
+
+
+def _choose_tokenizer(config: Config, place: DataPlace) -> TextTokenizer:
+    section = config.tokenizer
+    if section.path:
+        return load_tokenizer(place.resolve(section.path))
+    if section.train_vocab_size:
+        names = section.train_on or [n for n, s in config.data.items() if s.kind in TEXT_KINDS and not s.prompt_field]
+        documents = []
+        for name in names:
+            source = config.data[name]
+            found = expand_inputs(place.resolve(source.path))
+            documents.append(iter_documents(found, source.kind, source.text_field))
+        return train_bpe((doc for docs in documents for doc in docs), section.train_vocab_size)
+    # No tokenizer named: the one of the prepared directories the config reads, when they agree.
+    adopted: dict[str, str] = {}
+    for source in config.data.values():
+        path = place.resolve(source.path)
+        if source.kind == "tokens" and is_prepared(path):
+            manifest = read_manifest(path)
+            if manifest.tokenizer:
+                adopted[manifest.tokenizer] = filesystem(path).join(TOKENIZER_FILE).url
+    if len(adopted) > 1:
+        raise TokenizerError(
+            "the prepared datasets were tokenised by different tokenizers; name the run's with [tokenizer] path"
+        )
+    return load_tokenizer(next(iter(adopted.values()))) if adopted else ByteTokenizer()
+
+
+def open_registry(config: Config, place: DataPlace) -> DatasetRegistry:
+    return DatasetRegistry(config, place)
+
+
+def identities(config: Config, place: DataPlace) -> dict[str, DataIdentity]:
+    """The identity of every `[data.NAME]` of `config` as it goes on record: full (content hashes), so that
+    `rewind verify --data` has something to compare with. The datasets must have been opened (documents
+    are prepared by then)."""
+    full = dataclasses.replace(place, full_identity=True)
+    return {name: dataset_identity(name, source, full) for name, source in sorted(config.data.items())}
+
+
+def check_data(config: Config, state: State, place: DataPlace, *, full: bool = False) -> list[str]:
+    """What differs between the data `config` names now and what the run recorded ([] = the same).
+    A run started before the data was on record has nothing to compare."""
+    if "data_identity" not in state.features:
+        return []
+    changes: list[str] = []
+    section = config.tokenizer
+    if section.path:
+        path = place.resolve(section.path)
+        try:
+            current = bytes_identity(filesystem(path).fs.cat_file(filesystem(path).path))
+        except FileNotFoundError:
+            current = "(missing)"
+        if current != state.tokenizer:
+            changes.append(f"tokenizer.path: {path} changed since the run started "
+                           f"({current[:12]}, recorded {state.tokenizer[:12] or 'bytes'})")
+    checking = dataclasses.replace(place, full_identity=full)
+    for name, recorded in sorted(state.data.items()):
+        if name not in config.data:
+            continue  # no longer read (a fork that dropped it)
+        try:
+            current = dataset_identity(name, config.data[name], checking)
+        except (DocumentError, ManifestError, OSError) as exc:
+            changes.append(f"dataset {name!r}: {exc}")
+            continue
+        changes += identity_changes(name, recorded, current, full=full)
+    return changes
+
+
+def replace_config_data(new: Config, old: Config) -> Config:
+    """`new` with only the datasets it declares exactly as `old` did: those whose recorded identity must
+    still hold (one declared otherwise is a change the new config puts on record)."""
+    kept = {name: source for name, source in new.data.items() if old.data.get(name) == source}
+    return msgspec.structs.replace(new, data=kept)
+
+
+def copy_run_data(place: DataPlace, config: Config, parent_dir: str, child_dir: str) -> None:
+    """A fork's data directory: the parent's tokenizer file and the documents tokenised for `config`
+    (in `place`'s directory), so the child resumes on its own copies."""
+    target = data_dir(child_dir)
+    if target is None:
+        return  # an object-store run tokenises in a scratch directory every time
+    os.makedirs(target, exist_ok=True)
+    source_tokenizer = filesystem(tokenizer_path(parent_dir))
+    if source_tokenizer.exists():
+        filesystem(tokenizer_path(child_dir)).write_atomic(source_tokenizer.fs.cat_file(source_tokenizer.path))
+    for name, source in config.data.items():
+        prepared = place.prepared_dir(name)
+        if source.kind in TEXT_KINDS and not source.prompt_field and os.path.isdir(prepared):
+            shutil.copytree(prepared, os.path.join(target, name), dirs_exist_ok=True)
+
+
+def verify_data(run_dir: str, config: Config, state: State) -> tuple[list[str], list[str]]:
+    """(problems, notes) of `rewind verify --data`: every file of every dataset the run recorded re-hashed
+    whole against its record, and every prepared directory it reads checked file by file."""
+    if "data_identity" not in state.features:
+        return [], ["data: the run started before rewind recorded its data (nothing to compare with)"]
+    try:
+        place = place_of(run_dir, state)
+    except (DataChanged, TokenizerError) as exc:
+        return [f"data: {exc}"], []
+    problems = [f"data: {line}" for line in check_data(config, state, place, full=True)]
+    num_files = 0
+    for name, source in sorted(config.data.items()):
+        if name not in state.data:
+            continue
+        num_files += len(state.data[name].sources) + len(state.data[name].validation_sources)
+        prepared = place.resolve(source.path) if source.kind == "tokens" else place.prepared_dir(name)
+        if source.prompt_field or not is_prepared(prepared):
+            continue
+        problems += [f"data: dataset {name!r}: {line}" for line in check_prepared(prepared, full=True)]
+    notes = [f"data: {len(state.data)} dataset(s), {num_files} file(s) re-hashed"
+             + (", all as recorded" if not problems else "")]
+    return problems, notes

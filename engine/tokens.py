@@ -1,0 +1,154 @@
+"""Token streams and how their rows are split into train and validation.
+
+A token stream is a flat array of token ids: a local file memory-mapped read-only (`np.memmap`, no copy
+of the selected rows until they are gathered), or a file on any fsspec filesystem, read window by window
+with ranged reads. Streams are cut into non-overlapping windows of block_size + 1 tokens; a trailing
+partial window is dropped.
+
+`RowSplit` says which rows of a source are validation and which train:
+- "tail": the last floor(n * fraction) rows (what rewind did before runs had the "data_identity" feature);
+- "random": a fixed pseudo-random choice of floor(n * fraction) rows, through a keyed permutation of
+  [0, n) (rewind.engine.permutation): validation row i is row pi(i), train row j is row pi(num_validation
+  + j). O(1) per lookup, no index array, exact counts, and the same choice for the same file in every run
+  (the key is fixed, not the run's seed), so runs on one corpus validate on the same rows;
+- "file": a validation source of its own (DataSource.validation_path): all rows of each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from rewind.engine.permutation import permute, round_keys
+from rewind.stores.fsio import filesystem
+
+# The key of validation carving: part of the definition of the "random" split. Changing it moves every
+# run's validation rows.
+SPLIT_SEED = 0x5B17_DA7A
+
+
+class TokenFileError(Exception):
+    """A token file cannot be read: missing, unreadable, or not a whole number of tokens."""
+
+
+class TokenStream:
+    """Token ids [0, num_tokens) of one file; `windows(rows, width)` gathers whole windows."""
+
+    path: str
+    num_tokens: int
+    dtype: np.dtype
+
+    def windows(self, rows: np.ndarray, width: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def max_token(self) -> int:
+        """The largest id in the stream (reads all of it)."""
+        raise NotImplementedError
+
+
+class LocalTokenStream(TokenStream):
+    def __init__(self, path: str, dtype: str):
+        self.path, self.dtype = path, np.dtype(dtype)
+        self._array = _memmap(path, self.dtype)
+        self.num_tokens = len(self._array)
+
+    def windows(self, rows: np.ndarray, width: int) -> np.ndarray:
+        num_windows = self.num_tokens // width
+        view = self._array[: num_windows * width].reshape(num_windows, width)
+        return np.asarray(view[rows], dtype=np.int64)  # fancy indexing copies only the selected windows
+
+    def max_token(self) -> int:
+        return int(self._array.max()) if self.num_tokens else -1
+
+
+class RemoteTokenStream(TokenStream):
+    """A token file on an object store: each window is one ranged read (fsspec `cat_ranges`, which
+    backends batch and run concurrently)."""
+
+    def __init__(self, url: str, dtype: str):
+        self.path, self.dtype = url, np.dtype(dtype)
+        location = filesystem(url)
+        self._fs, self._where = location.fs, location.path
+        try:
+            num_bytes = int(self._fs.size(self._where))
+        except FileNotFoundError:
+            raise TokenFileError(f"{url}: file not found") from None
+        _check_size(url, num_bytes, self.dtype)
+        self.num_tokens = num_bytes // self.dtype.itemsize
+
+    def windows(self, rows: np.ndarray, width: int) -> np.ndarray:
+        span = width * self.dtype.itemsize
+        starts = [int(r) * span for r in rows]
+        blobs = self._fs.cat_ranges([self._where] * len(starts), starts, [s + span for s in starts])
+        out = np.empty((len(starts), width), dtype=np.int64)
+        for i, blob in enumerate(blobs):
+            out[i] = np.frombuffer(blob, dtype=self.dtype)
+        return out
+
+    def max_token(self) -> int:
+        with self._fs.open(self._where, "rb") as handle:
+            largest = -1
+            while chunk := handle.read(1 << 24):
+                values = np.frombuffer(chunk, dtype=self.dtype)
+                if values.size:
+                    largest = max(largest, int(values.max()))
+            return largest
+
+
+def _check_size(path: str, num_bytes: int, dtype: np.dtype) -> None:
+    if num_bytes % dtype.itemsize:
+        raise TokenFileError(f"{path}: size {num_bytes} bytes is not a multiple of {dtype.itemsize} ({dtype.name})")
+
+
+def _memmap(path: str, dtype: np.dtype) -> np.ndarray:
+    try:
+        num_bytes = Path(path).stat().st_size
+        _check_size(path, num_bytes, dtype)
+        if num_bytes == 0:
+            return np.zeros(0, dtype=dtype)  # mmap refuses empty files; "too small" is reported later
+        return np.memmap(path, dtype=dtype, mode="r")
+    except FileNotFoundError:
+        raise TokenFileError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise TokenFileError(f"{path}: is a directory without a manifest.json (not prepared by `rewind data prepare`)") from None
+    except OSError as exc:
+        raise TokenFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def open_stream(path: str, dtype: str) -> TokenStream:
+    """A local path (or file:// URL) is memory-mapped; any other fsspec URL is read by ranges."""
+    location = filesystem(path)
+    if location.is_local:
+        return LocalTokenStream(location.path, dtype)
+    return RemoteTokenStream(path, dtype)
+
+
+class RowSplit:
+    """Which of a source's `num_rows` rows each split reads: `row(split, indices)` -> source rows."""
+
+    def __init__(self, num_rows: int, mode: str, fraction: float, num_validation_rows: int = 0):
+        self.mode = mode
+        if mode == "file":  # train: every row of the train source; validation: of its own source
+            self.num_train, self.num_validation = num_rows, num_validation_rows
+        else:
+            self.num_validation = int(num_rows * fraction)
+            self.num_train = num_rows - self.num_validation
+        self._num_rows = num_rows
+        self._keys = round_keys(SPLIT_SEED, "validation rows", num_rows) if mode == "random" else ()
+
+    def count(self, split: str) -> int:
+        return self.num_train if split == "train" else self.num_validation
+
+    def rows(self, split: str, indices: np.ndarray) -> np.ndarray:
+        """Source rows of `indices` of `split` (of the validation source itself when mode is "file")."""
+        if self.mode == "file":
+            return indices
+        offset = 0 if split == "train" else self.num_train
+        if self.mode == "tail":
+            return indices + offset
+        # random: the permutation's first num_validation outputs are validation, the rest train.
+        positions = indices + (self.num_validation if split == "train" else 0)
+        if self._num_rows < 2:
+            return positions
+        return permute(positions.astype(np.int64), self._num_rows, self._keys)

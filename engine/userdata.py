@@ -1,0 +1,230 @@
+"""Opening a user dataset (`[data.NAME]`) and saying what it is (its DataIdentity).
+
+- kind "tokens", a file: memory-mapped (fsspec ranged reads when remote); identity: the file's size,
+  fingerprint and (at a run's start) sha256; tokenizer unknown ("").
+- kind "tokens", a directory prepared by `rewind data prepare`: its train.bin (and validation.bin, which
+  then is the validation split); identity: the token files (sha256 from the manifest), the manifest's
+  hash, the tokenizer that made them. A run whose tokenizer differs is refused: the ids would mean
+  other text.
+- kinds "text", "jsonl", "parquet" (documents): tokenised by the run's tokenizer into the run's data
+  directory (`RUN/data/NAME/`, the same code and format as `rewind data prepare`) when the run starts,
+  reused after; identity: the input files (sha256), the manifest's hash, the tokenizer.
+- jsonl / parquet with prompt_field and response_field: examples tokenised in memory when opened (pair
+  datasets are fine-tuning sets, small next to a corpus); identity: the input files.
+
+Validation rows come from `validation_path` when given, else are carved from `path` by `RowSplit`:
+"random" unless the config says "tail" or the run predates the "data_identity" feature.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rewind.engine.datasets import DatasetError, PairDataset, WindowedDataset, pack_pairs
+from rewind.engine.documents import DocumentError, expand_inputs, iter_pairs
+from rewind.engine.tokenizer import ByteTokenizer, TextTokenizer
+from rewind.engine.tokens import RowSplit, TokenFileError, open_stream
+from rewind.states.config import DataSource
+from rewind.states.data_checks import STDLIB_PLACEHOLDER
+from rewind.states.data_identity import DataIdentity, SourceFile
+from rewind.stores.datafiles import file_identity
+from rewind.stores.datamanifest import ManifestError, is_prepared, manifest_hash, read_manifest
+from rewind.stores.fsio import filesystem
+
+
+@dataclass
+class DataPlace:
+    """Where a run's data comes from and goes. `base_dir`: what relative paths are taken against (None:
+    the working directory); `data_dir`: where documents are tokenised to (None: a temporary directory
+    that lives as long as this object); `default_split`: what DataSource.split "" means for this run;
+    `full_identity`: hash every file whole when computing identities (a run's start, verify --data)."""
+
+    tokenizer: TextTokenizer = field(default_factory=ByteTokenizer)
+    data_dir: str | None = None
+    base_dir: str | None = None
+    default_split: str = "random"
+    full_identity: bool = False
+    _scratch: str | None = None
+    _byte_table: np.ndarray | None = None
+
+    def token_num_bytes(self) -> np.ndarray:
+        """UTF-8 bytes per token id of the tokenizer (computed once: it walks the vocabulary)."""
+        if self._byte_table is None:
+            self._byte_table = self.tokenizer.token_num_bytes()
+        return self._byte_table
+
+    def resolve(self, path: str) -> str:
+        if "://" in path:
+            return path
+        path = os.path.expanduser(path.replace(STDLIB_PLACEHOLDER, sysconfig.get_paths()["stdlib"]))
+        if self.base_dir is not None and not os.path.isabs(path):
+            path = os.path.join(self.base_dir, path)
+        return path
+
+    def prepared_dir(self, name: str) -> str:
+        if self.data_dir is None:
+            if self._scratch is None:
+                self._scratch = tempfile.mkdtemp(prefix="rewind-data-")
+                # Removed with the last place that uses it (copies share it), without the warning an
+                # implicitly cleaned TemporaryDirectory gives.
+                weakref.finalize(self, shutil.rmtree, self._scratch, ignore_errors=True)
+            return os.path.join(self._scratch, name)
+        return os.path.join(self.data_dir, name)
+
+
+def _split_mode(source: DataSource, place: DataPlace) -> str:
+    return source.split or place.default_split
+
+
+def open_user_dataset(
+    name: str, source: DataSource, block_size: int, vocab_size: int, place: DataPlace | None = None
+) -> WindowedDataset | PairDataset:
+    place = place or DataPlace()
+    try:
+        dataset = _open(name, source, block_size, vocab_size, place)
+    except (TokenFileError, DocumentError, ManifestError) as exc:
+        raise DatasetError(f"dataset {name!r}: {exc}") from None
+    dataset.reshuffle = source.on_epoch_end == "reshuffle"
+    return dataset
+
+
+def _open(name: str, source: DataSource, block_size: int, vocab_size: int, place: DataPlace):
+    if source.prompt_field:
+        return _open_pairs(name, source, block_size, place)
+    if source.kind == "tokens":
+        path = place.resolve(source.path)
+        if is_prepared(path):
+            return _open_prepared(name, path, block_size, vocab_size, place, source)
+        validation = open_stream(place.resolve(source.validation_path), source.dtype) if source.validation_path else None
+        return WindowedDataset(
+            name, open_stream(path, source.dtype), block_size, vocab_size,
+            split=_split_mode(source, place), fraction=source.validation_fraction, validation=validation,
+        )
+    # Documents: tokenised once into the run's data directory, then read like a prepared directory.
+    from rewind.engine.dataprep import prepare
+
+    out_dir = place.prepared_dir(name)
+    prepare(
+        [place.resolve(source.path)],
+        out_dir,
+        place.tokenizer,
+        kind=source.kind,
+        text_field=source.text_field,
+        validation_inputs=[place.resolve(source.validation_path)] if source.validation_path else (),
+        overwrite=True,
+    )
+    return _open_prepared(name, out_dir, block_size, vocab_size, place, source)
+
+
+def _open_prepared(name, directory, block_size, vocab_size, place: DataPlace, source: DataSource) -> WindowedDataset:
+    manifest = read_manifest(directory)
+    if manifest.tokenizer != place.tokenizer.identity:
+        made_by = manifest.tokenizer[:12] or "UTF-8 bytes"
+        run_has = place.tokenizer.identity[:12] or "UTF-8 bytes"
+        raise DatasetError(
+            f"dataset {name!r}: {directory} was tokenised by {made_by}, the run's tokenizer is {run_has} "
+            "(set [tokenizer] path to the tokenizer.json in that directory)"
+        )
+    location = filesystem(directory)
+    streams = {split: open_stream(location.join(f.file).url, manifest.dtype) for split, f in manifest.splits.items()}
+    return WindowedDataset(
+        name, streams["train"], block_size, vocab_size,
+        split=_split_mode(source, place), fraction=source.validation_fraction, validation=streams.get("validation"),
+    )
+
+
+def _tokenised_pairs(paths: list[str], source: DataSource, place: DataPlace) -> list[tuple[list[int], list[int]]]:
+    pairs = list(iter_pairs(paths, source.kind, source.prompt_field, source.response_field))
+    tokenizer = place.tokenizer
+    prompts = tokenizer.encode_batch([p for p, _ in pairs])
+    responses = tokenizer.encode_batch([r for _, r in pairs])
+    return list(zip(prompts, responses, strict=True))
+
+
+def _open_pairs(name: str, source: DataSource, block_size: int, place: DataPlace) -> PairDataset:
+    tokenizer = place.tokenizer
+    end_id = tokenizer.eos_id
+    pairs = _tokenised_pairs(expand_inputs(place.resolve(source.path)), source, place)
+    if source.validation_path:
+        train = pairs
+        validation = _tokenised_pairs(expand_inputs(place.resolve(source.validation_path)), source, place)
+    else:  # carved as a token file's windows are (RowSplit), with examples for windows
+        carve = RowSplit(len(pairs), _split_mode(source, place), source.validation_fraction)
+        validation = [pairs[i] for i in carve.rows("validation", np.arange(carve.num_validation)).tolist()]
+        train = [pairs[i] for i in carve.rows("train", np.arange(carve.num_train)).tolist()]
+    rows = {
+        "train": pack_pairs(train, block_size, tokenizer.pad_id, end_id),
+        "validation": pack_pairs(validation, block_size, tokenizer.pad_id, end_id),
+    }
+    return PairDataset(name, rows, block_size, place.resolve(source.path))
+
+
+# --- identity -------------------------------------------------------------------------------------
+
+
+def _identities(paths: list[str], full: bool) -> list[SourceFile]:
+    out = []
+    for path in paths:
+        try:
+            out.append(file_identity(path, full=full))
+        except FileNotFoundError:
+            raise DatasetError(f"{path}: file not found") from None
+        except OSError as exc:
+            raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return out
+
+
+def dataset_identity(name: str, source: DataSource, place: DataPlace) -> DataIdentity:
+    """What dataset `name` is now (the cheap identity, or the full one with place.full_identity)."""
+    full = place.full_identity
+    try:
+        if source.kind == "tokens" and not source.prompt_field:
+            path = place.resolve(source.path)
+            if is_prepared(path):
+                return _prepared_identity(path, source.kind, [], [], full)
+            validation = [place.resolve(source.validation_path)] if source.validation_path else []
+            files = _identities([path], full)
+            return DataIdentity(
+                kind="tokens",
+                sources=files,
+                validation_sources=_identities(validation, full),
+                num_tokens=files[0].size // np.dtype(source.dtype).itemsize,
+            )
+        inputs = _identities(expand_inputs(place.resolve(source.path)), full)
+        validation = _identities(expand_inputs(place.resolve(source.validation_path)), full) if source.validation_path else []
+        if source.prompt_field:
+            return DataIdentity(kind=source.kind, sources=inputs, validation_sources=validation, tokenizer=place.tokenizer.identity)
+        return _prepared_identity(place.prepared_dir(name), source.kind, inputs, validation, full)
+    except (DocumentError, ManifestError) as exc:
+        raise DatasetError(f"dataset {name!r}: {exc}") from None
+
+
+def _prepared_identity(
+    directory: str, kind: str, inputs: list[SourceFile], validation: list[SourceFile], full: bool
+) -> DataIdentity:
+    """A prepared directory: the documents it was made from (`inputs`, for data rewind tokenised into the
+    run) or, for a directory the user prepared, its own token files (their sha256 from the manifest,
+    re-hashed only when `full`)."""
+    manifest = read_manifest(directory)
+    if not inputs:
+        location = filesystem(directory)
+        files = {}
+        for split, token_file in manifest.splits.items():
+            path = location.join(token_file.file).url
+            found = _identities([path], full)[0]
+            files[split] = SourceFile(path=found.path, size=found.size, fingerprint=found.fingerprint,
+                                      sha256=found.sha256 or token_file.sha256)
+        inputs = [files["train"]]
+        validation = [files["validation"]] if "validation" in files else []
+    num_tokens = sum(token_file.num_tokens for token_file in manifest.splits.values())
+    return DataIdentity(
+        kind=kind, sources=inputs, validation_sources=validation, prepared=manifest_hash(directory),
+        tokenizer=manifest.tokenizer, num_tokens=num_tokens,
+    )

@@ -1,0 +1,233 @@
+"""`rewind export RUN --hf DIR` end to end, and the `--to` file's model metadata.
+
+A tiny SwiGLU run is trained through the command line (a subprocess, from tmp_path); its export loads
+in transformers (`AutoModelForCausalLM`) with the logits of rewind's model of the same checkpoint, and
+loads back through `load_pretrained` / `apply_pretrained` bit for bit, as does its `--to` file. A run that
+grew a LoRA trunk exports merged, with the adapted model's logits. Refusals (a gelu model, a non-empty
+DIR) are one line, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from safetensors import safe_open
+
+from rewind.engine.layout import build_plain, eval_mode
+from rewind.engine.pretrained import apply_pretrained, load_pretrained
+from rewind.states.config import Config
+from rewind.states.fold import fold
+from rewind.states.history import config_in_force
+from rewind.stores.runs import read_seq_events
+from tests.engine.test_loop import run_cli
+
+pytest.importorskip("transformers")
+
+# 3 steps of 4 rows of 16 tokens: a couple of seconds.
+CONFIG = """
+[run]
+name = "export-hf"
+seed = 3
+
+[architecture]
+block_size = 16
+vocab_size = 256
+num_layers = {num_layers}
+num_heads = 2
+d_model = 32
+mlp = "{mlp}"
+
+[training]
+batch_size = 4
+tokens = {tokens}
+datasets = {datasets}
+validation_steps = 1
+
+[optimization]
+lr = 3e-3
+schedule = "constant"
+
+[logging]
+report_interval = 1000
+"""
+# Stage 1 grows a stack on top of stack 0, which becomes a LoRA trunk (rank 4, alpha 6).
+GROWTH = """
+[lora]
+trunk_rank = 4
+alpha_per_rank = 1.5
+
+[[growth]]
+at_stage = 1
+num_blocks = 1
+trunk = "lora"
+"""
+ONE_STAGE = {"tokens": "[192]", "datasets": '[[{ name = "grammar" }]]'}
+TWO_STAGES = {"tokens": "[128, 128]", "datasets": '[[{ name = "grammar" }], [{ name = "grammar" }]]'}
+
+
+def write_config(base: Path, name: str, *, mlp: str = "swiglu", num_layers: int = 2, stages=ONE_STAGE, extra=""):
+    path = base / f"{name}.toml"
+    path.write_text(CONFIG.format(mlp=mlp, num_layers=num_layers, **stages) + extra)
+    return path
+
+
+@pytest.fixture(scope="module")
+def swiglu_run(tmp_path_factory) -> Path:
+    """Trained by the `rewind` command in its own process, run from its directory."""
+    base = tmp_path_factory.mktemp("export-hf")
+    write_config(base, "tiny")
+    command = [sys.executable, "-m", "rewind.tools.cli", "train", "tiny.toml", "--run-dir", "run", "--no-progress"]
+    done = subprocess.run(command, cwd=base, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("export-hf-lora")
+    config = write_config(base, "lora", num_layers=1, stages=TWO_STAGES, extra=GROWTH)
+    code, _, err = run_cli("train", config, "--run-dir", base / "run", "--no-progress")
+    assert code == 0, err
+    return base / "run"
+
+
+def runs_config(run: Path) -> Config:
+    return config_in_force(read_seq_events(run))
+
+
+def runs_model(run: Path) -> torch.nn.Module:
+    """rewind's own model of the run's last checkpoint (adapters and all)."""
+    from rewind.engine.checkpointing import load_model
+    from rewind.stores.checkpoints import CheckpointStore
+
+    records = read_seq_events(run)
+    state = fold(e for _, e in records)
+    ref = state.last_checkpoint
+    return eval_mode(load_model(config_in_force(records), CheckpointStore(run), ref.checkpoint, ref.files, state.layout)[0])
+
+
+def export_hf(run: Path, out: Path) -> str:
+    code, stdout, err = run_cli("export", run, "--hf", out)
+    assert code == 0, err
+    return stdout
+
+
+def transformers_model(directory: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    return model
+
+
+def tokens(length: int = 16) -> torch.Tensor:
+    return torch.randint(0, 256, (3, length), generator=torch.Generator().manual_seed(0))
+
+
+def test_transformers_loads_the_export_with_the_runs_logits(swiglu_run, tmp_path):
+    stdout = export_hf(swiglu_run, tmp_path / "hf")
+    assert "(2 layers)" in stdout and "LlamaForCausalLM" in stdout
+    names = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors"]  # bytes: no tokenizer file
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}  # noqa: SIM118 (safe_open is no dict)
+    with torch.no_grad():
+        ours, theirs = runs_model(swiglu_run)(tokens()), transformers_model(tmp_path / "hf")(tokens()).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert not list(tmp_path.glob(".hf.tmp-*"))  # the temporary directory became DIR
+
+
+def test_the_export_and_the_to_file_start_a_run_bit_for_bit(swiglu_run, tmp_path):
+    export_hf(swiglu_run, tmp_path / "hf")
+    code, _, err = run_cli("export", swiglu_run, "--to", tmp_path / "model.safetensors")
+    assert code == 0, err
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        metadata = f.metadata()
+    assert metadata["rewind.format"] == "1"
+    architecture = json.loads(metadata["rewind.architecture"])
+    assert (architecture["num_layers"], architecture["mlp"], architecture["d_model"]) == (2, "swiglu", 32)
+    assert json.loads(metadata["rewind.objective"])["kind"] == "clm"
+    config = runs_config(swiglu_run)
+    with torch.no_grad():
+        want = runs_model(swiglu_run)(tokens())
+        for source in (tmp_path / "hf", tmp_path / "model.safetensors"):
+            loaded = load_pretrained(str(source), config)
+            model = build_plain(config, None)
+            apply_pretrained(model, loaded.tensors)
+            assert torch.equal(eval_mode(model)(tokens()), want), source
+            assert loaded.identity == load_pretrained(str(source), config).identity
+
+
+def test_a_lora_trunk_run_exports_merged_with_the_adapted_logits(lora_run, tmp_path):
+    stdout = export_hf(lora_run, tmp_path / "hf")
+    assert "(2 layers, adapters merged)" in stdout
+    own = runs_model(lora_run)
+    assert any(".lora_B." in n and p.abs().sum() > 0 for n, p in own.named_parameters())  # trained adapters
+    with torch.no_grad():
+        ours, theirs = own(tokens()), transformers_model(tmp_path / "hf")(tokens()).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_the_runs_tokenizer_goes_with_the_model(swiglu_run, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    run = tmp_path / "run"
+    shutil.copytree(swiglu_run, run)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=40, special_tokens=["<|endoftext|>"], show_progress=False)
+    tokenizer.train_from_iterator(["the cat sat on the mat"] * 4, trainer)
+    (run / "data").mkdir(exist_ok=True)
+    (run / "data" / "tokenizer.json").write_text(tokenizer.to_str())
+    assert "and its tokenizer" in export_hf(run, tmp_path / "hf")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == eos
+    assert loaded("the cat")["input_ids"] == tokenizer.encode("the cat").ids
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == eos
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"eos_token_id": eos, "max_length": 16}
+
+
+def test_refusals_are_one_line_and_write_nothing(swiglu_run, tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    code, _, err = run_cli("export", swiglu_run, "--to", tmp_path / "w.safetensors", "--hf", taken)
+    assert code == 2 and err.strip().endswith("exists and is not empty; name a new or empty directory")
+    assert err.count("\n") == 1 and not (tmp_path / "w.safetensors").exists()
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"]
+    code, _, err = run_cli("export", swiglu_run, "--hf", taken / "keep.txt")
+    assert code == 2 and "exists and is not a directory" in err and err.count("\n") == 1
+    export_hf(swiglu_run, tmp_path / "new" / "hf")  # missing parents are made
+    code, _, err = run_cli("export", swiglu_run, "--hf", swiglu_run / "checkpoints" / "hf")
+    assert code == 2 and "inside the run directory" in err and err.count("\n") == 1
+    (tmp_path / "empty").mkdir()
+    export_hf(swiglu_run, tmp_path / "empty")  # an empty DIR is taken
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+
+
+def test_a_gelu_run_is_refused_with_what_to_change(tmp_path):
+    config = write_config(tmp_path, "gelu", mlp="gelu", num_layers=1, stages={"tokens": "[64]", "datasets": '[[{ name = "grammar" }]]'})
+    code, _, err = run_cli("train", config, "--run-dir", tmp_path / "run", "--no-progress")
+    assert code == 0, err
+    code, _, err = run_cli("export", tmp_path / "run", "--hf", tmp_path / "hf")
+    assert code == 1 and err.count("\n") == 1
+    assert "not a LlamaForCausalLM" in err and 'architecture.mlp = "swiglu"' in err
+    assert not (tmp_path / "hf").exists()
+    with safe_open(_exported_to(tmp_path), "pt") as f:  # --to still exports it, with its architecture
+        assert msgspec.json.decode(f.metadata()["rewind.architecture"])["mlp"] == "gelu"
+
+
+def _exported_to(tmp_path: Path) -> Path:
+    code, _, err = run_cli("export", tmp_path / "run", "--to", tmp_path / "gelu.safetensors")
+    assert code == 0, err
+    return tmp_path / "gelu.safetensors"

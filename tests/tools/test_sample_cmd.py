@@ -1,0 +1,178 @@
+"""`rewind sample` on a tiny run trained through the CLI: the model of the checkpoint asked for (the last
+one is grown, its trunk NF4 with LoRA adapters), the run's tokenizer, a draw decided by the seed, and
+every mistake as one line. `trained_run` is shared with test_eval_cmd.py: one run per test session."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rewind.engine.sampling import generate
+from rewind.engine.tokenizer import ByteTokenizer, train_bpe
+from rewind.states.config import config_from_dict
+from rewind.states.events import CheckpointCommitted
+from rewind.stores.runs import read_seq_events
+from rewind.tools.cli import main
+from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.sample_cmd import choose_checkpoint, model_at, refuse_masked
+
+# Stage 0 (3 steps of 96 tokens) on grammar, stage 1 (2 steps) on add, growing at its entry: the trunk
+# becomes NF4 with LoRA adapters and a new stack trains on top. Checkpoints: the boundary (step 3,
+# one stack) and the end (step 5, grown); retention deletes the interval one at step 4.
+CONFIG = """
+[run]
+seed = 3
+[architecture]
+block_size = 24
+vocab_size = 256
+num_layers = 1
+num_heads = 2
+d_model = 32
+[training]
+batch_size = 4
+tokens = [288, 192]
+datasets = [[{ name = "grammar" }], [{ name = "add" }]]
+evaluations = ["grammar", "add"]
+eval_samples = 8
+[logging]
+checkpoint_interval = 4
+keep_last_checkpoints = 1
+[[growth]]
+at_stage = 1
+num_blocks = 1
+trunk = "qlora"
+"""
+PROMPT = "add 12+34="
+_TRAINED: dict[str, Path] = {}
+
+
+def trained_run(tmp_path_factory) -> Path:
+    """The run, trained once per session by `rewind train` in a subprocess (one CPU thread, recorded in
+    its log, so that in-process commands of these tests compute what the run computed)."""
+    if "run" not in _TRAINED:
+        base = tmp_path_factory.mktemp("sampled")
+        (base / "config.toml").write_text(CONFIG)
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"} | {"OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "rewind.tools.cli", "train", "config.toml", "--run-dir", "run", "--no-progress"]
+        done = subprocess.run(command, cwd=base, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        _TRAINED["run"] = base / "run"
+    return _TRAINED["run"]
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    """`rewind ARGS` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse's own errors
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def one_line_error(code: int, out: str, err: str, exit_code: int) -> str:
+    assert code == exit_code and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rewind"), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return trained_run(tmp_path_factory)
+
+
+def committed(run: Path) -> dict[int, str]:
+    return {e.step: e.checkpoint for _, e in read_seq_events(str(run)) if isinstance(e, CheckpointCommitted)}
+
+
+def test_greedy_continues_with_the_last_checkpoints_argmax_chain(run):
+    code, out, err = cli("sample", run, "--prompt", PROMPT, "--temperature", "0", "--max-tokens", "20", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    loaded = model_at(str(run), None)
+    assert loaded.model.stack_sizes == [1, 1]  # grown
+    kinds = {type(m).__name__ for m in loaded.model.modules()}
+    assert "Linear4bit" in kinds and any(".lora_A." in n for n, _ in loaded.model.named_parameters())
+    prompt_ids = list(PROMPT.encode())
+    want = generate(loaded.model, prompt_ids, max_new_tokens=20, temperature=0.0, top_p=1.0, seed=0)
+    assert result["tokens"] == want and len(want) == 20
+    assert result["completion"] == ByteTokenizer().decode(want)
+    assert result["prompt"] == PROMPT and result["prompt_tokens"] == prompt_ids
+    assert (result["step"], result["checkpoint"]) == (5, committed(run)[5])
+    assert result["stopped"] == "max_tokens" and result["seed"] == 0
+    # Without --json: the continuation itself.
+    code, out, _ = cli("sample", run, "--prompt", PROMPT, "--temperature", "0", "--max-tokens", "20")
+    assert code == 0 and out == result["completion"] + "\n"
+
+
+def test_at_step_loads_that_checkpoint_and_names_the_steps_there_are(run):
+    code, out, err = cli("sample", run, "--at-step", "3", "--prompt", PROMPT, "--max-tokens", "5", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert (result["step"], result["checkpoint"]) == (3, committed(run)[3])
+    assert model_at(str(run), 3).model.stack_sizes == [1]  # before the growth
+    line = one_line_error(*cli("sample", run, "--at-step", "4", "--prompt", PROMPT), exit_code=2)
+    assert "--at-step 4: no checkpoint at that step" in line and "steps 3, 5" in line
+
+
+def test_the_seed_decides_the_draw(run):
+    def draw(seed: int) -> list[int]:
+        code, out, err = cli("sample", run, "--prompt", PROMPT, "--seed", seed, "--top-p", "0.95", "--json")
+        assert code == 0, err
+        return json.loads(out)["tokens"]
+
+    first = draw(1)
+    assert len(first) == 64 and draw(1) == first
+    assert draw(2) != first
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", ""], "an empty prompt"),
+        (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0: must be a finite number >= 0"),
+        (["--prompt", "x", "--temperature", "nan"], "--temperature nan"),
+        (["--prompt", "x", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+        (["--prompt", "x", "--max-tokens", "-1"], "--max-tokens -1: must be >= 0"),
+        ([], "the following arguments are required: --prompt"),
+    ],
+)
+def test_bad_requests_are_one_line_and_exit_2(run, args, message):
+    assert message in one_line_error(*cli("sample", run, *args), exit_code=2)
+
+
+def test_a_missing_run_or_missing_checkpoint_files_are_one_line(run, tmp_path):
+    line = one_line_error(*cli("sample", tmp_path / "nowhere", "--prompt", "x"), exit_code=2)
+    assert "no run here" in line
+    shutil.copytree(run / "events", tmp_path / "bare" / "events")  # the log, without its checkpoints
+    line = one_line_error(*cli("sample", tmp_path / "bare", "--prompt", "x"), exit_code=1)
+    assert committed(run)[5] in line
+
+
+def test_a_tokenizer_that_is_not_the_runs_is_refused(run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    (copy / "data").mkdir(exist_ok=True)
+    (copy / "data" / "tokenizer.json").write_text(train_bpe(["add 1+2=3\n"] * 8, 260).to_json())
+    line = one_line_error(*cli("sample", copy, "--prompt", PROMPT), exit_code=1)
+    assert "not the one it was trained with" in line and "the log records bytes" in line
+
+
+def test_no_checkpoint_and_masked_objectives_are_refused():
+    with pytest.raises(CommandError, match="no committed checkpoint yet") as raised:
+        choose_checkpoint("RUN", [], None)
+    assert raised.value.exit_code == 1
+    training = {"tokens": [96], "datasets": [[{"name": "grammar"}]]}
+    masked = config_from_dict({"objective": {"kind": "mlm"}, "training": training})
+    with pytest.raises(UsageError, match=r"masked objective \(mlm\).*cannot sample"):
+        refuse_masked(masked, "sample")

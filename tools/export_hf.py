@@ -1,0 +1,196 @@
+"""`rewind export RUN --hf DIR`: the run's model as a transformers `LlamaForCausalLM` directory.
+
+DIR gets `config.json` (rewind.engine.hf_llama.llama_config), `model.safetensors` (float32, metadata
+{"format": "pt"} as transformers writes it), `generation_config.json` (max_length = the context the model
+was trained for, and the end-of-text token when there is one) and, when the run has a tokenizer
+(RUN/data/tokenizer.json), `tokenizer.json` and `tokenizer_config.json` (PreTrainedTokenizerFast), so
+`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load it as is.
+
+What is exported is the last committed checkpoint's model, under the layout it had (a grown model's
+stacks in their final order, one Llama layer per block), with every LoRA adapter merged into its base
+weight in float32 (an NF4 stack's base is its dequantised NF4 weight, what the run computed with;
+nothing is re-quantised). `--adapters DIR` still writes the adapters unmerged, in peft's layout.
+A model Llama does not compute exactly (layernorm, a gelu MLP, a masked objective) is refused in one
+line (exit 1), and so is a DIR that exists and is not empty (exit 2). Every check runs before anything is
+written; the files are written into a temporary directory beside DIR, synced, and renamed to DIR, so
+DIR is there whole or not at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.runlog import load_records
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+GENERATION_NAME = "generation_config.json"
+TOKENIZER_NAME = "tokenizer.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+END_OF_TEXT = "<|endoftext|>"
+RUN_TOKENIZER = ("data", "tokenizer.json")  # where a run keeps its tokenizer (absent: token id = byte value)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedHf:
+    """The directory's files, checked and serialised: nothing is on disk yet."""
+
+    target: Path
+    files: dict[str, bytes]
+    summary: str
+
+
+def check_hf_dir(out_dir: str) -> Path:
+    """DIR, refused up front (exit 2) unless it is a new or empty local directory outside a run's files."""
+    from rewind.tools.outfile import RUN_PARTS
+
+    if not out_dir.strip():
+        raise UsageError("--hf '': an empty path; name the directory to write the model to")
+    if "://" in out_dir or "::" in out_dir:
+        raise UsageError(f"--hf {out_dir}: a local directory is expected, not a URL")
+    target = Path(out_dir)
+    for parent in (target.absolute(), *target.absolute().parents):
+        if parent.name in RUN_PARTS and (parent.parent / "events").is_dir():
+            raise UsageError(f"--hf {out_dir}: inside the run directory {parent.parent}'s {parent.name}/; write elsewhere")
+    if target.exists() or target.is_symlink():
+        if not target.is_dir() or target.is_symlink():
+            raise UsageError(f"--hf {out_dir}: exists and is not a directory; name a new directory")
+        if any(target.iterdir()):
+            raise UsageError(f"--hf {out_dir}: exists and is not empty; name a new or empty directory")
+    return target
+
+
+def prepare_hf(run_dir: str, out_dir: str) -> PreparedHf:
+    """Every check of `export RUN --hf DIR` and the bytes of DIR's files; writes nothing."""
+    from safetensors.torch import save
+
+    from rewind.engine import hf_llama
+    from rewind.states.fold import fold
+    from rewind.states.history import config_in_force
+    from rewind.stores.trunks import checkpoint_weights
+    from rewind.tools.export_adapters import checkpoint_layout
+
+    target = check_hf_dir(out_dir)
+    records = load_records(run_dir)
+    state = fold(e for _, e in records)
+    ref = state.last_checkpoint
+    if ref is None:
+        raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
+    config = config_in_force(records)
+    reason = hf_llama.llama_refusal(config)
+    if reason is not None:
+        raise CommandError(f"--hf: the run's model is not a LlamaForCausalLM: {reason}", 1)
+    layout = checkpoint_layout(state)
+    groups = checkpoint_weights(run_dir, ref.checkpoint, ref.files)
+    try:
+        merged = hf_llama.merged_weights(groups["model"], groups["adapters"], layout, config.architecture)
+        tensors = hf_llama.to_llama(hf_llama.flat_weights(merged, layout))
+    except (ValueError, hf_llama.NotLlama) as exc:
+        raise CommandError(f"--hf: checkpoint {ref.checkpoint} does not fit its layout: {exc}", 1) from None
+    num_layers = sum(spec.num_blocks for spec in layout.stacks)
+    tokenizer = run_tokenizer(run_dir)
+    eos = end_of_text(tokenizer, run_dir) if tokenizer is not None else None
+    arch = config.architecture
+    files = {
+        WEIGHTS_NAME: save(dict(sorted(tensors.items())), metadata={"format": "pt"}),
+        CONFIG_NAME: _json(hf_llama.llama_config(arch, num_layers=num_layers, eos_token_id=eos)),
+        GENERATION_NAME: _json(generation_config(arch.block_size, eos)),
+    }
+    if tokenizer is not None:
+        files[TOKENIZER_NAME] = tokenizer
+        files[TOKENIZER_CONFIG_NAME] = _json(tokenizer_config(arch.block_size, eos is not None))
+    merged_note = ", adapters merged" if groups["adapters"] else ""
+    tokenizer_note = " and its tokenizer" if tokenizer is not None else ""
+    summary = (
+        f"{len(tensors)} tensors ({num_layers} layers{merged_note}) of checkpoint {ref.checkpoint} "
+        f"(step {ref.step}){tokenizer_note}"
+    )
+    return PreparedHf(target, files, summary)
+
+
+def run_tokenizer(run_dir: str) -> bytes | None:
+    """The bytes of RUN/data/tokenizer.json, or None when the run has none (its tokens are bytes)."""
+    from rewind.stores.fsio import filesystem
+
+    location = filesystem(run_dir).join(*RUN_TOKENIZER)
+    try:
+        if not location.exists():
+            return None
+        return location.read_bytes()
+    except OSError as exc:
+        raise CommandError(f"{location.url}: cannot read the run's tokenizer ({exc.strerror or exc})", 1) from None
+
+
+def end_of_text(tokenizer: bytes, run_dir: str) -> int | None:
+    """The id of the tokenizer's `<|endoftext|>` token, or None when it has none."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(tokenizer.decode()).token_to_id(END_OF_TEXT)
+    except Exception as exc:  # tokenizers raises plain Exceptions for a malformed file
+        raise CommandError(f"{run_dir}/data/tokenizer.json: not a tokenizers file ({exc})", 1) from None
+
+
+def generation_config(block_size: int, eos: int | None) -> dict[str, object]:
+    """Generation stops at the context the model was trained for (positions past it were never seen)."""
+    config: dict[str, object] = {"max_length": block_size}
+    if eos is not None:
+        config["eos_token_id"] = eos
+    return config
+
+
+def tokenizer_config(block_size: int, has_eos: bool) -> dict[str, object]:
+    config: dict[str, object] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": block_size,
+        "clean_up_tokenization_spaces": False,
+    }
+    if has_eos:
+        config["eos_token"] = END_OF_TEXT
+    return config
+
+
+def _json(value: dict) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write_hf(prepared: PreparedHf, out_dir: str) -> None:
+    """DIR whole or not at all: the files into a temporary directory beside it (each synced), renamed to DIR
+    (which replaces DIR only while it is empty), the parent directory synced."""
+    from rewind.stores import fsio
+
+    target = prepared.target
+    parent = target.absolute().parent
+    tmp = parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        for name, data in prepared.files.items():
+            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fsio.write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsio.fsync_dir(str(tmp))
+        os.replace(tmp, target)  # an empty DIR is replaced; one filled meanwhile is an OSError
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+        raise CommandError(f"--hf {out_dir}: cannot write the model ({exc.strerror or exc}); nothing was written", 1) from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+        raise
+    try:
+        fsio.fsync_dir(str(parent))
+    except OSError as exc:
+        raise CommandError(f"--hf {out_dir}: written, but its parent directory cannot be synced ({exc.strerror or exc})", 1) from None
+    print(f"wrote {prepared.summary} to {out_dir} (transformers LlamaForCausalLM)")

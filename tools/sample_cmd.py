@@ -1,0 +1,182 @@
+"""`rewind sample RUN --prompt TEXT`: the model of a committed checkpoint continues a prompt.
+
+The model is the one a resume from that checkpoint would load (`rewind.engine.checkpointing.load_model`
+under the layout and config the log gives it there: grown stacks, frozen and NF4 trunks, LoRA adapters),
+the text goes through the run's tokenizer (RUN/data/tokenizer.json, or UTF-8 bytes), and the draw is
+reproducible for a seed (rewind.engine.sampling). Only live checkpoints exist: retention deletes the
+rest, so `--at-step N` names a step that still has one. Nothing is written to the run.
+
+`model_at` is shared with `rewind eval`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.runlog import load_records
+
+DEFAULT_MAX_TOKENS = 64
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sample", help="continue a prompt with the model of a checkpoint (--prompt TEXT)")
+    p.add_argument("run_dir", metavar="RUN")
+    add_checkpoint_option(p)
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    p.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="K",
+        help=f"new tokens at most (default {DEFAULT_MAX_TOKENS}; fewer when the model ends the text)",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, metavar="T", help="0 = greedy (argmax); default 1.0"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: (0, 1], default 1.0 (off)"
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="the draw's seed (default 0)")
+    p.add_argument("--json", action="store_true", help="one JSON object: prompt, completion, tokens, step, ...")
+    p.set_defaults(run=run)
+
+
+def add_checkpoint_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--at-step", type=int, metavar="N", help="the checkpoint committed at step N (default: the last one)"
+    )
+
+
+@dataclass
+class CheckpointModel:
+    """A checkpoint's model, ready to run (CPU, eval mode is the caller's), and what it came from."""
+
+    model: Any  # rewind.engine.model.GPT
+    config: Any  # the config in force at the checkpoint (rewind.states.config.Config)
+    checkpoint: str
+    step: int
+    state: Any  # the folded state at the checkpoint's restore point (rewind.states.state.State)
+
+
+def choose_checkpoint(run_dir: str, live: list, at_step: int | None):
+    """The live checkpoint to load: the last one, or the one committed at `at_step`."""
+    if not live:
+        raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
+    if at_step is None:
+        return live[-1]
+    chosen = [ref for ref in live if ref.step == at_step]
+    if not chosen:
+        steps = ", ".join(str(s) for s in sorted({ref.step for ref in live}))
+        raise UsageError(
+            f"--at-step {at_step}: no checkpoint at that step (retention keeps only some); "
+            f"checkpoints exist at steps {steps}"
+        )
+    return chosen[-1]
+
+
+def model_at(run_dir: str, at_step: int | None) -> CheckpointModel:
+    """The model of the run's last live checkpoint, or of the one at step `at_step`, built as a resume
+    from it would build it: the layout of the restore point the checkpoint makes, the config in force
+    there (replay chooses them the same way). Files are checked against the hashes the log recorded."""
+    from rewind.engine.checkpointing import load_model
+    from rewind.engine.session import adopt_cpu_capability, adopt_threads
+    from rewind.states.fold import fold
+    from rewind.states.history import config_in_force, effective, restore_points
+    from rewind.stores.checkpoints import CheckpointStore
+
+    records = effective(load_records(run_dir))
+    state = fold(e for _, e in records)
+    # The run's kernels and thread count, as replay adopts them: the same figures as the run's own
+    # boundary evaluation of this checkpoint, bit for bit, on the machine it ran on.
+    adopt_cpu_capability(state.cpu_capability)
+    adopt_threads(state.num_threads)
+    ref = choose_checkpoint(run_dir, sorted(state.live_checkpoints, key=lambda c: c.step), at_step)
+    point = next((p for p in restore_points(records) if p.checkpoint == ref.checkpoint), None)
+    if point is None:
+        raise CommandError(f"{run_dir}: checkpoint {ref.checkpoint} is not a restore point of the log", 1)
+    config = config_in_force(records[: point.index])
+    model = load_model(config, CheckpointStore(run_dir), ref.checkpoint, ref.files, point.state.layout)[0]
+    return CheckpointModel(model=model, config=config, checkpoint=ref.checkpoint, step=ref.step, state=point.state)
+
+
+def run_tokenizer(run_dir: str, recorded: str):
+    """The run's tokenizer (its tokenizer.json, or bytes), checked against the sha256 the log recorded
+    (`recorded`): a tokenizer that is not the run's would turn the model's ids into the wrong text.
+    Damaged or changed: one line, exit 1."""
+    from rewind.engine.tokenizer import TokenizerError, load_run_tokenizer
+
+    try:
+        tokenizer = load_run_tokenizer(run_dir)
+    except TokenizerError as exc:
+        raise CommandError(f"{run_dir}: the run's tokenizer: {exc}", 1) from None
+    if tokenizer.identity != recorded:
+        found, logged = tokenizer.identity[:12] or "bytes (no tokenizer.json)", recorded[:12] or "bytes"
+        raise CommandError(
+            f"{run_dir}: the run's tokenizer is not the one it was trained with ({found}; the log records {logged})", 1
+        )
+    return tokenizer
+
+
+def refuse_masked(config, what: str) -> None:
+    """A masked objective's model does not predict the next token: one line, exit 2."""
+    if config.objective.kind != "clm":
+        raise UsageError(
+            f"the run trains a masked objective ({config.objective.kind}), which does not predict left to "
+            f"right: cannot {what}"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    from rewind.engine.sampling import SamplingError, generate
+
+    if args.prompt == "":
+        raise UsageError("--prompt '': an empty prompt; give some text to continue")
+    if args.max_tokens < 0:
+        raise UsageError(f"--max-tokens {args.max_tokens}: must be >= 0")
+    if not 0.0 <= args.temperature < math.inf:  # NaN fails too
+        raise UsageError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
+    if not 0.0 < args.top_p <= 1.0:
+        raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
+    loaded = model_at(args.run_dir, args.at_step)
+    refuse_masked(loaded.config, "sample")
+    tokenizer = run_tokenizer(args.run_dir, loaded.state.tokenizer)
+    prompt_ids = tokenizer.encode(args.prompt)
+    vocab_size = loaded.config.architecture.vocab_size
+    outside = sorted({i for i in prompt_ids if i >= vocab_size})
+    if outside:
+        raise UsageError(
+            f"--prompt: token id {outside[0]} is outside the model's vocabulary ({vocab_size} ids); "
+            "the text has characters the run never trained on"
+        )
+    try:
+        tokens = generate(
+            loaded.model,
+            prompt_ids,
+            max_new_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            eos_id=tokenizer.eos_id,
+        )
+    except SamplingError as exc:
+        raise UsageError(str(exc)) from None
+    completion = tokenizer.decode(tokens)
+    if args.json:
+        print(json.dumps({
+            "prompt": args.prompt,
+            "completion": completion,
+            "tokens": tokens,
+            "prompt_tokens": prompt_ids,
+            "step": loaded.step,
+            "checkpoint": loaded.checkpoint,
+            "seed": args.seed,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "max_tokens": args.max_tokens,
+            "stopped": "max_tokens" if len(tokens) == args.max_tokens else "eos",
+        }))
+    else:
+        print(completion)
+    return 0
