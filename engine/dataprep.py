@@ -57,8 +57,12 @@ def resolve_inputs(inputs: Iterable[str], base_dir: str | os.PathLike[str] | Non
     """Every file `inputs` names (paths and globs, in the order given, each glob sorted), without
     repeats, with their cheap identities."""
     paths: list[str] = []
+    seen: set[str] = set()
     for pattern in inputs:
-        paths += [p for p in expand_inputs(pattern, base_dir) if p not in paths]
+        for path in expand_inputs(pattern, base_dir):
+            if path not in seen:
+                seen.add(path)
+                paths.append(path)
     identities = []
     for path in paths:
         try:
@@ -279,14 +283,26 @@ def prepare_or_reuse(
                 vocab_size=tokenizer.vocab_size,
                 tokenizer_json=tokenizer.to_json(),
                 separator=tokenizer.separator(),
-                sources=[file_identity(p, full=True) for p in train.paths],
-                validation_sources=[file_identity(p, full=True) for p in validation.paths] if validation else [],
+                sources=_full_identities(train),
+                validation_sources=_full_identities(validation) if validation else [],
                 num_documents=num_documents,
             )
         return manifest, False
     finally:
         if bar is not None:
             bar.close()
+
+
+def _full_identities(inputs: Inputs) -> list[SourceFile]:
+    """The inputs' identities with their sha256, which must be those of the files as they were read:
+    a file that changed while it was being tokenised would leave tokens of a text nobody can name."""
+    full = []
+    for before in inputs.identities:
+        now = file_identity(before.path, full=True)
+        if (now.size, now.fingerprint) != (before.size, before.fingerprint):
+            raise DocumentError(f"{before.path}: changed while it was being prepared (prepare again)")
+        full.append(now)
+    return full
 
 
 def prepare_tokenizer(

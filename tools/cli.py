@@ -117,6 +117,7 @@ _DAMAGE = {
     ("rewind.states.fold", "IllegalTransition"),  # a log that does not fold (tampered, or a buggy writer)
     ("rewind.states.history", "HistoryError"),
     ("rewind.stores.metrics", "MetricsError"),  # the metrics projection cannot be written or read
+    ("rewind.stores.datamanifest", "ManifestError"),  # a prepared data directory that does not read
 }
 
 

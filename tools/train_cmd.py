@@ -212,16 +212,25 @@ def summary(run_dir: str) -> str:
         f"  checkpoints  {run_dir}/checkpoints/  (last: {last})",
         *projection_lines(run_dir),
     ]
-    if evaluations:
-        tasks = list(evaluations[0].scores)
+    tasks = list(evaluations[0].scores) if evaluations else []
+    if tasks:
         lines += ["", "answer-token accuracy before training and at each stage boundary (rows: after stage; columns: task)"]
-        lines.append(f"{'after stage':>12} " + " ".join(f"{t:>9}" for t in tasks))
-        for e in evaluations:
-            row = "(start)" if e.boundary < 0 else str(e.boundary)  # -1: the baseline before the first step
-            lines.append(f"{row:>12} " + " ".join(f"{e.scores.get(t, float('nan')):>9.3f}" for t in tasks))
+        lines += _boundary_table(evaluations, tasks, lambda e, t: e.scores.get(t, float("nan")))
+    texts = list(evaluations[0].bits_per_byte) if evaluations else []
+    if texts:
+        lines += ["", "held-out text: bits per byte before training and at each stage boundary (columns: dataset)"]
+        lines += _boundary_table(evaluations, texts, lambda e, t: e.bits_per_byte.get(t, float("nan")))
     from rewind.tools.growth_report import growth_table
 
     table = growth_table([e for _, e in records])
     if table:
         lines += ["", *table]
     return "\n".join(lines)
+
+
+def _boundary_table(evaluations: list, columns: list[str], value) -> list[str]:
+    lines = [f"{'after stage':>12} " + " ".join(f"{c:>9}" for c in columns)]
+    for e in evaluations:
+        row = "(start)" if e.boundary < 0 else str(e.boundary)  # -1: the baseline before the first step
+        lines.append(f"{row:>12} " + " ".join(f"{value(e, c):>9.3f}" for c in columns))
+    return lines

@@ -176,3 +176,17 @@ def test_prepare_tokenizer_trains_on_the_documents(tmp_path):
     assert trained.to_json() == train_bpe(DOCUMENTS * 3, 300).to_json()
     with pytest.raises(DocumentError, match="no such file"):
         prepare_tokenizer([str(tmp_path / "gone.jsonl")], "jsonl", "text", 300)
+
+
+def test_an_input_that_changes_while_read_is_refused(tmp_path, bpe, monkeypatch):
+    source = write_jsonl(tmp_path / "a.jsonl", DOCUMENTS)
+    real = Tokenizer.encode_batch
+
+    def edit_then_encode(self, texts):
+        write_jsonl(tmp_path / "a.jsonl", DOCUMENTS[:1])  # someone rewrites the file mid-way
+        return real(self, texts)
+
+    monkeypatch.setattr(Tokenizer, "encode_batch", edit_then_encode)
+    with pytest.raises(DocumentError, match=r"a\.jsonl: changed while it was being prepared"):
+        prepare([source], tmp_path / "out", bpe, kind="jsonl")
+    assert not (tmp_path / "out").exists()
