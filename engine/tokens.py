@@ -26,6 +26,9 @@ from rewind.stores.fsio import filesystem
 # The key of validation carving: part of the definition of the "random" split. Changing it moves every
 # run's validation rows.
 SPLIT_SEED = 0x5B17_DA7A
+# Sources up to this many rows hold their carving as an array (built once, 2 MiB): a lookup is then an
+# index, not a Feistel walk. The same rows either way.
+CACHED_ORDER_MAX_ROWS = 1 << 18
 
 
 class TokenFileError(Exception):
@@ -52,11 +55,14 @@ class LocalTokenStream(TokenStream):
         self.path, self.dtype = path, np.dtype(dtype)
         self._array = _memmap(path, self.dtype)
         self.num_tokens = len(self._array)
+        self._views: dict[int, np.ndarray] = {}  # width -> the file as rows of that width (no copy)
 
     def windows(self, rows: np.ndarray, width: int) -> np.ndarray:
-        num_windows = self.num_tokens // width
-        view = self._array[: num_windows * width].reshape(num_windows, width)
-        return np.asarray(view[rows], dtype=np.int64)  # fancy indexing copies only the selected windows
+        view = self._views.get(width)
+        if view is None:
+            num_windows = self.num_tokens // width
+            view = self._views[width] = self._array[: num_windows * width].reshape(num_windows, width)
+        return view[rows].astype(np.int64)  # fancy indexing copies only the selected windows
 
     def max_token(self) -> int:
         return int(self._array.max()) if self.num_tokens else -1
@@ -136,6 +142,7 @@ class RowSplit:
             self.num_train = num_rows - self.num_validation
         self._num_rows = num_rows
         self._keys = round_keys(SPLIT_SEED, "validation rows", num_rows) if mode == "random" else ()
+        self._order: np.ndarray | None = None  # the whole permutation, for sources small enough to hold it
 
     def count(self, split: str) -> int:
         return self.num_train if split == "train" else self.num_validation
@@ -151,4 +158,8 @@ class RowSplit:
         positions = indices + (self.num_validation if split == "train" else 0)
         if self._num_rows < 2:
             return positions
+        if self._num_rows <= CACHED_ORDER_MAX_ROWS:
+            if self._order is None:
+                self._order = permute(np.arange(self._num_rows, dtype=np.int64), self._num_rows, self._keys)
+            return self._order[positions]
         return permute(positions.astype(np.int64), self._num_rows, self._keys)

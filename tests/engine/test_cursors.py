@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rewind.engine import cursors
 from rewind.engine.cursors import assemble_batch, draw, sample_index, sample_indices, split_rows
 from rewind.engine.registry import DatasetRegistry
 from rewind.states.config import ArchitectureSection, Config, Sampling, TrainingSection
@@ -159,3 +160,35 @@ def test_small_draws_on_python_ints_are_the_vectorised_draws_bit_for_bit(seed, n
         in_epoch = epochs == epoch
         vectorised[in_epoch] = cursors.permute(within[in_epoch], num_samples, cursors._round_keys(seed, "d", epoch))
     assert sample_indices(seed, "d", num_samples, start, count).tolist() == vectorised.tolist()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    num_samples=st.integers(2, 5000),
+    start=st.integers(0, 20_000),
+    count=st.integers(0, 300),
+    reshuffle=st.booleans(),
+)
+def test_cached_epoch_orders_read_the_rows_the_permutation_walk_reads(num_samples, start, count, reshuffle):
+    """Small splits draw from each epoch's order held as an array; it must be the Feistel walk's."""
+    assert num_samples <= cursors.CACHED_ORDER_MAX_SAMPLES
+    walked = [
+        cursors.permute_int(p % num_samples, num_samples, cursors._round_keys(3, "d", p // num_samples if reshuffle else 0))
+        for p in range(start, start + count)
+    ]
+    assert sample_indices(3, "d", num_samples, start, count, reshuffle=reshuffle).tolist() == walked
+
+
+def test_epochs_started_names_every_epoch_a_step_enters():
+    class Split:
+        def __init__(self, n):
+            self.n = n
+
+        def num_samples(self, split):
+            return self.n
+
+    datasets = {"a": Split(10), "b": Split(3)}
+    assert cursors.epochs_started({"a": 5}, {"a": 9}, datasets) == []
+    assert cursors.epochs_started({"a": 5}, {"a": 10}, datasets) == []  # position 10 not read yet
+    assert cursors.epochs_started({"a": 5}, {"a": 11}, datasets) == [("a", 1)]
+    assert cursors.epochs_started({}, {"b": 10}, datasets) == [("b", 1), ("b", 2), ("b", 3)]
