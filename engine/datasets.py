@@ -213,6 +213,7 @@ def pack_pairs(
         ids = ([*prompt, *answer])[-width:]
         num_answer = min(len(answer), len(ids) - 1)  # the first token is never a target
         tokens[row, : len(ids)] = ids
-        # Target t is ids[t + 1]: the answer's tokens at [len - num_answer, len) are targets from len - num_answer - 1.
-        loss_mask[row, len(ids) - num_answer - 1 : len(ids) - 1] = True
+        if num_answer > 0:  # (an empty example scores nothing, its padding least of all)
+            # Target t is ids[t + 1]: the answer's tokens at [len - num_answer, len) are targets from len - num_answer - 1.
+            loss_mask[row, len(ids) - num_answer - 1 : len(ids) - 1] = True
     return tokens, loss_mask

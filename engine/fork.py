@@ -19,10 +19,20 @@ from pathlib import Path
 
 import msgspec
 
+from rewind.engine.datasets import DatasetError
+from rewind.engine.documents import DocumentError
 from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
 from rewind.engine.parts import RunError, build_parts, fresh_parts, open_datasets, starting_weights
-from rewind.engine.rundata import check_data, copy_run_data, identities, place_of, replace_config_data
+from rewind.engine.rundata import (
+    DataChanged,
+    check_data,
+    copy_run_data,
+    data_dir,
+    identities,
+    place_of,
+    replace_config_data,
+)
 from rewind.engine.session import (
     REWIND_VERSION,
     adopt_cpu_capability,
@@ -30,12 +40,14 @@ from rewind.engine.session import (
     metrics_for,
     prepare_directory,
 )
+from rewind.engine.tokenizer import TokenizerError
 from rewind.states.config import Config, config_hash
 from rewind.states.events import ConfigChanged, ForkOrigin, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, fold, seed_of
 from rewind.states.history import SeqEvent, config_in_force, effective, restore_points
 from rewind.states.state import State, reference_to_restore
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
+from rewind.stores.datamanifest import ManifestError
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import read_seq_events
 from rewind.stores.trunks import TrunkStore
@@ -129,14 +141,24 @@ def open_fork(
     # The parent's tokenizer, and its data as it recorded it (a dataset the child declares as the parent
     # did must be unchanged); documents are tokenised into a scratch directory, copied into the child's
     # with its checkpoints: nothing is written to the parent.
-    parent_state = fold(e for _, e in records)
-    place = dataclasses.replace(place_of(parent_dir, parent_state), data_dir=None)
-    changes = check_data(replace_config_data(config, point.config), parent_state, place)
-    if changes:
-        raise RunError(f"cannot fork {parent_dir}: {changes[0]}; its data changed since it recorded it", 1)
-    datasets = open_datasets(config, place)
-    on_record = "data_identity" in records[0][1].features
-    data = {"data": identities(config, place), "tokenizer": place.tokenizer.identity} if on_record else {}
+    parent_state = point.state  # what the parent recorded of its data as of the fork point
+    if point.config.tokenizer != config.tokenizer:
+        raise RunError(f"cannot fork {parent_dir}: tokenizer: a run's tokenizer is fixed when it starts (a fork keeps its parent's)")
+    try:
+        place = dataclasses.replace(
+            place_of(parent_dir, parent_state), data_dir=None, reuse_dirs=tuple(filter(None, [data_dir(parent_dir)]))
+        )
+        changes = check_data(replace_config_data(config, point.config), parent_state, place)
+        if changes:
+            raise DataChanged(changes)
+        datasets = open_datasets(config, place)
+        on_record = "data_identity" in records[0][1].features
+        recorded = identities(config, place, parent_state.data, point.config)
+        data = {"data": recorded, "tokenizer": place.tokenizer.identity} if on_record else {}
+    except DataChanged as exc:
+        raise RunError(f"cannot fork {parent_dir}: {exc}; its data changed since it recorded it", 1) from None
+    except (DatasetError, DocumentError, ManifestError, TokenizerError) as exc:
+        raise RunError(f"cannot fork {parent_dir}: {exc}") from None
     started = RunStarted(
         step=0,
         tokens=0,

@@ -19,6 +19,7 @@ import shutil
 
 import msgspec
 
+from rewind.engine.datasets import DatasetError
 from rewind.engine.documents import DocumentError, expand_inputs, iter_documents
 from rewind.engine.registry import DatasetRegistry
 from rewind.engine.tokenizer import ByteTokenizer, TextTokenizer, TokenizerError, load_tokenizer, train_bpe
@@ -88,10 +89,12 @@ def start_place(config: Config, run_dir: str, *, base_dir: str | None = None) ->
             f"the tokenizer has {tokenizer.vocab_size} ids, more than architecture.vocab_size {vocab_size}"
         )
     text = tokenizer.to_json()
+    target = filesystem(tokenizer_path(run_dir))
     if text is not None:
-        target = filesystem(tokenizer_path(run_dir))
         target.parent.makedirs()
         target.write_atomic(text.encode("utf-8"))
+    elif target.exists():  # left by an earlier start that failed before its first record, under another config
+        target.fs.rm(target.path)
     place.tokenizer = tokenizer
     return place
 
@@ -127,12 +130,26 @@ def open_registry(config: Config, place: DataPlace) -> DatasetRegistry:
     return DatasetRegistry(config, place)
 
 
-def identities(config: Config, place: DataPlace) -> dict[str, DataIdentity]:
-    """The identity of every `[data.NAME]` of `config` as it goes on record: full (content hashes), so that
-    `rewind verify --data` has something to compare with. The datasets must have been opened (documents
-    are prepared by then)."""
+def used_datasets(config: Config) -> list[str]:
+    """The `[data.NAME]` datasets the run reads (a stage's mixture or an evaluation), sorted."""
+    named = {s.name for mixture in config.training.datasets for s in mixture} | set(config.training.evaluations)
+    return sorted(named & set(config.data))
+
+
+def identities(
+    config: Config, place: DataPlace, recorded: dict[str, DataIdentity] | None = None, old: Config | None = None
+) -> dict[str, DataIdentity]:
+    """The identity of every dataset of `config` the run reads, as it goes on record: full (content
+    hashes), so that `rewind verify --data` has something to compare with. They must have been opened
+    (documents are tokenised by then); a declared dataset nothing reads is not on record. A dataset that
+    `old` (the config before a fork) declared the same way keeps its `recorded` identity, which the
+    caller has just checked: a fork does not hash a corpus again."""
     full = dataclasses.replace(place, full_identity=True)
-    return {name: dataset_identity(name, source, full) for name, source in sorted(config.data.items())}
+    kept = replace_config_data(config, old).data if old is not None else {}
+    return {
+        name: recorded[name] if recorded and name in kept and name in recorded else dataset_identity(name, config.data[name], full)
+        for name in used_datasets(config)
+    }
 
 
 def check_data(config: Config, state: State, place: DataPlace, *, full: bool = False) -> list[str]:
@@ -155,13 +172,28 @@ def check_data(config: Config, state: State, place: DataPlace, *, full: bool = F
     for name, recorded in sorted(state.data.items()):
         if name not in config.data:
             continue  # no longer read (a fork that dropped it)
+        source = config.data[name]
         try:
-            current = dataset_identity(name, config.data[name], checking)
+            current = dataset_identity(name, source, checking)
+        except DatasetError as exc:
+            changes.append(str(exc))
+            continue
         except (DocumentError, ManifestError, OSError) as exc:
             changes.append(f"dataset {name!r}: {exc}")
             continue
         changes += identity_changes(name, recorded, current, full=full)
+        prepared = _prepared_dir_of(name, source, place)
+        if prepared is not None and not full:  # (full: verify_data checks them whole)
+            changes += [f"dataset {name!r}: {line}" for line in check_prepared(prepared, full=False)]
     return changes
+
+
+def _prepared_dir_of(name: str, source, place: DataPlace) -> str | None:
+    """The prepared directory dataset `name` reads its tokens from (None: it reads files as they are)."""
+    if source.prompt_field:
+        return None
+    directory = place.resolve(source.path) if source.kind == "tokens" else place.prepared_dir(name, source)
+    return directory if is_prepared(directory) else None
 
 
 def replace_config_data(new: Config, old: Config) -> Config:
@@ -182,9 +214,9 @@ def copy_run_data(place: DataPlace, config: Config, parent_dir: str, child_dir: 
     if source_tokenizer.exists():
         filesystem(tokenizer_path(child_dir)).write_atomic(source_tokenizer.fs.cat_file(source_tokenizer.path))
     for name, source in config.data.items():
-        prepared = place.prepared_dir(name)
+        prepared = place.prepared_dir(name, source)
         if source.kind in TEXT_KINDS and not source.prompt_field and os.path.isdir(prepared):
-            shutil.copytree(prepared, os.path.join(target, name), dirs_exist_ok=True)
+            shutil.copytree(prepared, os.path.join(target, os.path.basename(prepared)), dirs_exist_ok=True)
 
 
 def verify_data(run_dir: str, config: Config, state: State) -> tuple[list[str], list[str]]:
@@ -202,10 +234,9 @@ def verify_data(run_dir: str, config: Config, state: State) -> tuple[list[str], 
         if name not in state.data:
             continue
         num_files += len(state.data[name].sources) + len(state.data[name].validation_sources)
-        prepared = place.resolve(source.path) if source.kind == "tokens" else place.prepared_dir(name)
-        if source.prompt_field or not is_prepared(prepared):
-            continue
-        problems += [f"data: dataset {name!r}: {line}" for line in check_prepared(prepared, full=True)]
+        prepared = _prepared_dir_of(name, source, place)
+        if prepared is not None:
+            problems += [f"data: dataset {name!r}: {line}" for line in check_prepared(prepared, full=True)]
     notes = [f"data: {len(state.data)} dataset(s), {num_files} file(s) re-hashed"
              + (", all as recorded" if not problems else "")]
     return problems, notes

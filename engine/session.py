@@ -313,6 +313,9 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool) -> 
     if refusal and not fork:
         raise RunError(refusal)
     point = point_of(current)
+    if refusal and logged_config.tokenizer != config.tokenizer:  # at any step: its data is already tokenised
+        raise RunError(f"{run_dir}: tokenizer: a run's tokenizer is fixed when it starts; fork into a new directory "
+                       "under another config only keeps it too (start a new run)")
     if refusal and point.checkpoint and (problem := continuation_problem(logged_config, config, point.state.num_growths)):
         raise RunError(f"{run_dir}: {problem}")
     end = LogEnd(folded.end_seq, current.step, lambda: max((r.event.step for r in log.records()), default=0))
@@ -354,7 +357,7 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool) -> 
                 config_hash=config_hash(config),
                 previous_hash=state_after.config_hash,
                 **(
-                    {"data": identities(config, place), "tokenizer": place.tokenizer.identity}
+                    {"data": identities(config, place, current.data, logged_config), "tokenizer": place.tokenizer.identity}
                     if "data_identity" in current.features
                     else {}
                 ),

@@ -18,6 +18,7 @@ Validation rows come from `validation_path` when given, else are carved from `pa
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sysconfig
@@ -25,6 +26,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from rewind.engine.datasets import DatasetError, PairDataset, WindowedDataset, pack_pairs
@@ -39,19 +41,36 @@ from rewind.stores.datamanifest import ManifestError, is_prepared, manifest_hash
 from rewind.stores.fsio import filesystem
 
 
+class _Scratch:
+    """A temporary directory made on first use and removed with the last DataPlace that shares it (copies
+    made with dataclasses.replace share it), without the warning an implicit TemporaryDirectory cleanup gives."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+
+    def get(self) -> str:
+        if self.path is None:
+            self.path = tempfile.mkdtemp(prefix="rewind-data-")
+            weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
+        return self.path
+
+
 @dataclass
 class DataPlace:
     """Where a run's data comes from and goes. `base_dir`: what relative paths are taken against (None:
     the working directory); `data_dir`: where documents are tokenised to (None: a temporary directory
-    that lives as long as this object); `default_split`: what DataSource.split "" means for this run;
-    `full_identity`: hash every file whole when computing identities (a run's start, verify --data)."""
+    that lives as long as this object); `reuse_dirs`: data directories whose documents already tokenised
+    are read, never written (a fork reads its parent's); `default_split`: what DataSource.split "" means
+    for this run; `full_identity`: hash every file whole when computing identities (a run's start,
+    verify --data)."""
 
     tokenizer: TextTokenizer = field(default_factory=ByteTokenizer)
     data_dir: str | None = None
     base_dir: str | None = None
     default_split: str = "random"
     full_identity: bool = False
-    _scratch: str | None = None
+    reuse_dirs: tuple[str, ...] = ()
+    _scratch: _Scratch = field(default_factory=_Scratch)
     _byte_table: np.ndarray | None = None
 
     def token_num_bytes(self) -> np.ndarray:
@@ -68,15 +87,22 @@ class DataPlace:
             path = os.path.join(self.base_dir, path)
         return path
 
-    def prepared_dir(self, name: str) -> str:
-        if self.data_dir is None:
-            if self._scratch is None:
-                self._scratch = tempfile.mkdtemp(prefix="rewind-data-")
-                # Removed with the last place that uses it (copies share it), without the warning an
-                # implicitly cleaned TemporaryDirectory gives.
-                weakref.finalize(self, shutil.rmtree, self._scratch, ignore_errors=True)
-            return os.path.join(self._scratch, name)
-        return os.path.join(self.data_dir, name)
+    def prepared_name(self, name: str, source: DataSource) -> str:
+        """The directory documents of `name` are tokenised into: keyed by what makes the tokens (the
+        declaration's inputs and the tokenizer), so a fork that declares other documents tokenises them
+        beside the old ones, which the steps before it still read."""
+        making = [source.kind, source.path, source.validation_path, source.text_field, self.tokenizer.identity]
+        return f"{name}-{hashlib.sha256(msgspec.json.encode(making)).hexdigest()[:12]}"
+
+    def is_reused(self, directory: str) -> bool:
+        return any(os.path.dirname(directory) == reused for reused in self.reuse_dirs)
+
+    def prepared_dir(self, name: str, source: DataSource) -> str:
+        directory = self.prepared_name(name, source)
+        for reused in self.reuse_dirs:
+            if is_prepared(os.path.join(reused, directory)):
+                return os.path.join(reused, directory)
+        return os.path.join(self.data_dir if self.data_dir is not None else self._scratch.get(), directory)
 
 
 def _split_mode(source: DataSource, place: DataPlace) -> str:
@@ -110,7 +136,9 @@ def _open(name: str, source: DataSource, block_size: int, vocab_size: int, place
     # Documents: tokenised once into the run's data directory, then read like a prepared directory.
     from rewind.engine.dataprep import prepare
 
-    out_dir = place.prepared_dir(name)
+    out_dir = place.prepared_dir(name, source)
+    if place.is_reused(out_dir):  # another run's (a fork's parent): read, never written
+        return _open_prepared(name, out_dir, block_size, vocab_size, place, source)
     prepare(
         [place.resolve(source.path)],
         out_dir,
@@ -134,6 +162,12 @@ def _open_prepared(name, directory, block_size, vocab_size, place: DataPlace, so
         )
     location = filesystem(directory)
     streams = {split: open_stream(location.join(f.file).url, manifest.dtype) for split, f in manifest.splits.items()}
+    if source.validation_path and source.kind == "tokens":  # (documents' validation_path is in the manifest)
+        if "validation" in streams:
+            raise DatasetError(
+                f"dataset {name!r}: {directory} has a validation split of its own; drop validation_path"
+            )
+        streams["validation"] = open_stream(place.resolve(source.validation_path), manifest.dtype)
     return WindowedDataset(
         name, streams["train"], block_size, vocab_size,
         split=_split_mode(source, place), fraction=source.validation_fraction, validation=streams.get("validation"),
@@ -188,7 +222,11 @@ def dataset_identity(name: str, source: DataSource, place: DataPlace) -> DataIde
         if source.kind == "tokens" and not source.prompt_field:
             path = place.resolve(source.path)
             if is_prepared(path):
-                return _prepared_identity(path, source.kind, [], [], full)
+                identity = _prepared_identity(path, source.kind, [], [], full)
+                if source.validation_path:
+                    validation_file = _identities([place.resolve(source.validation_path)], full)
+                    identity = msgspec.structs.replace(identity, validation_sources=identity.validation_sources + validation_file)
+                return identity
             validation = [place.resolve(source.validation_path)] if source.validation_path else []
             files = _identities([path], full)
             return DataIdentity(
@@ -201,8 +239,10 @@ def dataset_identity(name: str, source: DataSource, place: DataPlace) -> DataIde
         validation = _identities(expand_inputs(place.resolve(source.validation_path)), full) if source.validation_path else []
         if source.prompt_field:
             return DataIdentity(kind=source.kind, sources=inputs, validation_sources=validation, tokenizer=place.tokenizer.identity)
-        return _prepared_identity(place.prepared_dir(name), source.kind, inputs, validation, full)
+        return _prepared_identity(place.prepared_dir(name, source), source.kind, inputs, validation, full)
     except (DocumentError, ManifestError) as exc:
+        raise DatasetError(f"dataset {name!r}: {exc}") from None
+    except DatasetError as exc:  # a file gone or unreadable: say whose
         raise DatasetError(f"dataset {name!r}: {exc}") from None
 
 
@@ -210,21 +250,23 @@ def _prepared_identity(
     directory: str, kind: str, inputs: list[SourceFile], validation: list[SourceFile], full: bool
 ) -> DataIdentity:
     """A prepared directory: the documents it was made from (`inputs`, for data rewind tokenised into the
-    run) or, for a directory the user prepared, its own token files (their sha256 from the manifest,
-    re-hashed only when `full`)."""
+    run) or, for a directory the user prepared, its own token files as its sources. Either way its token
+    files are fingerprinted (a same-size edit of them is seen by the cheap check); their sha256 is the
+    manifest's, which `verify --data` checks against their bytes (`check_prepared`), so a start does not
+    hash them again."""
     manifest = read_manifest(directory)
+    location = filesystem(directory)
+    token_files = {}
+    for split, token_file in manifest.splits.items():
+        found = _identities([location.join(token_file.file).url], False)[0]
+        token_files[split] = SourceFile(path=found.path, size=found.size, fingerprint=found.fingerprint, sha256=token_file.sha256)
     if not inputs:
-        location = filesystem(directory)
-        files = {}
-        for split, token_file in manifest.splits.items():
-            path = location.join(token_file.file).url
-            found = _identities([path], full)[0]
-            files[split] = SourceFile(path=found.path, size=found.size, fingerprint=found.fingerprint,
-                                      sha256=found.sha256 or token_file.sha256)
-        inputs = [files["train"]]
-        validation = [files["validation"]] if "validation" in files else []
+        inputs = [token_files["train"]]
+        validation = [token_files["validation"]] if "validation" in token_files else []
     num_tokens = sum(token_file.num_tokens for token_file in manifest.splits.values())
     return DataIdentity(
         kind=kind, sources=inputs, validation_sources=validation, prepared=manifest_hash(directory),
         tokenizer=manifest.tokenizer, num_tokens=num_tokens,
+        # Named within the directory: a run directory (which holds the ones rewind made) may move.
+        token_files=[msgspec.structs.replace(token_files[s], path=manifest.splits[s].file) for s in sorted(token_files)],
     )

@@ -131,7 +131,8 @@ class DataSource(Struct):
     at the run's start (by the run's tokenizer, else as UTF-8 bytes) into the run directory."""
 
     kind: DataKind
-    path: str  # a file, a glob (several files, read in sorted order), or a prepared directory (tokens)
+    # tokens: a file or a prepared directory; documents: a file or a glob (several files, read in sorted order)
+    path: str
     dtype: Literal["uint16", "uint32"] = "uint16"
     text_field: str = "text"  # jsonl / parquet: the field or column holding a document
     # jsonl / parquet: prompt/response pairs instead of documents, one example per row, left-truncated and

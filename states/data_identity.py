@@ -38,6 +38,9 @@ class DataIdentity(msgspec.Struct, frozen=True, kw_only=True):
     prepared: str = ""
     tokenizer: str = ""
     num_tokens: int = 0
+    # A prepared directory's token files (train, then validation), whatever its sources are: what the
+    # steps actually read, so an edit of them is a change even when the documents are unchanged.
+    token_files: list[SourceFile] = []
 
 
 def _files_changed(label: str, recorded: list[SourceFile], current: list[SourceFile], full: bool) -> list[str]:
@@ -68,6 +71,8 @@ def identity_changes(name: str, recorded: DataIdentity, current: DataIdentity, *
         return [f"{label}: kind {current.kind!r}, the run recorded {recorded.kind!r}"]
     changes = _files_changed(label, recorded.sources, current.sources, full)
     changes += _files_changed(f"{label} (validation)", recorded.validation_sources, current.validation_sources, full)
+    if recorded.token_files and not changes:  # (a run recorded before they were has none to compare)
+        changes += _files_changed(f"{label} (its token files)", recorded.token_files, current.token_files, full)
     if recorded.tokenizer != current.tokenizer:
         changes.append(f"{label}: tokenised by another tokenizer ({current.tokenizer[:12] or 'bytes'}, "
                        f"recorded {recorded.tokenizer[:12] or 'bytes'})")

@@ -186,9 +186,8 @@ def _transition(state: State, event: Event) -> State:
             return replace(state, activation_cache=cache)
         case EpochStarted(dataset=dataset, epoch=epoch):
             _require(event.step == state.step, event, f"expected step {state.step} (an epoch starts with a step)")
-            _require(
-                epoch > state.epochs.get(dataset, 0), event, f"dataset {dataset!r} is already in epoch {state.epochs.get(dataset, 0)}"
-            )
+            # Not necessarily past the last one: a fork onto a larger file counts its epochs afresh.
+            _require(epoch >= 1, event, "an epoch that starts is epoch 1 or later (epoch 0 is the first read)")
             return replace(state, epochs={**state.epochs, dataset: epoch})
         case StepCommitted():
             _require(event.step == state.step + 1, event, f"expected step {state.step + 1}")

@@ -49,6 +49,7 @@ def read_timeline(run_dir: str, *, with_plot: bool = False) -> Any:
 
 def stage_rows(timeline) -> list[dict]:
     evaluated = {e.boundary: e.scores for e in timeline.evaluations}
+    bits = {e.boundary: e.bits_per_byte for e in timeline.evaluations if e.bits_per_byte}
     tps = timeline.schedule.tokens_per_step
     rows = []
     for stage in range(timeline.schedule.num_stages):
@@ -67,6 +68,7 @@ def stage_rows(timeline) -> list[dict]:
                 "beta": timeline.schedule.betas[stage] if stage < len(timeline.schedule.betas) else 0.0,
                 "validation": timeline.validated.get(stage, {}),
                 "evaluation": evaluated.get(stage),
+                "bits_per_byte": bits.get(stage),  # held-out text at the stage's end (None: no text scored)
             }
         )
     return rows
@@ -224,6 +226,7 @@ def render(summary: dict) -> list[str]:
     ]
     val_names = _in_stage_order({name for row in stages for name in row["validation"]}, stages)
     eval_names = _in_stage_order({name for row in stages for name in (row["evaluation"] or {})}, stages)
+    text_names = _in_stage_order({name for row in stages for name in (row["bits_per_byte"] or {})}, stages)
     columns = [
         ("", "stage", [str(r["stage"]) for r in stages]),
         ("", "tokens", [_span(r["tokens_start"], r["tokens_end"]) for r in stages]),
@@ -243,6 +246,10 @@ def render(summary: dict) -> list[str]:
     columns += [
         ("accuracy at stage end", n, [_number((r["evaluation"] or {}).get(n)) for r in stages])
         for n in eval_names
+    ]
+    columns += [
+        ("bits per byte at stage end", n, [_number((r["bits_per_byte"] or {}).get(n)) for r in stages])
+        for n in text_names
     ]
     lines += render_table(columns)
     if summary["evaluation_before_training"]:

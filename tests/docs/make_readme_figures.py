@@ -155,6 +155,44 @@ def progressive_table(work: Path) -> str:
     return "\n".join(lines[start : start + 6])
 
 
+# What the README shows of examples/text.toml: samples before and after the task stage, the export loaded
+# in transformers (its greedy continuation next to rewind's), and `rewind eval`.
+TEXT_PROMPTS = ("def parse_args(", "sort qzkd=")
+TEXT_BEFORE_STEP = 321  # the checkpoint that closes pretraining (the boundary of stage 0)
+TRANSFORMERS_CHECK = """
+import sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+ids = tokenizer(sys.argv[2], return_tensors="pt").input_ids
+out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+print(type(model).__name__, repr(tokenizer.decode(out[0, ids.shape[1]:])))
+"""
+
+
+def text_figure(work: Path) -> str:
+    shutil.rmtree(work / "runs/text", ignore_errors=True)
+    shutil.rmtree(work / "runs/text-hf", ignore_errors=True)
+    trained = rewind(work, "train", "examples/text.toml", "--run-dir", "runs/text", "--no-progress")
+    lines = trained.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("answer-token accuracy"))
+    shown = ["$ rewind train examples/text.toml --run-dir runs/text", "...", *lines[start:]]
+    for prompt in TEXT_PROMPTS:
+        for step in (TEXT_BEFORE_STEP, None):
+            at = ["--at-step", str(step)] if step is not None else []
+            args = ["sample", "runs/text", *at, "--prompt", prompt, "--max-tokens", "16", "--temperature", "0"]
+            shown += ["", f"$ rewind {' '.join(args[:-6])} --prompt {prompt!r} --max-tokens 16 --temperature 0"]
+            shown.append(repr(rewind(work, *args).rstrip("\n")))
+    shown += ["", "$ rewind eval runs/text --dataset stdlib", rewind(work, "eval", "runs/text", "--dataset", "stdlib").rstrip()]
+    shown += ["", "$ rewind export runs/text --hf runs/text-hf", rewind(work, "export", "runs/text", "--hf", "runs/text-hf").rstrip()]
+    loaded = subprocess.run(
+        [sys.executable, "-c", TRANSFORMERS_CHECK, "runs/text-hf", TEXT_PROMPTS[0]],
+        cwd=work, capture_output=True, text=True, check=True,
+    ).stdout.rstrip()
+    shown += ["", f"$ python -c '<load runs/text-hf with AutoModelForCausalLM, generate greedily>' {TEXT_PROMPTS[0]!r}", loaded]
+    return "\n".join(shown)
+
+
 def excerpt(text: str, keep) -> str:
     return "\n".join(line for line in text.splitlines() if keep(line))
 
@@ -183,6 +221,7 @@ def main() -> None:
     parser.add_argument("--fill-only", action="store_true", help="only paste the figure files into the README")
     parser.add_argument("--seeds-only", action="store_true", help="only the seeds table (reuses finished runs)")
     parser.add_argument("--progressive-only", action="store_true", help="only the progressive growth table")
+    parser.add_argument("--text-only", action="store_true", help="only the real-data example (examples/text.toml)")
     options = parser.parse_args()
     if options.fill_only:
         print(f"{fill_readme()} README block(s) updated")
@@ -194,6 +233,13 @@ def main() -> None:
             (work / "examples").symlink_to(REPO / "examples")
         (FIGURES_DIR / "progressive.txt").write_text(progressive_table(work) + "\n")
         print(f"wrote the progressive table; {fill_readme()} README block(s) updated")
+        return
+    if options.text_only:
+        work.mkdir(parents=True, exist_ok=True)
+        if not (work / "examples").exists():
+            (work / "examples").symlink_to(REPO / "examples")
+        (FIGURES_DIR / "text.txt").write_text(text_figure(work) + "\n")
+        print(f"wrote the text example's figure; {fill_readme()} README block(s) updated")
         return
     if options.seeds_only:
         seeds = [int(s) for s in options.seeds.split(",")]
@@ -228,6 +274,7 @@ def main() -> None:
     seeds = [int(s) for s in options.seeds.split(",")]
     figures["seeds"] = seeds_table(work, seeds)
     figures["progressive"] = progressive_table(work)
+    figures["text"] = text_figure(work)
     checkpoints = sorted(p.name for p in (work / "runs/abcd/checkpoints").iterdir() if p.name[0].isdigit())
     FIGURES_DIR.mkdir(parents=True, exist_ok=True)
     for name, text in figures.items():

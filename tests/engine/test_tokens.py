@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import uuid
+from unittest import mock
 
 import fsspec
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine import permutation
+from rewind.engine import cursors, permutation, tokens
 from rewind.engine.cursors import epochs_started, sample_indices
 from rewind.engine.permutation import permute, permute_int, round_keys
 from rewind.engine.tokens import (
@@ -177,12 +178,40 @@ def test_repeat_reads_every_epoch_in_the_first_ones_order_and_reshuffle_does_not
     assert np.array_equal(epochs[0], sample_indices(5, "corpus", 100, 0, 100, reshuffle=False))
 
 
+def defined_row(seed: int, name: str, num_samples: int, position: int, reshuffle: bool) -> int:
+    """The row a cursor position reads, by the definition in rewind.engine.cursors' docstring."""
+    epoch, within = divmod(position, num_samples)
+    return permute_int(within, num_samples, round_keys(seed, "shuffle", name, epoch if reshuffle else 0))
+
+
 @settings(max_examples=50, deadline=None)
-@given(num_samples=st.integers(2, 50), start=st.integers(0, 300), count=st.integers(0, 140), reshuffle=st.booleans())
-def test_a_draw_is_the_same_whole_or_position_by_position(num_samples, start, count, reshuffle):
-    whole = sample_indices(1, "d", num_samples, start, count, reshuffle=reshuffle)
-    one_by_one = [sample_indices(1, "d", num_samples, p, 1, reshuffle=reshuffle)[0] for p in range(start, start + count)]
-    assert whole.tolist() == [int(i) for i in one_by_one]
+@given(
+    num_samples=st.integers(2, 50),
+    start=st.integers(0, 300),
+    count=st.integers(0, 140),
+    reshuffle=st.booleans(),
+    cached=st.booleans(),
+)
+def test_a_draw_reads_the_rows_the_definition_names(num_samples, start, count, reshuffle, cached):
+    # Both ways of computing it: each epoch's order as a cached array, and the per-position walk.
+    with mock.patch.object(cursors, "CACHED_ORDER_MAX_SAMPLES", 1 << 18 if cached else 0):
+        whole = sample_indices(1, "d", num_samples, start, count, reshuffle=reshuffle)
+    want = [defined_row(1, "d", num_samples, p, reshuffle) for p in range(start, start + count)]
+    assert whole.tolist() == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_rows=st.integers(2, 2000), fraction=st.floats(0.01, 0.99), cached=st.booleans())
+def test_random_carving_is_the_keyed_permutation_either_way(num_rows, fraction, cached):
+    with mock.patch.object(tokens, "CACHED_ORDER_MAX_ROWS", 1 << 18 if cached else 0):
+        split = RowSplit(num_rows, "random", fraction)
+        train, validation = carved(split)
+    keys = round_keys(SPLIT_SEED, "validation rows", num_rows)
+    # Validation row i is pi(i), train row j is pi(num_validation + j).
+    assert validation.tolist() == [permute_int(i, num_rows, keys) for i in range(split.num_validation)]
+    assert train.tolist() == [
+        permute_int(split.num_validation + j, num_rows, keys) for j in range(split.num_train)
+    ]
 
 
 class _Sized:
@@ -199,11 +228,12 @@ class _Sized:
     [
         ({}, {"a": 4}, 9, []),  # positions 0..3: still epoch 0
         ({"a": 8}, {"a": 12}, 9, [("a", 1)]),  # position 9 is read
-        ({"a": 9}, {"a": 13}, 9, []),  # epoch 1 began with the step before
+        ({"a": 9}, {"a": 13}, 9, [("a", 1)]),  # the step before read all 9: this one begins epoch 1
+        ({"a": 10}, {"a": 14}, 9, []),  # epoch 1 began with the step before
         ({"a": 5}, {"a": 9}, 9, []),  # positions 5..8: epoch 1 begins with the next position
         ({"a": 2}, {"a": 12}, 3, [("a", 1), ("a", 2), ("a", 3)]),  # a split smaller than the batch
-        ({"a": 0, "b": 7}, {"a": 3, "b": 8}, 4, [("b", 2)]),  # position 7 is the last of epoch 1
-        ({"b": 7}, {"a": 4, "b": 9}, 4, [("a", 1), ("b", 2)]),  # a dataset first read this step
+        ({"a": 0, "b": 7}, {"a": 3, "b": 8}, 4, []),  # position 7 is the last of epoch 1
+        ({"b": 7}, {"a": 5, "b": 9}, 4, [("a", 1), ("b", 2)]),  # a dataset first read this step
     ],
 )
 def test_epochs_started_names_the_epochs_a_step_begins(before, after, n, want):
