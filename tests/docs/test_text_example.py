@@ -27,7 +27,7 @@ def test_the_text_example_trains_samples_scores_and_exports(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "held-out text: bits per byte" in done.stdout and "answer-token accuracy" in done.stdout
     run = tmp_path / "run"
-    assert (run / "data/tokenizer.json").is_file() and (run / "data/stdlib/manifest.json").is_file()
+    assert (run / "data/tokenizer.json").is_file() and len(list(run.glob("data/stdlib-*/manifest.json"))) == 1
 
     from rewind.stores.runs import read_seq_events
 
@@ -42,7 +42,7 @@ def test_the_text_example_trains_samples_scores_and_exports(tmp_path):
     scored = rewind(tmp_path, "eval", "run", "--dataset", "stdlib", "--json")
     assert scored.returncode == 0, scored.stderr
     figures = json.loads(scored.stdout)
-    assert 0 < figures["bits_per_byte"] < 8 and "accuracy" not in figures
+    assert 0 < figures["bits_per_byte"] < 8 and figures.get("accuracy") is None  # running text: no answers
     assert rewind(tmp_path, "verify", "run", "--data").returncode == 0
 
     exported = rewind(tmp_path, "export", "run", "--hf", "hf")
