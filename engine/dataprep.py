@@ -226,39 +226,23 @@ def prepare(
     base_dir: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    batch_chars: int = BATCH_CHARS,
+    reused: list[bool] | None = None,
 ) -> DataManifest:
     """Tokenise the documents of `inputs` (paths or globs; `validation_inputs` likewise, into the
     validation split) into the prepared directory `out_dir`, or return it as it is when it already
-    holds exactly that (see `reusable`). `tokenizer` None = UTF-8 bytes. `overwrite`: replace a
-    prepared directory of other data (never a directory that is not a prepared one). Errors:
-    DocumentError, ManifestError (one line each)."""
-    return prepare_or_reuse(
-        inputs, out_dir, tokenizer, kind=kind, text_field=text_field, validation_inputs=validation_inputs,
-        base_dir=base_dir, overwrite=overwrite, progress=progress,
-    )[0]
-
-
-def prepare_or_reuse(
-    inputs: Sequence[str],
-    out_dir: str | os.PathLike[str],
-    tokenizer: TextTokenizer | None = None,
-    *,
-    kind: str,
-    text_field: str = "text",
-    validation_inputs: Sequence[str] = (),
-    base_dir: str | os.PathLike[str] | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    batch_chars: int = BATCH_CHARS,
-) -> tuple[DataManifest, bool]:
-    """`prepare`, and whether `out_dir` was already prepared from these inputs (True: nothing done)."""
+    holds exactly that (see `reusable`; `reused`, when given, gets True appended then, else False).
+    `tokenizer` None = UTF-8 bytes. `overwrite`: replace a prepared directory of other data (never a
+    directory that is not a prepared one). Errors: DocumentError, ManifestError (one line each)."""
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     out_dir = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
     train = resolve_inputs(inputs, base_dir)
     validation = resolve_inputs(validation_inputs, base_dir) if validation_inputs else None
     manifest = reusable(out_dir, train, validation, tokenizer, kind=kind, text_field=text_field, overwrite=overwrite)
+    if reused is not None:
+        reused.append(manifest is not None)
     if manifest is not None:
-        return manifest, True
+        return manifest
     _check_out_dir(out_dir, overwrite, lambda found: differences(
         found, train, validation, tokenizer, kind=kind, text_field=text_field))
     dtype = dtype_for(tokenizer.vocab_size)
@@ -287,7 +271,7 @@ def prepare_or_reuse(
                 validation_sources=_full_identities(validation) if validation else [],
                 num_documents=num_documents,
             )
-        return manifest, False
+        return manifest
     finally:
         if bar is not None:
             bar.close()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from rewind.stores import confine
-from rewind.stores.fsio import filesystem, fsync_dir, sync_fd, write_all
+from rewind.stores.fsio import filesystem, fsync_dir, write_new_file
 from rewind.stores.manifest import FORMAT_VERSION as FORMAT_VERSION
 from rewind.stores.manifest import MANIFEST as MANIFEST
 from rewind.stores.manifest import SUFFIX as SUFFIX
@@ -101,10 +101,10 @@ class CheckpointStore:
             for group, tensors in ordered:
                 # One group in memory at a time: a model's optimizer state can be large.
                 data, entry = serialize_group(group, tensors)
-                _write_file_durably(_join(tmp, entry.name), data)
+                write_new_file(_join(tmp, entry.name), data)
                 entries.append(entry)
             manifest_bytes, written = encode_manifest(step, entries, meta)
-            _write_file_durably(_join(tmp, MANIFEST), manifest_bytes)
+            write_new_file(_join(tmp, MANIFEST), manifest_bytes)
             fsync_dir(tmp)
         except Exception:  # e.g. a full disk; a killed process leaves the orphan for remove_orphans
             shutil.rmtree(tmp, ignore_errors=True)
@@ -283,15 +283,6 @@ def _check_name(name: str) -> None:
     # Also keeps "../x" and absolute paths from ever reaching the filesystem.
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise CheckpointError(f"{name!r} is not a checkpoint name (expected <step:08d>-<8 hex digits>)")
-
-
-def _write_file_durably(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        write_all(fd, data)
-        sync_fd(fd)
-    finally:
-        os.close(fd)
 
 
 def _make_dirs_durably(path: str) -> None:

@@ -28,7 +28,14 @@ import msgspec
 import numpy as np
 
 from rewind.states.data_identity import SourceFile
-from rewind.stores.fsio import FilesystemUnavailable, Location, filesystem, fsync_dir, sync_fd, write_all
+from rewind.stores.fsio import (
+    FilesystemUnavailable,
+    Location,
+    filesystem,
+    fsync_dir,
+    sync_fd,
+    write_new_file,
+)
 
 FORMAT = 1
 MANIFEST_FILE = "manifest.json"
@@ -309,7 +316,7 @@ class PreparedWriter:
         if tokenizer_json is not None:
             data = tokenizer_json.encode("utf-8")
             tokenizer = hashlib.sha256(data).hexdigest()
-            _write_synced(os.path.join(self._tmp, TOKENIZER_FILE), data)
+            write_new_file(os.path.join(self._tmp, TOKENIZER_FILE), data)
         manifest = DataManifest(
             input_kind=input_kind,
             text_field=text_field,
@@ -322,7 +329,7 @@ class PreparedWriter:
             splits=splits,
             created_by=rewind_version(),
         )
-        _write_synced(os.path.join(self._tmp, MANIFEST_FILE), encode_manifest(manifest))
+        write_new_file(os.path.join(self._tmp, MANIFEST_FILE), encode_manifest(manifest))
         fsync_dir(self._tmp)
         self._move_into_place()
         self._done = True
@@ -354,15 +361,6 @@ class PreparedWriter:
                 file.handle.close()
         _remove(self._tmp)
         self._done = True
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        write_all(fd, data)
-        sync_fd(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path: str) -> None:

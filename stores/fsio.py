@@ -147,7 +147,7 @@ class Location(NamedTuple):
         directory, name = os.path.split(self.path)
         tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         try:
-            _write_new_file(tmp, data)
+            write_new_file(tmp, data)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -166,13 +166,13 @@ class Location(NamedTuple):
         if self.is_local:
             directory, name = os.path.split(self.path)
             tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-            _write_new_file(tmp, data)
+            write_new_file(tmp, data)
             try:
                 os.link(tmp, self.path)
             except OSError as exc:
                 if exc.errno not in _NO_LINK_ERRNOS:
                     raise  # FileExistsError, and a full disk or a refusal, as they are
-                _write_new_file(self.path, data)
+                write_new_file(self.path, data)
             finally:
                 os.unlink(tmp)
             fsync_dir(directory)
@@ -265,7 +265,8 @@ def _unavailable(url: str, exc: Exception) -> FilesystemUnavailable:
     return FilesystemUnavailable(f"{url}: cannot open this filesystem: {exc}")
 
 
-def _write_new_file(path: str, data: bytes | bytearray) -> None:
+def write_new_file(path: str, data: bytes | bytearray) -> None:
+    """Create the local file `path` (it must not exist) holding `data`, synced: durable once its directory is."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         write_all(fd, data)

@@ -62,7 +62,7 @@ def _kind(args: argparse.Namespace) -> str:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from rewind.engine.dataprep import prepare_or_reuse, prepare_tokenizer
+    from rewind.engine.dataprep import prepare, prepare_tokenizer
     from rewind.engine.documents import DocumentError
     from rewind.engine.tokenizer import TokenizerError, load_tokenizer
     from rewind.stores.datamanifest import ManifestError, manifest_hash
@@ -79,16 +79,17 @@ def run_prepare(args: argparse.Namespace) -> int:
         else:
             tokenizer = None
         trained = time.perf_counter()
-        manifest, reused = prepare_or_reuse(
+        reused: list[bool] = []
+        manifest = prepare(
             args.inputs, args.out, tokenizer, kind=kind, text_field=args.text_field,
             validation_inputs=args.validation, overwrite=args.overwrite,
-            progress=not args.no_progress and sys.stderr.isatty(),
+            progress=not args.no_progress and sys.stderr.isatty(), reused=reused,
         )
         elapsed = time.perf_counter() - trained
         digest = manifest_hash(args.out)
     except (DocumentError, TokenizerError, ManifestError) as exc:
         raise CommandError(str(exc), exit_code=1) from None
-    if reused:
+    if reused[0]:
         print(f"already prepared: {args.out}: {_splits_line(manifest)}")
     else:
         num_tokens = sum(split.num_tokens for split in manifest.splits.values())

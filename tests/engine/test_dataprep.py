@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rewind.engine.dataprep import prepare, prepare_or_reuse, prepare_tokenizer
+from rewind.engine.dataprep import prepare, prepare_tokenizer
 from rewind.engine.documents import DocumentError
 from rewind.engine.tokenizer import Tokenizer, train_bpe
 from rewind.stores.datamanifest import ManifestError, check_prepared, read_manifest
@@ -95,8 +95,8 @@ def test_bytes_without_a_tokenizer(tmp_path):
 
 def test_batches_do_not_change_the_tokens(tmp_path, bpe):
     source = write_jsonl(tmp_path / "a.jsonl", DOCUMENTS * 4)
-    prepare_or_reuse([source], tmp_path / "one", bpe, kind="jsonl")
-    prepare_or_reuse([source], tmp_path / "tiny", bpe, kind="jsonl", batch_chars=1)
+    prepare([source], tmp_path / "one", bpe, kind="jsonl")
+    prepare([source], tmp_path / "tiny", bpe, kind="jsonl", batch_chars=1)
     assert token_file(tmp_path / "tiny") == token_file(tmp_path / "one") == expected(bpe, DOCUMENTS * 4)
 
 
@@ -115,11 +115,11 @@ def test_a_large_vocabulary_writes_uint32(tmp_path):
 
 def test_the_same_inputs_are_reused_without_work(tmp_path, bpe):
     source = write_jsonl(tmp_path / "a.jsonl", DOCUMENTS)
-    first, reused = prepare_or_reuse([source], tmp_path / "out", bpe, kind="jsonl")
-    assert not reused
+    reused: list[bool] = []
+    first = prepare([source], tmp_path / "out", bpe, kind="jsonl", reused=reused)
     inode = os.stat(tmp_path / "out" / "train.bin").st_ino
-    again, reused = prepare_or_reuse([source], tmp_path / "out", bpe, kind="jsonl")
-    assert reused and again == first and os.stat(tmp_path / "out" / "train.bin").st_ino == inode
+    again = prepare([source], tmp_path / "out", bpe, kind="jsonl", reused=reused)
+    assert reused == [False, True] and again == first and os.stat(tmp_path / "out" / "train.bin").st_ino == inode
 
 
 def test_other_inputs_or_tokenizer_are_refused_unless_overwritten(tmp_path, bpe):
@@ -166,7 +166,7 @@ def test_a_bad_document_midway_leaves_no_directory(tmp_path, bpe):
     bad = tmp_path / "b.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": 3}\n', encoding="utf-8")
     with pytest.raises(DocumentError, match=f"{bad}:2: field 'text' is int"):
-        prepare_or_reuse([good, str(bad)], tmp_path / "out", bpe, kind="jsonl", batch_chars=100)
+        prepare([good, str(bad)], tmp_path / "out", bpe, kind="jsonl", batch_chars=100)
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl"]
 
 

@@ -50,6 +50,7 @@ from rewind.stores.datafiles import (
     file_identity,
     fingerprint_offsets,
 )
+from tests.engine.test_userdata import prepared_in
 
 BLOCK = 16
 WORDS = [
@@ -104,18 +105,6 @@ def started(config: Config, run_dir: Path) -> tuple[State, object]:
         features=list(RUN_FEATURES), data=identities(config, place), tokenizer=place.tokenizer.identity
     )
     return state, place
-
-
-def prepared_in(data_dir, name: str) -> Path:
-    """The directory of `data_dir` that dataset `name`'s documents were tokenised into (NAME, or NAME-<key>
-    when the directory is keyed by what made the tokens)."""
-    found = [
-        p
-        for p in Path(data_dir).iterdir()
-        if (p.name == name or p.name.startswith(f"{name}-")) and (p / "manifest.json").is_file()
-    ]
-    assert len(found) == 1, found
-    return found[0]
 
 
 def sha256_of(path) -> str:

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.stores import checkpoints, manifest
+from rewind.stores import checkpoints, fsio, manifest
 from rewind.stores.checkpoints import (
     MANIFEST,
     CheckpointCorrupt,
@@ -305,7 +305,7 @@ def test_negative_step_is_refused(tmp_path):
 def test_local_write_syncs_every_file_then_renames_then_syncs_the_directory(tmp_path, monkeypatch):
     store = CheckpointStore(tmp_path / "run")
     calls: list[tuple[str, str]] = []
-    real_sync, real_rename = checkpoints.sync_fd, os.rename
+    real_sync, real_rename = fsio.sync_fd, os.rename
 
     def sync_fd(fd):
         calls.append(("sync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
@@ -315,7 +315,7 @@ def test_local_write_syncs_every_file_then_renames_then_syncs_the_directory(tmp_
         calls.append(("rename", os.path.basename(dst)))
         real_rename(src, dst)
 
-    monkeypatch.setattr(checkpoints, "sync_fd", sync_fd)
+    monkeypatch.setattr(fsio, "sync_fd", sync_fd)  # (checkpoint files are written by fsio.write_new_file)
     monkeypatch.setattr(checkpoints, "fsync_dir", lambda path: calls.append(("dir", os.path.basename(path))))
     monkeypatch.setattr(checkpoints.os, "rename", rename)
     written = store.write(7, {"model": {"w": torch.ones(2)}, "optimizer": {"m": torch.zeros(2)}})

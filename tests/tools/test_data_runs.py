@@ -44,6 +44,7 @@ from tests.engine.test_loop import (
     one_torch_thread,
     run_cli,
 )
+from tests.engine.test_userdata import prepared_in
 
 NUM_WINDOWS = 20  # of 17 tokens; validation_fraction 0.1 leaves 18 train rows: an epoch every 4.5 steps
 NUM_TRAIN_ROWS = 18
@@ -124,18 +125,6 @@ def final_tensors(run: Path) -> dict:
     state = fold(events_of(run))
     folder = run / "checkpoints" / state.last_checkpoint.checkpoint
     return {f"{p.stem}/{k}": v for p in sorted(folder.glob("*.safetensors")) for k, v in load_file(p).items()}
-
-
-def prepared_in(data_dir, name: str) -> Path:
-    """The directory of `data_dir` that dataset `name`'s documents were tokenised into (NAME, or NAME-<key>
-    when the directory is keyed by what made the tokens)."""
-    found = [
-        p
-        for p in Path(data_dir).iterdir()
-        if (p.name == name or p.name.startswith(f"{name}-")) and (p / "manifest.json").is_file()
-    ]
-    assert len(found) == 1, found
-    return found[0]
 
 
 def sha256_of(path: Path) -> str:
