@@ -158,6 +158,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_lines(state) -> list[str]:
+    """What the run's data is on record (lines only for a run that has some: the goldens of others stay)."""
+    lines = []
+    if state.epochs:
+        lines.append(_line("epochs", ", ".join(f"{name} {epoch}" for name, epoch in sorted(state.epochs.items()))))
+    if state.tokenizer:
+        lines.append(_line("tokenizer", f"sha256 {state.tokenizer[:12]} (RUN/data/tokenizer.json)"))
+    if state.pretrained:
+        lines.append(_line("pretrained", f"sha256 {state.pretrained[:12]}"))
+    for i, (name, identity) in enumerate(sorted(state.data.items())):
+        files = len(identity.sources) + len(identity.validation_sources)
+        tokens = f", {identity.num_tokens:,} tokens" if identity.num_tokens else ""
+        lines.append(_line("data on record" if i == 0 else "", f"{name}: {identity.kind}, {files} file(s){tokens}"))
+    return lines
+
+
 def _line(key: str, value: object) -> str:
     return f"{key:<{KEY_WIDTH}} {value}"
 
@@ -240,6 +256,7 @@ def render_state(run_dir: str, started, state, config, upcoming: dict | None, as
         _line("last loss", "none yet" if state.last_loss is None else f"{state.last_loss:.6g}"),
         _line("skipped steps", state.num_skipped_steps),
         _line("data cursors", cursors or "none yet (samples consumed per dataset)"),
+        *_data_lines(state),
         _line(
             "reference",
             f"stage {reference.stage}, step {reference.step:,}, checkpoint {reference.checkpoint or '(dry run)'}"
