@@ -107,7 +107,7 @@ def draw(
     """Rows for cursor positions [start, start + count) of `dataset`'s `split`:
     (tokens LongTensor (count, block_size + 1), loss_mask BoolTensor (count, block_size))."""
     indices = sample_indices(seed, dataset.name, dataset.num_samples(split), start, count, reshuffle=dataset.reshuffle)
-    return dataset.batch(split, indices)
+    return dataset.gather(split, indices)  # in [0, num_samples) by construction
 
 
 def epochs_started(

@@ -66,6 +66,11 @@ class Dataset(ABC):
             tokens[row], loss_mask[row] = self.sample(split, int(index))
         return torch.from_numpy(tokens), torch.from_numpy(loss_mask)
 
+    def gather(self, split: str, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batch` for row indices already known to be in range (a cursor's draw): a dataset whose batch
+        checks them may skip that here."""
+        return self.batch(split, indices)
+
     def _check(self, split: str, index: int) -> None:
         if split not in SPLITS:
             raise ValueError(f"dataset {self.name!r}: unknown split {split!r} (expected one of {SPLITS})")
@@ -172,8 +177,11 @@ class WindowedDataset(Dataset):
         index_array = np.asarray(indices, dtype=np.int64).reshape(-1)
         if index_array.size and (index_array.min() < 0 or index_array.max() >= self.num_samples(split)):
             raise IndexError(f"dataset {self.name!r}: {split} indices out of [0, {self.num_samples(split)})")
-        tokens = torch.from_numpy(self._rows(split, index_array))
-        return tokens, torch.ones((len(index_array), self.block_size), dtype=torch.bool)
+        return self.gather(split, index_array)
+
+    def gather(self, split: str, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.from_numpy(self._rows(split, indices))
+        return tokens, torch.ones((len(indices), self.block_size), dtype=torch.bool)
 
 
 class PairDataset(Dataset):
