@@ -33,6 +33,7 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 FORMAT_KEY, FORMAT = "rewind.format", "1"
 ARCHITECTURE_KEY, OBJECTIVE_KEY, LAYOUT_KEY = "rewind.architecture", "rewind.objective", "layout"
+TOKENIZER_KEY = "rewind.tokenizer"  # sha256 of the tokenizer the ids belong to ("" = UTF-8 bytes)
 # What a rewind export must agree on with the run (block_size apart: a shorter context is fine).
 _SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "norm", "mlp", "rope_base")
 _MAX_NAMES_SHOWN = 3
@@ -345,3 +346,13 @@ def rewind_mismatch(theirs: dict, objective: ObjectiveSection, config: Config, w
             )
         return f"pretrained: {where} has objective.kind {objective.kind!r}, objective.kind is {mine.kind!r}"
     return None
+
+
+def tokenizer_of_export(path: str) -> str | None:
+    """The tokenizer sha256 a rewind `--to` file records ("" = UTF-8 bytes; None: it does not say, or the
+    file is not one: load_pretrained says what is wrong with it)."""
+    try:
+        with safetensors.safe_open(path, framework="pt") as handle:
+            return (handle.metadata() or {}).get(TOKENIZER_KEY)
+    except Exception:  # (any unreadable file: load_pretrained reports it in one line)
+        return None

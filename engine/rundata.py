@@ -77,10 +77,12 @@ def place_of(run_dir: str, state: State, *, base_dir: str | None = None) -> Data
 
 
 def start_place(config: Config, run_dir: str, *, base_dir: str | None = None) -> DataPlace:
-    """The data place of a run about to start: its tokenizer decided, checked against the architecture
-    and written to RUN/data/tokenizer.json (before the first record, like prepared data: a start that
-    fails later leaves them to be reused, never a log that names them)."""
-    place = DataPlace(data_dir=data_dir(run_dir), base_dir=base_dir, full_identity=True)
+    """The data place of a run about to start: its tokenizer decided (given, trained, adopted from the
+    prepared data or the pretrained weights) and checked against the architecture and the pretrained
+    weights. Documents are tokenised into a scratch directory: nothing is written to the run until
+    `publish_run_data`, when the start is on its way to its first record (a start that fails leaves the
+    directory as it was)."""
+    place = DataPlace(data_dir=None, base_dir=base_dir, full_identity=True)
     tokenizer = _choose_tokenizer(config, place)
     vocab_size = config.architecture.vocab_size
     # (UTF-8 bytes need no check here: the datasets check the ids they hold, and ASCII tasks fit 128.)
@@ -88,15 +90,53 @@ def start_place(config: Config, run_dir: str, *, base_dir: str | None = None) ->
         raise TokenizerError(
             f"the tokenizer has {tokenizer.vocab_size} ids, more than architecture.vocab_size {vocab_size}"
         )
-    text = tokenizer.to_json()
+    if config.pretrained.path:
+        expected = pretrained_tokenizer(place.resolve(config.pretrained.path))
+        if expected is not None and expected[0] != tokenizer.identity:
+            raise TokenizerError(
+                f"pretrained: {config.pretrained.path} was trained with tokenizer {expected[0][:12] or 'UTF-8 bytes'}, "
+                f"the run's is {tokenizer.identity[:12] or 'UTF-8 bytes'} (its token ids would mean other text)"
+            )
+    place.tokenizer = tokenizer
+    return place
+
+
+def publish_run_data(place: DataPlace, config: Config, run_dir: str) -> None:
+    """Put a starting run's tokenizer and tokenised documents into RUN/data (where every later process reads
+    them), replacing what a start that died before its first record left there."""
+    target_dir = data_dir(run_dir)
+    if target_dir is None:
+        return  # an object-store run tokenises in a scratch directory every time
     target = filesystem(tokenizer_path(run_dir))
+    text = place.tokenizer.to_json()
     if text is not None:
         target.parent.makedirs()
         target.write_atomic(text.encode("utf-8"))
-    elif target.exists():  # left by an earlier start that failed before its first record, under another config
+    elif target.exists():
         target.fs.rm(target.path)
-    place.tokenizer = tokenizer
-    return place
+    for name in used_datasets(config):
+        source = config.data[name]
+        prepared = place.prepared_dir(name, source)
+        if source.kind in TEXT_KINDS and not source.prompt_field and not place.is_reused(prepared):
+            destination = os.path.join(target_dir, os.path.basename(prepared))
+            shutil.rmtree(destination, ignore_errors=True)
+            shutil.copytree(prepared, destination)  # (the scratch copy stays open under the datasets)
+    place.data_dir = target_dir
+
+
+def pretrained_tokenizer(path: str) -> tuple[str, str | None] | None:
+    """(sha256, tokenizer.json path or None) of the tokenizer pretrained weights were trained with, when
+    they say: a transformers directory's tokenizer.json, or a rewind export's metadata (None: unknown)."""
+    candidate = os.path.join(path, TOKENIZER_FILE)
+    if os.path.isdir(path):
+        if os.path.isfile(candidate):
+            with open(candidate, "rb") as handle:
+                return bytes_identity(handle.read()), candidate
+        return None
+    from rewind.engine.pretrained import tokenizer_of_export
+
+    identity = tokenizer_of_export(path)
+    return (identity, None) if identity is not None else None
 
 
 def _choose_tokenizer(config: Config, place: DataPlace) -> TextTokenizer:
@@ -119,9 +159,14 @@ def _choose_tokenizer(config: Config, place: DataPlace) -> TextTokenizer:
             manifest = read_manifest(path)
             if manifest.tokenizer:
                 adopted[manifest.tokenizer] = filesystem(path).join(TOKENIZER_FILE).url
+    if config.pretrained.path:  # the weights' own tokenizer, when they come with it
+        found = pretrained_tokenizer(place.resolve(config.pretrained.path))
+        if found is not None and found[1] is not None:
+            adopted[found[0]] = found[1]
     if len(adopted) > 1:
         raise TokenizerError(
-            "the prepared datasets were tokenised by different tokenizers; name the run's with [tokenizer] path"
+            "the prepared datasets (or pretrained weights) come with different tokenizers; name the run's with "
+            "[tokenizer] path"
         )
     return load_tokenizer(next(iter(adopted.values()))) if adopted else ByteTokenizer()
 
@@ -237,6 +282,16 @@ def verify_data(run_dir: str, config: Config, state: State) -> tuple[list[str], 
         prepared = _prepared_dir_of(name, source, place)
         if prepared is not None:
             problems += [f"data: dataset {name!r}: {line}" for line in check_prepared(prepared, full=True)]
+    if state.pretrained and config.pretrained.path:
+        from rewind.engine.pretrained import PretrainedError, load_pretrained
+
+        try:
+            found = load_pretrained(config.pretrained.path, config).identity
+        except PretrainedError as exc:
+            found = f"unreadable ({exc})"
+        if found != state.pretrained:
+            problems.append(f"data: pretrained: {config.pretrained.path}: sha256 {found[:12]}, recorded {state.pretrained[:12]}")
+        num_files += 1
     notes = [f"data: {len(state.data)} dataset(s), {num_files} file(s) re-hashed"
              + (", all as recorded" if not problems else "")]
     return problems, notes

@@ -26,6 +26,7 @@ from rewind.engine.rundata import (
     check_data,
     identities,
     place_of,
+    publish_run_data,
     replace_config_data,
     start_place,
 )
@@ -224,6 +225,7 @@ class _Opening:
             return run, self.state, "finished"
         journal.metrics = metrics_for(self.run_dir, metrics)
         if self.how == "started":
+            publish_run_data(self.parts.datasets.place, self.parts.config, self.run_dir)  # now, with the lock held
             if journal.metrics is not None:
                 journal.metrics.resume(-1, 0)  # a directory left by a start that died before its first record
             return run, record(run, State(), self.events[0]), "started"
@@ -314,8 +316,8 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool) -> 
         raise RunError(refusal)
     point = point_of(current)
     if refusal and logged_config.tokenizer != config.tokenizer:  # at any step: its data is already tokenised
-        raise RunError(f"{run_dir}: tokenizer: a run's tokenizer is fixed when it starts; fork into a new directory "
-                       "under another config only keeps it too (start a new run)")
+        raise RunError(f"{run_dir}: tokenizer: a run's tokenizer is fixed when it starts (a fork keeps it too); "
+                       "start a new run for another tokenizer")
     if refusal and point.checkpoint and (problem := continuation_problem(logged_config, config, point.state.num_growths)):
         raise RunError(f"{run_dir}: {problem}")
     end = LogEnd(folded.end_seq, current.step, lambda: max((r.event.step for r in log.records()), default=0))

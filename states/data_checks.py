@@ -52,8 +52,8 @@ def data_problems(config: Config, builtin: tuple[str, ...]) -> list[str]:
             add(f"tokenizer.train_vocab_size: {tok.train_vocab_size} exceeds architecture.vocab_size "
                 f"{config.architecture.vocab_size}")
         if not (tok.train_on or text_datasets):
-            add("tokenizer.train_vocab_size: no text dataset to train it on (declare a [data.NAME] of kind text, "
-                "jsonl or parquet)")
+            add("tokenizer.train_vocab_size: no documents to train it on (declare a [data.NAME] of kind text, "
+                "or jsonl / parquet without prompt_field)")
     elif tok.train_on:
         add("tokenizer.train_on: only used with tokenizer.train_vocab_size")
     for i, name in enumerate(tok.train_on):
@@ -61,4 +61,6 @@ def data_problems(config: Config, builtin: tuple[str, ...]) -> list[str]:
             add(f"tokenizer.train_on[{i}]: {name!r} is not a [data.NAME] dataset")
         elif config.data[name].kind not in TEXT_KINDS:
             add(f"tokenizer.train_on[{i}]: {name!r} is of kind {config.data[name].kind!r}, not text")
+        elif config.data[name].prompt_field:
+            add(f"tokenizer.train_on[{i}]: {name!r} holds prompt/response pairs; a tokenizer is trained on documents")
     return problems

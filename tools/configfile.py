@@ -33,7 +33,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     file = Path(path)
     text = read_config_text(file, str(path))
     config = loads_config(text, source=str(path), overrides=overrides)
-    return _resolve_data_paths(config, file.parent)
+    return resolve_data_paths(config, file.parent)
 
 
 def read_config_text(file: Path, shown: str, kind: str = "TOML") -> str:
@@ -87,7 +87,7 @@ def _kind(mode: int) -> str:
     return "not a plain file"
 
 
-def _resolve_data_paths(config: Config, base: Path) -> Config:
+def resolve_data_paths(config: Config, base: Path) -> Config:
     """Relative paths to data, a tokenizer or pretrained weights are relative to the config file, not to
     the current directory. URLs, absolute paths and `{stdlib}` paths stay as they are."""
     import msgspec

@@ -40,19 +40,29 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def open_run_data(run_dir: str, loaded: CheckpointModel):
+def open_run_data(run_dir: str, loaded: CheckpointModel, name: str):
     """The run's datasets and tokenizer as the run reads them at the checkpoint (the data place the log
-    gives it, as replay opens it); data that changed since the run recorded it is refused (exit 1)."""
-    from rewind.engine.rundata import DataChanged, check_data, open_registry, place_of
+    gives it, as replay opens it), for scoring dataset `name`: its data, when it changed since the run
+    recorded it, is refused (exit 1); the others are not looked at. Nothing is written to the run:
+    documents it never tokenised go to a scratch directory."""
+    import dataclasses
+
+    import msgspec
+
+    from rewind.engine.rundata import DataChanged, check_data, data_dir, open_registry, place_of
     from rewind.engine.tokenizer import TokenizerError
 
     try:
         place = place_of(run_dir, loaded.state)
     except (DataChanged, TokenizerError) as exc:
         raise CommandError(f"{run_dir}: {exc}", 1) from None
-    changes = check_data(loaded.config, loaded.state, place)
+    place = dataclasses.replace(place, data_dir=None, reuse_dirs=tuple(filter(None, [data_dir(run_dir)])))
+    scored = msgspec.structs.replace(loaded.config, data={k: v for k, v in loaded.config.data.items() if k == name})
+    changes = check_data(scored, loaded.state, place)
     if changes:
-        raise CommandError(f"{changes[0]}; the run's data changed since it recorded it (`rewind verify --data`)", 1)
+        raise CommandError(
+            f"{changes[0]}; the run's data changed since it recorded it (`rewind verify --data {run_dir}`)", 1
+        )
     return open_registry(loaded.config, place), place.tokenizer
 
 
@@ -68,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dataset not in config.dataset_names():
         known = ", ".join(sorted(config.dataset_names()))
         raise UsageError(f"--dataset {args.dataset}: not a dataset of the run (known: {known})")
-    datasets, tokenizer = open_run_data(args.run_dir, loaded)
+    datasets, tokenizer = open_run_data(args.run_dir, loaded, args.dataset)
     num_samples = config.training.eval_samples if args.samples is None else args.samples
     try:
         dataset = datasets[args.dataset]

@@ -82,11 +82,19 @@ def checkpointed_state(run_dir: str, records: list | None = None):
     return state
 
 
-def model_metadata(config, layout) -> dict[str, str]:
-    """What makes the exported tensors a model again (see the module docstring)."""
+def model_metadata(config, layout, tokenizer: str | None = None) -> dict[str, str]:
+    """What makes the exported tensors a model again (see the module docstring), and the sha256 of the
+    tokenizer its ids belong to ("" = UTF-8 bytes; None: not on record, so not said)."""
     import msgspec
 
-    from rewind.engine.pretrained import ARCHITECTURE_KEY, FORMAT, FORMAT_KEY, LAYOUT_KEY, OBJECTIVE_KEY
+    from rewind.engine.pretrained import (
+        ARCHITECTURE_KEY,
+        FORMAT,
+        FORMAT_KEY,
+        LAYOUT_KEY,
+        OBJECTIVE_KEY,
+        TOKENIZER_KEY,
+    )
 
     num_layers = sum(spec.num_blocks for spec in layout.stacks)
     architecture = msgspec.structs.replace(config.architecture, num_layers=num_layers)
@@ -95,6 +103,7 @@ def model_metadata(config, layout) -> dict[str, str]:
         ARCHITECTURE_KEY: msgspec.json.encode(architecture).decode(),
         OBJECTIVE_KEY: msgspec.json.encode(config.objective).decode(),
         FORMAT_KEY: FORMAT,
+        **({TOKENIZER_KEY: tokenizer} if tokenizer is not None else {}),
     }
 
 
@@ -111,7 +120,8 @@ def export_weights(run_dir: str, out: str) -> int:
     ref = state.last_checkpoint
     groups = {"model": checkpoint_weights(run_dir, ref.checkpoint, ref.files)["model"]}
     # The layout builds the model these weights fit (stack identities and order): rewind.engine.layout.
-    model = model_metadata(config_in_force(records), checkpoint_layout(state))
+    recorded = state.tokenizer if "data_identity" in state.features else None
+    model = model_metadata(config_in_force(records), checkpoint_layout(state), recorded)
     metadata = {"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step), **model}
     data = save(groups["model"], metadata=metadata)
     try:

@@ -95,7 +95,7 @@ def prepare_hf(run_dir: str, out_dir: str) -> PreparedHf:
     except (ValueError, hf_llama.NotLlama) as exc:
         raise CommandError(f"--hf: checkpoint {ref.checkpoint} does not fit its layout: {exc}", 1) from None
     num_layers = sum(spec.num_blocks for spec in layout.stacks)
-    tokenizer = run_tokenizer(run_dir)
+    tokenizer = run_tokenizer(run_dir, state.tokenizer if "data_identity" in state.features else None)
     eos = end_of_text(tokenizer, run_dir) if tokenizer is not None else None
     arch = config.architecture
     files = {
@@ -115,17 +115,27 @@ def prepare_hf(run_dir: str, out_dir: str) -> PreparedHf:
     return PreparedHf(target, files, summary)
 
 
-def run_tokenizer(run_dir: str) -> bytes | None:
-    """The bytes of RUN/data/tokenizer.json, or None when the run has none (its tokens are bytes)."""
+def run_tokenizer(run_dir: str, recorded: str | None) -> bytes | None:
+    """The bytes of RUN/data/tokenizer.json, or None when the run has none (its tokens are bytes), checked
+    against the sha256 the run `recorded` ("" = bytes; None: a run from before tokenizers were on record):
+    an export never ships a tokenizer other than the one the weights learned."""
+    import hashlib
+
     from rewind.stores.fsio import filesystem
 
     location = filesystem(run_dir).join(*RUN_TOKENIZER)
     try:
-        if not location.exists():
-            return None
-        return location.read_bytes()
+        data = location.read_bytes() if location.exists() else None
     except OSError as exc:
         raise CommandError(f"{location.url}: cannot read the run's tokenizer ({exc.strerror or exc})", 1) from None
+    found = hashlib.sha256(data).hexdigest() if data is not None else ""
+    if recorded is not None and found != recorded:
+        raise CommandError(
+            f"{location.url}: not the tokenizer the run recorded ({found[:12] or 'missing'}, recorded "
+            f"{recorded[:12] or 'none: UTF-8 bytes'}); `rewind verify --data {run_dir}`",
+            1,
+        )
+    return data
 
 
 def end_of_text(tokenizer: bytes, run_dir: str) -> int | None:

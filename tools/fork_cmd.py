@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rewind.tools.configfile import add_set_option
 from rewind.tools.errors import CommandError, UsageError
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from rewind.states.config import config_differences, config_from_dict
     from rewind.states.overrides import apply_overrides, parse_override
     from rewind.stores.eventlog import LogLockedError, LogNotFoundError
-    from rewind.tools.configfile import load_config
+    from rewind.tools.configfile import load_config, resolve_data_paths
     from rewind.tools.train_cmd import drive_and_report
 
     if args.at_step < 0:
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         if args.config is not None:
             return chosen
         raw = apply_overrides(msgspec.to_builtins(parent_config), args.overrides)
-        return config_from_dict(raw, source=f"{args.run_dir} config with --set")
+        # A path given with --set is the user's, relative to where they stand (the parent's are absolute).
+        return resolve_data_paths(config_from_dict(raw, source=f"{args.run_dir} config with --set"), Path.cwd())
 
     try:
         run, state, point = open_fork(args.run_dir, args.at_step, config_of_child, args.new_run)

@@ -28,6 +28,7 @@ from rewind.engine.rundata import (
     copy_run_data,
     identities,
     place_of,
+    publish_run_data,
     replace_config_data,
     start_place,
     tokenizer_path,
@@ -104,6 +105,7 @@ def started(config: Config, run_dir: Path) -> tuple[State, object]:
     state = State(
         features=list(RUN_FEATURES), data=identities(config, place), tokenizer=place.tokenizer.identity
     )
+    publish_run_data(place, config, str(run_dir))  # (the session does it when it records RunStarted)
     return state, place
 
 
@@ -121,9 +123,13 @@ def test_a_tokenizer_file_is_copied_into_the_run(tmp_path):
     config = make_config({"d": DataSource(kind="jsonl", path=docs)}, path=str(tmp_path / "tok.json"))
     place = start_place(config, str(tmp_path / "run"))
     assert place.tokenizer.identity == tokenizer.identity == sha256_of(tmp_path / "tok.json")
+    assert not (tmp_path / "run").exists()  # nothing is written before the start is on its way to its record
+    assert place.full_identity and place.data_dir is None
+    open_datasets(config, place)
+    publish_run_data(place, config, str(tmp_path / "run"))
     assert (tmp_path / "run" / "data" / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()
     assert tokenizer_path(str(tmp_path / "run")) == str(tmp_path / "run" / "data" / "tokenizer.json")
-    assert place.full_identity and place.data_dir == str(tmp_path / "run" / "data")
+    assert place.data_dir == str(tmp_path / "run" / "data")
 
 
 def test_bytes_write_no_tokenizer_file(tmp_path):
@@ -148,7 +154,7 @@ def test_a_trained_tokenizer_learns_the_text_datasets_it_is_told_to(tmp_path):
     every = start_place(make_config(data, train_vocab_size=300), str(tmp_path / "run1")).tokenizer
     # Every text dataset, in the config's order; not the tokens, not the pairs.
     assert every.identity == train_bpe([*first, "\n".join(second)], 300).identity
-    assert json.loads((tmp_path / "run1" / "data" / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    assert json.loads(every.to_json())["model"]["type"] == "BPE"
     only_b = start_place(
         make_config(data, train_vocab_size=300, train_on=["b"]), str(tmp_path / "run2")
     ).tokenizer
@@ -205,8 +211,10 @@ def test_a_start_on_bytes_leaves_no_tokenizer_of_an_earlier_failed_start(tmp_pat
     run = tmp_path / "run"
     missing = DataSource(kind="tokens", path=str(tmp_path / "missing.bin"))
     place = start_place(make_config({"d": missing}, path=str(tmp_path / "tok.json")), str(run))
-    with pytest.raises(DatasetError):  # the start fails after the tokenizer was written
+    with pytest.raises(DatasetError):  # the start fails (before anything is written, now)
         DatasetRegistry(make_config({"d": missing}), place)["d"]
+    run.joinpath("data").mkdir(parents=True)  # as a start of an earlier release could have left it
+    run.joinpath("data", "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
     # The user fixes the config, dropping [tokenizer]: the run is bytes and records tokenizer "".
     fixed = make_config(
         {"d": DataSource(kind="tokens", path=write_tokens(tmp_path / "t.bin", 40 * 17))}, vocab_size=256

@@ -176,9 +176,10 @@ def test_a_lora_trunk_run_exports_merged_with_the_adapted_logits(lora_run, tmp_p
     assert (ours - theirs).abs().max().item() <= 1e-5
 
 
-def test_the_runs_tokenizer_goes_with_the_model(swiglu_run, tmp_path):
+def test_an_export_never_ships_a_tokenizer_the_run_did_not_record(swiglu_run, tmp_path):
+    """The run learned UTF-8 bytes: a tokenizer.json that appeared in RUN/data since is refused, not shipped.
+    (A run with a tokenizer exports it: tests/docs/test_text_example.py loads it with AutoTokenizer.)"""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer
 
     run = tmp_path / "run"
     shutil.copytree(swiglu_run, run)
@@ -188,13 +189,9 @@ def test_the_runs_tokenizer_goes_with_the_model(swiglu_run, tmp_path):
     tokenizer.train_from_iterator(["the cat sat on the mat"] * 4, trainer)
     (run / "data").mkdir(exist_ok=True)
     (run / "data" / "tokenizer.json").write_text(tokenizer.to_str())
-    assert "and its tokenizer" in export_hf(run, tmp_path / "hf")
-    loaded = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == eos
-    assert loaded("the cat")["input_ids"] == tokenizer.encode("the cat").ids
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == eos
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"eos_token_id": eos, "max_length": 16}
+    code, _, err = run_cli("export", run, "--hf", tmp_path / "hf")
+    assert code == 1 and "not the tokenizer the run recorded" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "hf").exists()
 
 
 def test_refusals_are_one_line_and_write_nothing(swiglu_run, tmp_path):
