@@ -162,8 +162,9 @@ def _records(paths: Iterable[str], kind: str, fields: tuple[str, ...]) -> Iterat
     paths = list(paths)
     num_records = 0
     for path in paths:
-        if kind == "text":
-            records: Iterator[tuple[str, ...]] = iter([(_read_text(path),)])
+        if kind == "text":  # one document per file; an empty file holds none (nothing to join)
+            text = _read_text(path)
+            records: Iterator[tuple[str, ...]] = iter([(text,)] if text else [])
         elif kind == "jsonl":
             records = _jsonl_records(path, fields)
         else:

@@ -109,6 +109,10 @@ def test_no_documents_at_all_is_an_error(tmp_path):
     empty = write(tmp_path / "empty.jsonl", "\n\n")
     one_line_error(lambda: list(iter_documents([empty], "jsonl")), f"{empty}: no documents")
     one_line_error(lambda: list(iter_documents([empty, empty], "jsonl")), "2 files: no documents")
+    blank = write(tmp_path / "blank.txt", "")
+    one_line_error(lambda: list(iter_documents([blank], "text")), f"{blank}: no documents")
+    full = write(tmp_path / "full.txt", "some text")
+    assert list(iter_documents([blank, full, blank], "text")) == ["some text"]  # an empty file is no document
 
 
 def test_pairs_from_jsonl(tmp_path):
