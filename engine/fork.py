@@ -19,18 +19,16 @@ from pathlib import Path
 
 import msgspec
 
-from rewind.engine.datasets import DatasetError
-from rewind.engine.documents import DocumentError
 from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
 from rewind.engine.parts import RunError, build_parts, fresh_parts, open_datasets, starting_weights
 from rewind.engine.rundata import (
+    DATA_ERRORS,
     DataChanged,
     check_data,
     copy_run_data,
-    data_dir,
     identities,
-    place_of,
+    read_only_place,
     replace_config_data,
 )
 from rewind.engine.session import (
@@ -40,14 +38,12 @@ from rewind.engine.session import (
     metrics_for,
     prepare_directory,
 )
-from rewind.engine.tokenizer import TokenizerError
 from rewind.states.config import Config, config_hash
 from rewind.states.events import ConfigChanged, ForkOrigin, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, fold, seed_of
 from rewind.states.history import SeqEvent, config_in_force, effective, restore_points
 from rewind.states.state import State, reference_to_restore
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
-from rewind.stores.datamanifest import ManifestError
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import read_seq_events
 from rewind.stores.trunks import TrunkStore
@@ -145,9 +141,7 @@ def open_fork(
     if point.config.tokenizer != config.tokenizer:
         raise RunError(f"cannot fork {parent_dir}: tokenizer: a run's tokenizer is fixed when it starts (a fork keeps its parent's)")
     try:
-        place = dataclasses.replace(
-            place_of(parent_dir, parent_state), data_dir=None, reuse_dirs=tuple(filter(None, [data_dir(parent_dir)]))
-        )
+        place = read_only_place(parent_dir, parent_state)
         changes = check_data(replace_config_data(config, point.config), parent_state, place)
         if changes:
             raise DataChanged(changes)
@@ -157,7 +151,7 @@ def open_fork(
         data = {"data": recorded, "tokenizer": place.tokenizer.identity} if on_record else {}
     except DataChanged as exc:
         raise RunError(f"cannot fork {parent_dir}: {exc}; its data changed since it recorded it", 1) from None
-    except (DatasetError, DocumentError, ManifestError, TokenizerError) as exc:
+    except DATA_ERRORS as exc:
         raise RunError(f"cannot fork {parent_dir}: {exc}") from None
     started = RunStarted(
         step=0,

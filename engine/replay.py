@@ -17,19 +17,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rewind.engine.checkpointing import tensor_hashes
-from rewind.engine.datasets import DatasetError
-from rewind.engine.documents import DocumentError
 from rewind.engine.effects import apply_effect
 from rewind.engine.loop import execute_step
 from rewind.engine.parts import Parts, RunError, build_parts, open_datasets
-from rewind.engine.rundata import DataChanged, check_data, place_of
-from rewind.engine.tokenizer import TokenizerError
+from rewind.engine.rundata import (
+    DATA_ERRORS,
+    DataChanged,
+    check_data,
+    place_of,
+)
 from rewind.states.compare import FieldDifference, first_difference
 from rewind.states.events import CheckpointCommitted, CheckpointDeleted, RunStarted, StepCommitted
 from rewind.states.fold import apply, fold
 from rewind.states.history import RestorePoint, SeqEvent, config_in_force, effective, restore_points
 from rewind.stores.checkpoints import CheckpointError
-from rewind.stores.datamanifest import ManifestError
 
 
 class ReplayError(Exception):
@@ -125,7 +126,7 @@ def replay(
         datasets = open_datasets(config, place)
     except DataChanged as exc:
         raise ReplayError(f"{exc}; the run's data changed since it recorded it (`rewind verify --data`)", 1) from None
-    except (DatasetError, DocumentError, ManifestError, TokenizerError) as exc:
+    except DATA_ERRORS as exc:
         raise ReplayError(str(exc), 2) from None
     try:
         parts = build_parts(config, run_dir, state, datasets)  # from the window's checkpoint, or the run's start

@@ -49,6 +49,11 @@ class DataChanged(Exception):
         super().__init__(lines[0] if len(lines) == 1 else f"{lines[0]} (and {len(lines) - 1} more)")
 
 
+# What a config's data can raise when it is not what the config says (each one line): the callers turn
+# them into their own one-line errors (exit 2), DataChanged into exit 1.
+DATA_ERRORS = (DatasetError, DocumentError, ManifestError, TokenizerError)
+
+
 def data_dir(run_dir: str) -> str | None:
     """Where documents are tokenised for the run: RUN/data on a local filesystem; None (a temporary
     directory per process) for a run on an object store."""
@@ -74,6 +79,12 @@ def place_of(run_dir: str, state: State, *, base_dir: str | None = None) -> Data
         raise DataChanged([f"{path}: the run's tokenizer file changed since the run started "
                            f"({tokenizer.identity[:12] or 'absent'}, recorded {state.tokenizer[:12] or 'none'})"])
     return DataPlace(tokenizer=tokenizer, data_dir=data_dir(run_dir), base_dir=base_dir, default_split=_default_split(state))
+
+
+def read_only_place(run_dir: str, state: State) -> DataPlace:
+    """`place_of`, for a process that must not write to the run (a fork reading its parent, `rewind eval`):
+    documents the run tokenised are read from RUN/data, any other go to a scratch directory."""
+    return dataclasses.replace(place_of(run_dir, state), data_dir=None, reuse_dirs=tuple(filter(None, [data_dir(run_dir)])))
 
 
 def start_place(config: Config, run_dir: str, *, base_dir: str | None = None) -> DataPlace:

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-from rewind.engine.datasets import DatasetError
-from rewind.engine.documents import DocumentError
 from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
 from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts, open_datasets, starting_weights
 from rewind.engine.rundata import (
+    DATA_ERRORS,
     DataChanged,
     check_data,
     identities,
@@ -30,7 +29,6 @@ from rewind.engine.rundata import (
     replace_config_data,
     start_place,
 )
-from rewind.engine.tokenizer import TokenizerError
 from rewind.states.config import Config, config_differences, config_hash
 from rewind.states.events import RUN_FEATURES, ConfigChanged, Event, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, apply
@@ -39,7 +37,6 @@ from rewind.states.schedule import Schedule
 from rewind.states.state import State
 from rewind.stores import snapshots
 from rewind.stores.checkpoints import ORPHANED_DIR, CheckpointStore
-from rewind.stores.datamanifest import ManifestError
 from rewind.stores.eventlog import EventLog, LogNotFoundError
 from rewind.stores.folding import FoldedLog, fold_log, save_snapshot
 from rewind.stores.fsio import filesystem
@@ -190,7 +187,7 @@ def open_run(config: Config, run_dir: str, *, fork: bool = False, metrics: bool 
         opening = _plan(config, run_dir, fork=fork)
     except DataChanged as exc:
         raise RunError(f"{run_dir}: {exc}; the run's data changed under it (`rewind verify --data {run_dir}`)", 1) from None
-    except (DatasetError, DocumentError, ManifestError, TokenizerError) as exc:
+    except DATA_ERRORS as exc:
         raise RunError(str(exc)) from None  # the config names data that is not what it says: exit 2
     prepare_directory(run_dir)
     # "tail": the writer trusts sealed segments whose index checks out, so a resume reads the tail;

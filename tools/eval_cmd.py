@@ -45,18 +45,15 @@ def open_run_data(run_dir: str, loaded: CheckpointModel, name: str):
     gives it, as replay opens it), for scoring dataset `name`: its data, when it changed since the run
     recorded it, is refused (exit 1); the others are not looked at. Nothing is written to the run:
     documents it never tokenised go to a scratch directory."""
-    import dataclasses
-
     import msgspec
 
-    from rewind.engine.rundata import DataChanged, check_data, data_dir, open_registry, place_of
+    from rewind.engine.rundata import DataChanged, check_data, open_registry, read_only_place
     from rewind.engine.tokenizer import TokenizerError
 
     try:
-        place = place_of(run_dir, loaded.state)
+        place = read_only_place(run_dir, loaded.state)
     except (DataChanged, TokenizerError) as exc:
         raise CommandError(f"{run_dir}: {exc}", 1) from None
-    place = dataclasses.replace(place, data_dir=None, reuse_dirs=tuple(filter(None, [data_dir(run_dir)])))
     scored = msgspec.structs.replace(loaded.config, data={k: v for k, v in loaded.config.data.items() if k == name})
     changes = check_data(scored, loaded.state, place)
     if changes:
