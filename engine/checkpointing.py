@@ -17,6 +17,7 @@ import torch
 from rewind.engine import layout as layouts
 from rewind.engine import snapshot
 from rewind.engine.parts import Parts, frozen_copy
+from rewind.engine.placement import is_writer, place, shared_event
 from rewind.engine.step import apply_hyperparameters, build_optimizer
 from rewind.states.config import Config
 from rewind.states.events import CheckpointCommitted
@@ -63,7 +64,9 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_s
     """Write the live tensors durably; returns the event that announces them (not yet appended).
     `log_seq`: the last record durable in the log as it is written (every record before it is, see
     rewind.engine.journal); a log found to end before it lost acknowledged records (stores.orphans)."""
-    groups, optimizer_meta = checkpoint_groups(parts)
+    groups, optimizer_meta = checkpoint_groups(parts)  # whole tensors (gathered from every rank's shards)
+    if not is_writer():  # rank 0 writes; the others learn what it wrote from its event
+        return shared_event(None)  # type: ignore[return-value]
     meta = {
         "optimizer": optimizer_meta,
         "stack_sizes": parts.model.stack_sizes,
@@ -75,7 +78,7 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_s
     if parts.trunk_sources:  # written before the manifest that names them
         meta["trunks"] = trunk_files(parts)
     written = parts.store.write(state.step, groups, meta)
-    return CheckpointCommitted(
+    committed = CheckpointCommitted(
         step=state.step,
         tokens=state.tokens,
         checkpoint=written.name,
@@ -83,6 +86,7 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_s
         files=written.files,
         reason=reason,
     )
+    return shared_event(committed)  # type: ignore[return-value]
 
 
 def load_model(
@@ -120,7 +124,7 @@ def load_checkpoint(parts: Parts, state: State) -> None:
     model, groups, meta, sources, hashes = load_model(
         parts.config, parts.store, ref.checkpoint, ref.files, state.layout, with_optimizer=True
     )
-    parts.model = model
+    parts.model = model = place(model, parts.config)  # before the optimizer is built over its parameters
     parts.trunk_sources, parts.trunk_hashes = sources, hashes
     parts.optimizer = build_optimizer(model, parts.config)
     parts.param_names = layouts.parameter_names(model)
@@ -129,11 +133,11 @@ def load_checkpoint(parts: Parts, state: State) -> None:
     reference_ref = reference_to_restore(state)
     if reference_ref is not None:
         if reference_ref.checkpoint == ref.checkpoint:
-            parts.reference = frozen_copy(model)
+            parts.reference = frozen_copy(model, parts.config, state.layout)
         else:
             files = next((c.files for c in state.live_checkpoints if c.checkpoint == reference_ref.checkpoint), None)
             reference = load_model(parts.config, parts.store, reference_ref.checkpoint, files, reference_ref.layout)[0]
-            parts.reference = frozen_copy(reference)
+            parts.reference = frozen_copy(reference, parts.config, reference_ref.layout)
 
 
 def restore_optimizer(parts: Parts, tensors: dict[str, torch.Tensor], layout: dict) -> None:

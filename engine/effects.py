@@ -24,6 +24,7 @@ from rewind.states.events import (
     RunResumed,
     StackAppended,
 )
+from rewind.states.growth import current_layout
 from rewind.states.state import State
 
 
@@ -33,7 +34,7 @@ def apply_effect(parts: Parts, state: State, event: Event) -> Parts:
         case ReferenceRefreshed():
             # The reference is the weights as they are now, which is what the checkpoint the event
             # names holds: a resume loads it from there (checkpointing.load_checkpoint).
-            parts.reference = frozen_copy(parts.model)
+            parts.reference = frozen_copy(parts.model, parts.config, current_layout(state))
             return parts
         case OptimizerReset():
             clear_optimizer_state(parts)

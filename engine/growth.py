@@ -20,6 +20,7 @@ from torch import nn
 from rewind.engine import layout as layouts
 from rewind.engine.checkpointing import model_groups
 from rewind.engine.parts import Parts, frozen_copy
+from rewind.engine.placement import place
 from rewind.engine.step import apply_hyperparameters, build_optimizer
 from rewind.states.config import Config
 from rewind.states.events import StackAppended
@@ -55,6 +56,7 @@ def transplant(parts: Parts, config: Config, layout: ModelLayout | None, weights
     adapters `parts` has (new adapters keep their initialisation), and whose optimizer carries the
     moments of every parameter that trained before and trains now."""
     model, sources = layouts.model_from_weights(config, layout, weights, model_groups(parts).get("adapters", {}))
+    model = place(model, config)
     optimizer = build_optimizer(model, config)
     names = layouts.parameter_names(model)
     _carry_moments(parts.optimizer, parts.param_names, optimizer, names)
@@ -92,7 +94,7 @@ def reference_for(parts: Parts, config: Config, layout: ModelLayout | None) -> n
             weights[layouts.unwrapped(name)] = tensor
     for stack in nf4:
         weights.update(parts.trunk_sources[stack])
-    return frozen_copy(layouts.model_from_weights(config, layout, weights, adapters)[0])
+    return frozen_copy(layouts.model_from_weights(config, layout, weights, adapters)[0], config, layout)
 
 
 def _same(parts: Parts, sources: dict[int, dict[str, torch.Tensor]], stack: int) -> bool:

@@ -70,7 +70,35 @@ class Journal:
         if self.metrics is not None:
             self.metrics.flush()
 
+    def durable_seq(self) -> int:
+        """The last record the log holds durably (what a checkpoint's manifest names, see above)."""
+        return self.log.num_committed - 1
+
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
         self.log.close()
+
+
+class FollowerJournal:
+    """The journal of a sharded run's ranks other than 0: each event is applied as rank 0 records it, and
+    nothing is written (rank 0 is the log's one writer). Every rank computes the same events (states/ is
+    pure and what a step measures is summed over the ranks first), so their states stay equal."""
+
+    metrics = None
+    report_interval = 1
+
+    def record(self, state: State, event: Event) -> State:
+        return apply(state, event)
+
+    def at_step_boundary(self, state: State) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def durable_seq(self) -> int:
+        return -1  # only the writer's checkpoints record it
+
+    def close(self) -> None:
+        pass

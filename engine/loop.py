@@ -24,6 +24,7 @@ from rewind.engine.effects import apply_effect
 from rewind.engine.evaluation import evaluate, validate
 from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
+from rewind.engine.placement import any_rank, is_writer, launched_world_size
 from rewind.engine.step import nonfinite_quantity, train_step
 from rewind.engine.trunkcache import write_cache
 from rewind.states.events import (
@@ -111,10 +112,15 @@ class StopRequest:
     def __init__(self) -> None:
         self.requested = False
         self._previous = None
+        self._previous_term = None
 
     def __enter__(self) -> StopRequest:
         try:
             self._previous = signal.signal(signal.SIGINT, self._handle)
+            if launched_world_size() > 1:
+                # torchrun passes a SIGTERM on to every rank: the same clean stop as Ctrl-C, agreed by
+                # all ranks at the next step boundary (`any_rank`), so none waits for a peer that left.
+                self._previous_term = signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not the main thread: no handler, plain KeyboardInterrupt semantics
             self._previous = None
         return self
@@ -127,6 +133,8 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+        if self._previous_term is not None:
+            signal.signal(signal.SIGTERM, self._previous_term)
 
 
 def record(run: Run, state: State, event: Event) -> State:
@@ -139,10 +147,10 @@ def record(run: Run, state: State, event: Event) -> State:
 
 def checkpoint(run: Run, state: State, reason: CheckpointReason) -> State:
     run.journal.commit()  # everything before the checkpoint is durable before its files exist (journal)
-    committed = write_checkpoint(run.parts, state, reason, log_seq=run.journal.log.num_committed - 1)
+    committed = write_checkpoint(run.parts, state, reason, log_seq=run.journal.durable_seq())
     state = record(run, state, committed)
-    # The record is committed (journal); cache the fold up to it, so opening the run costs its tail.
-    save_snapshot(run.parts.run_dir, state, committed, run.parts.config)
+    if is_writer():  # the record is committed (journal); cache the fold up to it, so opening the run costs its tail
+        save_snapshot(run.parts.run_dir, state, committed, run.parts.config)
     return state
 
 
@@ -150,7 +158,7 @@ def delete_checkpoints(run: Run, state: State, names: tuple[str, ...]) -> State:
     at = {"step": state.step, "tokens": state.tokens}
     for name in names:
         state = record(run, state, CheckpointDeleted(**at, checkpoint=name))
-    for name in names:  # the files go only once the deletions are on record: a crash leaves an orphan
+    for name in names if is_writer() else ():  # the files go only once the deletions are on record: a crash leaves an orphan
         run.parts.store.delete(name)
     return state
 
@@ -266,7 +274,7 @@ def _drive(
                 state = perform(run, state, intent)
                 continue
             run.journal.at_step_boundary(state)
-            if stop_request.requested:
+            if any_rank(stop_request.requested):  # the ranks of a sharded run stop together, after the same step
                 state = stop(run, state, "interrupted (Ctrl-C)")
                 return Outcome("interrupted", state, f"stopped after step {state.step}; run the same command to resume")
             if max_steps is not None and steps_here >= max_steps:

@@ -20,6 +20,7 @@ from torch import nn
 from rewind.engine import layout as layouts
 from rewind.engine.datasets import DatasetError
 from rewind.engine.model import GPT
+from rewind.engine.placement import is_sharded, place, placement_for
 from rewind.engine.pretrained import Pretrained, PretrainedError, apply_pretrained, load_pretrained
 from rewind.engine.registry import DatasetRegistry
 from rewind.engine.step import build_optimizer
@@ -72,15 +73,29 @@ def build_model(config: Config, layout: ModelLayout | None = None) -> GPT:
     return layouts.build_model(config, layout)
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
-    """The KL reference: the model as it is now, fixed. Parameters that do not train are shared, not
-    copied: they cannot change while this model lives (a growth builds a new model from copies), so a
-    frozen or NF4 trunk is held once, not twice."""
-    shared = {id(p): p for p in model.parameters() if not p.requires_grad}
-    reference = copy.deepcopy(model, memo=shared)
-    layouts.eval_mode(reference)
+def frozen_copy(model: nn.Module, config: Config, layout: ModelLayout | None) -> nn.Module:
+    """The KL reference: the model (of `layout`) as it is now, fixed, placed as the run computes.
+    Parameters that do not train are shared, not copied: they cannot change while this model lives (a
+    growth builds a new model from copies), so a frozen or NF4 trunk is held once, not twice. A sharded
+    model cannot be copied (FSDP2 forbids it): its reference is built from its whole weights and
+    sharded in turn, so the reference's forward is sharded too."""
+    if is_sharded(model):
+        from rewind.engine.snapshot import cpu_copy
+
+        weights, adapters = {}, {}
+        for name, tensor in model.state_dict().items():
+            (adapters if layouts.is_adapter(name) else weights)[layouts.unwrapped(name)] = cpu_copy(tensor)
+        reference = layouts.model_from_weights(config, layout, weights, adapters, complete=True)[0]
+    else:
+        shared = {id(p): p for p in model.parameters() if not p.requires_grad}
+        reference = copy.deepcopy(model, memo=shared)
     for parameter in reference.parameters():
         parameter.requires_grad_(False)
+    if is_sharded(model) or placement_for(config).sharded:
+        reference = place(reference, config)
+    else:
+        reference.to(placement_for(config).device)
+    layouts.eval_mode(reference)
     return reference
 
 
@@ -109,6 +124,7 @@ def fresh_parts(
         plain = layouts.build_plain(config, None)
         apply_pretrained(plain, pretrained.tensors)
         model = layouts.shape(plain, config, None)
+    model = place(model, config)  # on its device, sharded when the run is, before the optimizer sees it
     return Parts(
         config=config,
         run_dir=run_dir,

@@ -5,10 +5,21 @@ Replay starts from a checkpoint (or from the run's start: the initial weights ar
 seed), walks the *effective* log, and for every StepCommitted runs the same step through the same code
 (`loop.execute_step`) and compares the recomputed event field by field (bit for bit on CPU; `rtol` for
 GPU runs). At every CheckpointCommitted it also checks the live model and optimizer tensors (and a
-rewind 0.1 checkpoint's copy of the reference) against the file hashes the event recorded, which works
-even after retention deleted the files; the reference itself is the model of the checkpoint it names. Control events are applied as logged (a reference refresh takes the replayed weights, a config
-change rebuilds the schedule and optimizer), so a window may cross resumes and in-place forks.
-Nothing is written to the run.
+rewind 0.1 checkpoint's copy of the reference) against the checkpoint: with rtol == 0 against the file
+hashes the event recorded, which works even after retention deleted the files; with rtol > 0 against
+the files' values (a hash can only say "not the same bits"), or, once retention deleted them, against
+the hashes, a checkpoint whose bits differ then being reported as not compared. The reference itself
+is the model of the checkpoint it names. Control events are applied as logged (a reference refresh
+takes the replayed weights, a config change rebuilds the schedule and optimizer), so a window may cross
+resumes and in-place forks. Nothing is written to the run.
+
+Within a tolerance, a tensor element passes when |logged - live| <= rtol * max(|logged|, |live|) + atol,
+atol = rtol * (the logged tensor's mean |value|). The absolute part is for elements near zero: an
+element is a sum of many terms (a gradient, Adam's first moment averaging gradients of both signs), and
+a different reduction order moves it by about rtol times the size of those terms, not of their sum, so
+an Adam moment that sits near zero differs by a large *relative* amount while the run is as close as
+any other. A fixed atol would not do: the second moment holds squared gradients (1e-10 is a typical
+value), which a fixed 1e-8 would wave through entirely; the tensor's own mean |value| scales with it.
 """
 
 from __future__ import annotations
@@ -16,7 +27,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from rewind.engine.checkpointing import tensor_hashes
+import torch
+
+from rewind.engine import snapshot
+from rewind.engine.checkpointing import checkpoint_groups, tensor_hashes
 from rewind.engine.effects import apply_effect
 from rewind.engine.loop import execute_step
 from rewind.engine.parts import Parts, RunError, build_parts, open_datasets
@@ -27,10 +41,12 @@ from rewind.engine.rundata import (
     place_of,
 )
 from rewind.states.compare import FieldDifference, first_difference
+from rewind.states.diffing import ComputeSite, compute_site
 from rewind.states.events import CheckpointCommitted, CheckpointDeleted, RunStarted, StepCommitted
 from rewind.states.fold import apply, fold
 from rewind.states.history import RestorePoint, SeqEvent, config_in_force, effective, restore_points
-from rewind.stores.checkpoints import CheckpointError
+from rewind.states.state import State
+from rewind.stores.checkpoints import SUFFIX, CheckpointError, CheckpointNotFound
 
 
 class ReplayError(Exception):
@@ -42,11 +58,26 @@ class ReplayError(Exception):
 
 
 @dataclass(frozen=True)
+class TensorDifference:
+    """The worst tensor of a checkpoint compared within a tolerance: the one whose elements outside it
+    differ by the largest relative amount, |a - b| / max(|a|, |b|) (inf where one side is NaN)."""
+
+    file: str  # "optimizer.safetensors"
+    tensor: str  # "state.stacks.0.blocks.0.attn.qkv.weight.exp_avg_sq"
+    index: list[int]  # where in it the largest relative difference is
+    max_relative_difference: float
+    num_outside: int  # elements outside the tolerance
+    num_elements: int
+    atol: float  # the tensor's absolute tolerance (rtol * mean |logged|)
+
+
+@dataclass(frozen=True)
 class Mismatch:
     step: int  # the StepCommitted's step (or the checkpoint's) where the first difference showed
     seq: int  # the logged record's seq
     event: str  # "StepCommitted" or "CheckpointCommitted"
     difference: FieldDifference
+    tensor: TensorDifference | None = None  # a checkpoint compared by value (rtol > 0)
 
 
 @dataclass
@@ -56,6 +87,12 @@ class ReplayReport:
     to_step: int
     num_steps: int = 0  # StepCommitted events recomputed and compared
     checkpoints_matched: list[str] = field(default_factory=list)
+    # rtol > 0 only: checkpoints whose files retention deleted and whose hashes differ from the live
+    # tensors' (different bits may still be within the tolerance: nothing left to tell).
+    checkpoints_not_compared: list[str] = field(default_factory=list)
+    # Where the compared steps were computed as the log records it (RunStarted, each RunResumed):
+    # ("cpu", 1) unless a run recorded otherwise.
+    computed_on: list[ComputeSite] = field(default_factory=list)
     mismatch: Mismatch | None = None
 
 
@@ -71,7 +108,7 @@ def choose_window(records: Sequence[SeqEvent], checkpoint: str | None) -> Restor
         seen = any(w.checkpoint == point.checkpoint for w in windows)
         if not seen and (point.checkpoint or (from_seed and has_steps and point.state.step == 0)):
             windows.append(point)
-    deleted_names = {e.checkpoint: e.step for _, e in records if isinstance(e, CheckpointDeleted)}
+    deleted_names = _deleted(records)
     usable = [w for w in windows if w.checkpoint not in deleted_names]
     if not usable:
         raise ReplayError("the run has no steps to replay yet, or no checkpoint to start from", 1)
@@ -94,6 +131,10 @@ def choose_window(records: Sequence[SeqEvent], checkpoint: str | None) -> Restor
 
 def _names(windows: list[RestorePoint]) -> str:
     return ", ".join(w.checkpoint or "the start (step 0)" for w in windows)
+
+
+def _deleted(records: Sequence[SeqEvent]) -> dict[str, int]:
+    return {e.checkpoint: e.step for _, e in records if isinstance(e, CheckpointDeleted)}
 
 
 def replay(
@@ -133,6 +174,8 @@ def replay(
     except CheckpointError as exc:  # missing or damaged files: say which, never a traceback
         raise ReplayError(f"cannot load checkpoint {window.checkpoint}: {exc}", 1) from None
     report = ReplayReport(start_checkpoint=window.checkpoint, start_step=window.state.step, to_step=end_step)
+    _note_site(report, state)
+    deleted = _deleted(records)
     for seq, logged in records[window.index :]:
         if logged.step > end_step:
             break
@@ -148,17 +191,31 @@ def replay(
                 progress(logged.step)
             continue
         if isinstance(logged, CheckpointCommitted):
-            difference = _tensor_difference(parts, logged)
-            if difference is not None:
-                report.mismatch = Mismatch(logged.step, seq, "CheckpointCommitted", difference)
+            compared = (
+                (_tensor_difference(parts, logged), None)
+                if rtol == 0
+                else _compare_within(parts, logged, rtol, deleted_on_record=logged.checkpoint in deleted)
+            )
+            if compared is None:
+                report.checkpoints_not_compared.append(logged.checkpoint)
+            elif compared[0] is not None:
+                report.mismatch = Mismatch(logged.step, seq, "CheckpointCommitted", *compared)
                 return report
-            report.checkpoints_matched.append(logged.checkpoint)
+            else:
+                report.checkpoints_matched.append(logged.checkpoint)
         try:  # what the transition did to the live objects the first time (effects.py)
             parts = apply_effect(parts, state, logged)
         except RunError as exc:
             raise ReplayError(str(exc), exc.exit_code) from None
         state = apply(state, logged)
+        _note_site(report, state)  # a RunResumed may go on elsewhere, or in another number of processes
     return report
+
+
+def _note_site(report: ReplayReport, state: State) -> None:
+    site = compute_site(state.device, state.world_size)
+    if site not in report.computed_on:
+        report.computed_on.append(site)
 
 
 def _tensor_difference(parts: Parts, logged: CheckpointCommitted) -> FieldDifference | None:
@@ -167,3 +224,107 @@ def _tensor_difference(parts: Parts, logged: CheckpointCommitted) -> FieldDiffer
         if logged.files.get(name) != recomputed.get(name):  # a group on one side only shows as None
             return FieldDifference(field=f"files.{name}", a=logged.files.get(name), b=recomputed.get(name))
     return None
+
+
+# --- checkpoints within a tolerance ---------------------------------------------------------------------
+
+
+def _compare_within(
+    parts: Parts, logged: CheckpointCommitted, rtol: float, *, deleted_on_record: bool
+) -> tuple[FieldDifference | None, TensorDifference | None] | None:
+    """(difference, worst tensor) of the live tensors against the checkpoint's files by value, both None
+    when they are within `rtol`; None when retention deleted the files and the bits differ (not compared)."""
+    live = _live_groups(parts, logged.files)
+    for file in sorted(logged.files.keys() | {f"{group}{SUFFIX}" for group in live}):
+        if file not in logged.files or file.removesuffix(SUFFIX) not in live:  # a group on one side only
+            return FieldDifference(field=f"files.{file}", a=logged.files.get(file), b=None), None
+    worst: TensorDifference | None = None
+    found: FieldDifference | None = None
+    for file in sorted(logged.files):
+        group = file.removesuffix(SUFFIX)
+        try:
+            saved = parts.store.load(logged.checkpoint, logged.files, groups=[group])[group]
+        except CheckpointNotFound:
+            if not deleted_on_record:
+                raise ReplayError(
+                    f"checkpoint {logged.checkpoint} is not on disk, yet the log never deleted it: it cannot be "
+                    "compared within a tolerance (`rewind verify`; --rtol 0 compares the recorded hashes)",
+                    1,
+                ) from None
+            exact = _tensor_difference(parts, logged) is None  # the same bits are within any tolerance
+            return (None, None) if exact else None
+        except CheckpointError as exc:
+            raise ReplayError(f"cannot read checkpoint {logged.checkpoint} to compare it: {exc}", 1) from None
+        difference, tensor = compare_tensors(file, saved, live[group], rtol)
+        if difference is not None and tensor is None:
+            return difference, None  # names, dtypes or shapes differ: no tolerance applies
+        if tensor is not None and (worst is None or tensor.max_relative_difference > worst.max_relative_difference):
+            worst, found = tensor, difference
+    return found, worst
+
+
+def _live_groups(parts: Parts, files: dict[str, str]) -> dict[str, dict[str, torch.Tensor]]:
+    """What a checkpoint of the live objects would hold, for the groups `files` names (tensor_hashes'
+    groups, before hashing)."""
+    groups, _ = checkpoint_groups(parts)
+    if parts.reference is not None and f"reference{SUFFIX}" in files:
+        groups["reference"] = snapshot.model_tensors(parts.reference)  # rewind 0.1 checkpoints hold it
+    return {group: tensors for group, tensors in groups.items() if f"{group}{SUFFIX}" in files}
+
+
+def compare_tensors(
+    file: str, logged: dict[str, torch.Tensor], live: dict[str, torch.Tensor], rtol: float
+) -> tuple[FieldDifference | None, TensorDifference | None]:
+    """The first tensor named on one side only or differing in dtype or shape (difference, None); else
+    the worst tensor outside the tolerance (see the module's docstring) with its worst element's values
+    as the difference; (None, None) when every element is within it."""
+    for name in sorted(logged.keys() | live.keys()):
+        where = f"files.{file}[{name}]"
+        if name not in logged or name not in live:
+            shown = [_kind(t[name]) if name in t else None for t in (logged, live)]
+            return FieldDifference(field=where, a=shown[0], b=shown[1]), None
+        if logged[name].dtype != live[name].dtype or logged[name].shape != live[name].shape:
+            return FieldDifference(field=where, a=_kind(logged[name]), b=_kind(live[name])), None
+    worst: TensorDifference | None = None
+    found: FieldDifference | None = None
+    for name in sorted(logged):
+        outcome = _outside(logged[name], live[name], rtol)
+        if outcome is None:
+            continue
+        relative, index, num_outside, atol = outcome
+        if worst is None or relative > worst.max_relative_difference:
+            values = [t[tuple(index)].item() for t in (logged[name], live[name])]
+            worst = TensorDifference(file, name, index, relative, num_outside, logged[name].numel(), atol)
+            found = FieldDifference(field=f"files.{file}[{name}]", a=values[0], b=values[1])
+    return found, worst
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+
+
+def _outside(logged: torch.Tensor, live: torch.Tensor, rtol: float) -> tuple[float, list[int], int, float] | None:
+    """(largest relative difference outside the tolerance, its index, how many elements are outside,
+    atol), or None when all are within it. Integer and bool tensors (counts, masks) compare exactly."""
+    if logged.numel() == 0:
+        return None
+    if not logged.is_floating_point():
+        outside = logged != live
+        if not outside.any():
+            return None
+        index = [int(i) for i in torch.nonzero(outside)[0]]
+        return float("inf"), index, int(outside.sum()), 0.0
+    wide = torch.float64 if logged.dtype == torch.float64 else torch.float32  # bf16 / fp16 compared in fp32
+    a, b = logged.to(wide), live.to(wide)
+    magnitude = a.abs()
+    atol = rtol * float(torch.where(torch.isfinite(a), magnitude, 0.0).mean())
+    scale = torch.maximum(magnitude, b.abs())
+    delta = (a - b).abs()  # NaN where either is NaN, or inf - inf: never <= anything
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    outside = ~(same | (delta <= atol + rtol * scale))
+    if not outside.any():
+        return None
+    relative = torch.where(outside, (delta / scale).nan_to_num(nan=float("inf")), 0.0)
+    flat = int(relative.reshape(-1).argmax())
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)] if a.dim() else []
+    return float(relative.reshape(-1)[flat]), index, int(outside.sum()), atol

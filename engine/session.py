@@ -16,9 +16,20 @@ from pathlib import Path
 
 import torch
 
-from rewind.engine.journal import Journal
+from rewind.engine.journal import FollowerJournal, Journal
 from rewind.engine.loop import Run, record
 from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts, open_datasets, starting_weights
+from rewind.engine.placement import (
+    PlacementError,
+    adopt_device,
+    any_rank,
+    check_world,
+    device_record,
+    is_writer,
+    placement_for,
+    prepare_device,
+    shared_event,
+)
 from rewind.engine.rundata import (
     DATA_ERRORS,
     DataChanged,
@@ -183,16 +194,31 @@ def open_run(config: Config, run_dir: str, *, fork: bool = False, metrics: bool 
     read (no lock, nothing written), every check made and the live objects built; only then is the
     log opened for writing (which takes the lock and cuts a torn tail) and the opening records appended."""
     check_directory(run_dir)
+    failure: BaseException | None = None
     try:
         opening = _plan(config, run_dir, fork=fork)
     except DataChanged as exc:
-        raise RunError(f"{run_dir}: {exc}; the run's data changed under it (`rewind verify --data {run_dir}`)", 1) from None
+        failure = RunError(f"{run_dir}: {exc}; the run's data changed under it (`rewind verify --data {run_dir}`)", 1)
     except DATA_ERRORS as exc:
-        raise RunError(str(exc)) from None  # the config names data that is not what it says: exit 2
-    prepare_directory(run_dir)
-    # "tail": the writer trusts sealed segments whose index checks out, so a resume reads the tail;
-    # damage further back is found by whoever reads it (`rewind verify` reads everything).
-    log = EventLog.open(run_dir, "w", check="tail")
+        failure = RunError(str(exc))  # the config names data that is not what it says: exit 2
+    except PlacementError as exc:
+        failure = RunError(str(exc))
+    except RunError as exc:
+        failure = exc
+    # Every process of a sharded run read the log before rank 0 writes to it; they go on together or not at all.
+    together(failure)
+    if not is_writer():
+        together(None)  # rank 0 opening the log for writing
+        return opening.carry_out(FollowerJournal(), metrics=False)
+    try:
+        prepare_directory(run_dir)
+        # "tail": the writer trusts sealed segments whose index checks out, so a resume reads the tail;
+        # damage further back is found by whoever reads it (`rewind verify` reads everything).
+        log = EventLog.open(run_dir, "w", check="tail")
+    except BaseException as exc:
+        together(exc)
+        raise
+    together(None)
     try:
         _check_unchanged(run_dir, log, opening.end_seq)
         journal = Journal(log, None, config.logging.report_interval)
@@ -200,6 +226,13 @@ def open_run(config: Config, run_dir: str, *, fork: bool = False, metrics: bool 
     except BaseException:
         log.close()
         raise
+
+
+def together(failure: BaseException | None) -> None:
+    """Raise `failure`, or, in a sharded run, stop every rank when any rank failed (the one that did
+    with its own message; the others say where to look)."""
+    if any_rank(failure is not None):
+        raise failure if failure is not None else RunError("another process of the run could not open it (see its message)", 1)
 
 
 @dataclass
@@ -216,25 +249,32 @@ class _Opening:
     restore_seq: int = -1
     restore_step: int = 0
 
-    def carry_out(self, journal: Journal, metrics: bool) -> tuple[Run, State, str]:
+    def carry_out(self, journal: Journal | FollowerJournal, metrics: bool) -> tuple[Run, State, str]:
+        """Record the opening (rank 0 writes it; the other ranks of a sharded run apply rank 0's events)."""
         run = Run(self.parts, journal)
         if self.how == "finished":
             return run, self.state, "finished"
-        journal.metrics = metrics_for(self.run_dir, metrics)
+        writes = isinstance(journal, Journal)
+        if writes:
+            journal.metrics = metrics_for(self.run_dir, metrics)
         if self.how == "started":
-            publish_run_data(self.parts.datasets.place, self.parts.config, self.run_dir)  # now, with the lock held
-            if journal.metrics is not None:
-                journal.metrics.resume(-1, 0)  # a directory left by a start that died before its first record
-            return run, record(run, State(), self.events[0]), "started"
+            if writes:
+                publish_run_data(self.parts.datasets.place, self.parts.config, self.run_dir)  # now, with the lock held
+                if journal.metrics is not None:
+                    journal.metrics.resume(-1, 0)  # a directory left by a start that died before its first record
+            return run, record(run, State(), shared_event(self.events[0] if writes else None)), "started"
         assert self.folded is not None
-        if journal.metrics is not None:
-            _catch_up_metrics(journal.metrics, journal.log, self.folded, self.restore_seq, self.restore_step)
-        snapshots.discard_after(self.run_dir, journal.log.next_seq - 1)  # caches of records now gone
+        if writes:
+            if journal.metrics is not None:
+                _catch_up_metrics(journal.metrics, journal.log, self.folded, self.restore_seq, self.restore_step)
+            snapshots.discard_after(self.run_dir, journal.log.next_seq - 1)  # caches of records now gone
         state = self.state
         for event in self.events:  # a ConfigChanged's effect rebuilds the live objects for the new config
-            state = record(run, state, event)
-        save_snapshot(self.run_dir, state, self.events[-1], run.parts.config)
+            state = record(run, state, shared_event(event if writes else None))
         journal.report_interval = run.parts.config.logging.report_interval
+        if not writes:
+            return run, state, "resumed"
+        save_snapshot(self.run_dir, state, self.events[-1], run.parts.config)
         # With the resume on record and the lock held, the store's own temporaries are debris; any other
         # directory no live event names is kept, moved aside: it may be a checkpoint whose record was lost.
         _, moved = run.parts.store.set_aside_orphans(c.checkpoint for c in state.live_checkpoints)
@@ -277,6 +317,9 @@ def _plan_start(config: Config, run_dir: str) -> _Opening:
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
+    placement = placement_for(config)
+    check_world(config, placement)
+    prepare_device(config)
     place = start_place(config, run_dir)
     datasets = open_datasets(config, place)
     pretrained = starting_weights(config, None)
@@ -293,6 +336,8 @@ def _plan_start(config: Config, run_dir: str) -> _Opening:
         data=identities(config, place),
         tokenizer=place.tokenizer.identity,
         pretrained=pretrained.identity if pretrained is not None else "",
+        device=device_record(placement.device),
+        world_size=placement.world_size,
     )
     return _Opening(run_dir, "started", parts, end_seq=-1, events=(started,))
 
@@ -334,6 +379,10 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool) -> 
     if changes:
         raise DataChanged(changes)
     adopt_cpu_capability(current.cpu_capability)  # before the first tensor is computed
+    adopt_device(current.device)  # compute.device = "auto" goes on where the run computed
+    placement = placement_for(going_on)
+    check_world(going_on, placement)
+    prepare_device(going_on)
     # Built for the config the run goes on under (the new one when forking in place, so that the old
     # config's datasets, perhaps moved since, are never opened), from the restore point's tensors.
     parts = build_parts(going_on, run_dir, point.state, open_datasets(going_on, place))
@@ -344,6 +393,8 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool) -> 
         superseded_first_seq=point.seq + 1,
         superseded_last_seq=folded.end_seq,
         config_hash=point.state.config_hash,
+        device=device_record(placement.device),
+        world_size=placement.world_size,
     )
     events: tuple[Event, ...] = (resumed,)
     try:  # every check before the first record

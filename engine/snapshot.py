@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rewind.engine.placement import full_tensor, like_parameter
+
 _STATE = "state."
 _GROUP = "group."
 _MAX_NAMES_SHOWN = 5
@@ -124,6 +126,7 @@ def load_optimizer_tensors(
     # torch's optimizer state_dict numbers parameters across groups in order; build that numbering
     # from the live optimizer, after checking it holds the same names in the same places.
     index_of: dict[str, int] = {}
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
     groups = []
     for index, (live, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         names = [param_names.get(parameter, "?") for parameter in live["params"]]
@@ -143,7 +146,9 @@ def load_optimizer_tensors(
         if key.startswith(_GROUP) and owner.removeprefix(_GROUP) in {str(i) for i in range(len(groups))}:
             groups[int(owner.removeprefix(_GROUP))][field] = tensor.clone()
         elif key.startswith(_STATE) and owner.removeprefix(_STATE) in index_of:
-            state.setdefault(index_of[owner.removeprefix(_STATE)], {})[field] = tensor.clone()
+            index = index_of[owner.removeprefix(_STATE)]
+            # A sharded parameter's moments are sharded like it: each rank keeps its slice of the whole.
+            state.setdefault(index, {})[field] = like_parameter(tensor.clone(), parameters[index])
         else:
             raise SnapshotError(
                 f"checkpoint optimizer tensor {key!r} fits no parameter or group of this optimizer"
@@ -158,7 +163,9 @@ def load_optimizer_tensors(
 
 
 def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
-    # One copy whatever the source device or strides; same dtype, so the bits are unchanged.
+    # One copy whatever the source device or strides; same dtype, so the bits are unchanged. A shard is
+    # made whole first (a collective: every rank copies the same tensors in the same order).
+    tensor = full_tensor(tensor)
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
     copy.copy_(tensor.detach())
     return copy

@@ -7,6 +7,7 @@ StepCommitted event.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from rewind.engine.objectives import objective_batch
+from rewind.engine.placement import full_tensor, is_sharded, placement_for, sum_over_ranks
 from rewind.engine.rng import derive_seed
 from rewind.kernels.losses import fused_losses
 from rewind.states.config import Config
@@ -71,9 +73,18 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, config: Config) -> N
 
 
 def dropout_seed(config: Config, step: int, micro_batch: int) -> int:
-    """The seed of the dropout masks of one micro-batch of step `step` (rank 0): the one place it is
-    derived, so the activation cache computes the trunk with exactly the masks the step uses."""
+    """The seed of the dropout masks of micro-batch `micro_batch` of step `step`, numbered over the whole
+    step's batch (not per rank, so a run that changes its world size keeps its masks): the one place it
+    is derived, so the activation cache computes the trunk with exactly the masks the step uses. (The
+    0 is where a rank once went: kept, so the seeds of every existing run stay what they were.)"""
     return derive_seed(config.run.seed, "dropout", step, 0, micro_batch)
+
+
+def _compute_precision(config: Config, device: torch.device):
+    """bf16-autocast: matmuls in bf16 under torch.autocast (weights, optimizer and the loss stay fp32)."""
+    if config.compute.precision == "bf16-autocast":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _levels(levels: torch.Tensor | None, rows: slice) -> dict:
@@ -83,6 +94,20 @@ def _levels(levels: torch.Tensor | None, rows: slice) -> dict:
 def micro_batches(num_rows: int, per_device: int) -> list[slice]:
     size = num_rows if per_device <= 0 else per_device
     return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
+
+
+def _global_norm(parameters: list[torch.Tensor], clip: float, sharded: bool) -> float:
+    """The gradients' global L2 norm before clipping (and the clip, if `clip` > 0). Sharded gradients
+    are DTensors: torch sums their shards' squares over the ranks, and the norm is made whole."""
+    if clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, clip, foreach=False)
+    elif not parameters:
+        return 0.0
+    elif sharded:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=False)
+    else:
+        norm = torch.norm(torch.stack([p.grad.detach().norm() for p in parameters]))
+    return float(full_tensor(norm))
 
 
 def train_step(
@@ -121,22 +146,35 @@ def train_step(
         stack_index=stack_index,
         num_stacks=num_stacks,
     )
-    inputs, targets, loss_mask, levels = batch.inputs, batch.targets, batch.loss_mask, batch.levels
-    num_target_tokens = int(loss_mask.sum())
+    num_target_tokens = int(batch.loss_mask.sum())  # over the whole step's batch: every rank's share
+    placement = placement_for(config)
+    # This process's rows of the step's batch (all of them in one process), on its device.
+    mine = placement.row_range(tokens.shape[0])
+    rows_here = slice(mine.start, mine.stop)
+    device = placement.device
+    inputs, targets, loss_mask = (t[rows_here].to(device) for t in (batch.inputs, batch.targets, batch.loss_mask))
+    levels = None if batch.levels is None else batch.levels[rows_here].to(device)
+    trunk_here = None if trunk_rows is None else trunk_rows[rows_here].to(device)
     use_kl = reference is not None and beta > 0.0
     kind = config.optimization.kl.kind
+    sharded = is_sharded(model)
+    parts = micro_batches(len(mine), config.training.per_device_batch_size)
+    first_micro_batch = mine.start // max(parts[0].stop - parts[0].start, 1) if parts else 0
     total_ce = total_kl = 0.0
     num_correct = 0
-    for index, rows in enumerate(micro_batches(tokens.shape[0], config.training.per_device_batch_size)):
-        seed = dropout_seed(config, step, index)
-        if trunk_rows is not None:
-            logits = model.forward_from_trunk(trunk_rows[rows], dropout_seed=seed)
-        else:
-            logits = model(inputs[rows], dropout_seed=seed, **_levels(levels, rows))
-        reference_logits = None
-        if use_kl:
-            with torch.no_grad():  # no reference forward at all when beta is 0
-                reference_logits = reference(inputs[rows], **_levels(levels, rows))
+    for index, rows in enumerate(parts):
+        if sharded:  # gradients are reduced over the ranks once, after the last micro-batch
+            model.set_requires_gradient_sync(index == len(parts) - 1)  # type: ignore[operator]
+        seed = dropout_seed(config, step, first_micro_batch + index)
+        with _compute_precision(config, device):
+            if trunk_here is not None:
+                logits = model.forward_from_trunk(trunk_here[rows], dropout_seed=seed)
+            else:
+                logits = model(inputs[rows], dropout_seed=seed, **_levels(levels, rows))
+            reference_logits = None
+            if use_kl:
+                with torch.no_grad():  # no reference forward at all when beta is 0
+                    reference_logits = reference(inputs[rows], **_levels(levels, rows))
         losses = fused_losses(
             logits, targets[rows], loss_mask[rows], num_target_tokens, reference_logits, beta, kind
         )
@@ -144,12 +182,11 @@ def train_step(
         total_ce += float(losses.ce)
         total_kl += float(losses.kl)
         num_correct += int(losses.num_correct)
+    # Measured over every rank before the event that carries them is built: all ranks fold the same.
+    total_ce, total_kl, summed_correct = sum_over_ranks([total_ce, total_kl, float(num_correct)])
+    num_correct = int(summed_correct)
     parameters = [p for p in model.parameters() if p.grad is not None]
-    clip = config.optimization.grad_clip
-    if clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, clip, foreach=False))
-    else:
-        grad_norm = float(torch.norm(torch.stack([p.grad.detach().norm() for p in parameters]))) if parameters else 0.0
+    grad_norm = _global_norm(parameters, config.optimization.grad_clip, sharded)
     finite = not nonfinite_quantity(total_ce, total_kl, grad_norm)
     if finite and apply_update:
         for group in optimizer.param_groups:

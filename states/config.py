@@ -39,6 +39,9 @@ Precision = Literal["fp32", "bf16", "nf4"]
 RankPattern = Literal["fixed", "increasing", "decreasing", "linear", "table"]
 CacheChoice = Literal["auto", "on", "off"]
 ObjectiveKind = Literal["clm", "mlm", "diffusion"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+ComputePrecision = Literal["fp32", "bf16-autocast", "bf16-mixed"]
+LossKernel = Literal["logits", "chunked", "triton"]
 
 class Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Base of every config section: immutable, and unknown keys are an error, never ignored."""
@@ -209,6 +212,27 @@ class ObjectiveSection(Struct):
     depth_map: Literal["linear", "exponential"] = "linear"  # time = "depth": stack index -> level
 
 
+class ComputeSection(Struct):
+    """Where and how the run computes. Every field changes the bits a step produces, so all of them are
+    part of the config (a resume computes as the run did; a fork may change them, on record)."""
+
+    # "auto": CUDA when this machine has it, else the CPU; the device chosen is recorded when the run
+    # starts (RunStarted.device) and a resume under "auto" keeps it.
+    device: DeviceName = "auto"
+    # fp32; bf16-autocast: fp32 weights and optimizer, matmuls in bf16 under torch.autocast;
+    # bf16-mixed: FSDP2's mixed precision (bf16 parameters for compute, fp32 master weights, fp32
+    # gradient reduction; a single process runs as a one-rank FSDP2 group).
+    precision: ComputePrecision = "fp32"
+    compile: bool = False  # torch.compile the model (deterministic run to run, not bitwise equal to eager)
+    # CUDA only: torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG, so the same device and
+    # world size repeat a run bit for bit (at some speed). The CPU is deterministic anyway.
+    deterministic: bool = True
+    # How the loss meets the head: "logits" (the model's logits, then the chunked loss), "chunked" (the
+    # loss owns the head matmul and never holds every position's logits: torch, any device), "triton"
+    # (the same with the fused Triton kernel; CUDA, or Triton's interpreter on the CPU).
+    loss_kernel: LossKernel = "logits"
+
+
 class Config(Struct):
     run: RunSection = RunSection()
     architecture: ArchitectureSection = ArchitectureSection()
@@ -221,6 +245,7 @@ class Config(Struct):
     objective: ObjectiveSection = ObjectiveSection()
     tokenizer: TokenizerSection = TokenizerSection()
     pretrained: PretrainedSection = PretrainedSection()
+    compute: ComputeSection = ComputeSection()
 
     @property
     def num_stages(self) -> int:

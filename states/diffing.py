@@ -45,6 +45,7 @@ __all__ = [
     "CONTENT_TYPES",
     "IGNORED_FIELDS",
     "SCALAR_METRICS",
+    "ComputeSite",
     "ConfigChange",
     "DiffReport",
     "Divergence",
@@ -57,6 +58,7 @@ __all__ = [
     "UnorderedSteps",
     "abs_delta",
     "aligned_streams",
+    "compute_site",
     "config_changes",
     "content_events",
     "content_from",
@@ -65,9 +67,25 @@ __all__ = [
     "final_config",
     "fork_origin",
     "known_configs",
+    "promises_bits",
     "start_step",
     "summarize_metrics",
 ]
+
+
+ComputeSite = tuple[str, int]  # (device, number of processes) a segment of a run computed on
+
+
+def compute_site(device: str, world_size: int) -> ComputeSite:
+    """A recorded RunStarted/RunResumed (device, world size), with the defaults of a log that records
+    none: the CPU, one process."""
+    return (device or "cpu", max(world_size, 1))
+
+
+def promises_bits(site: ComputeSite) -> bool:
+    """Bits are promised only on the CPU in one process; elsewhere floats agree within a tolerance."""
+    device, world_size = site
+    return world_size == 1 and not device.startswith("cuda")
 
 
 def diff_streams(

@@ -47,7 +47,8 @@ RUN_FEATURES: tuple[str, ...] = (
 # additions: a record of 2 upcasts unchanged; the bump tells a reader that predates them what it holds).
 # 4: StackAppended's growth decisions and ActivationsCached (additions again: model growth).
 # 5: the data on record (RunStarted/ConfigChanged .data, .tokenizer, RunStarted.pretrained) and EpochStarted.
-SCHEMA_VERSION = 5
+# 6: where a run computes (RunStarted/RunResumed .device and .world_size; additions).
+SCHEMA_VERSION = 6
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -84,6 +85,10 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="RunStarted"):
     data: dict[str, DataIdentity] = {}
     tokenizer: str = ""
     pretrained: str = ""
+    # Where the run computes: "cpu", or "cuda:<device name>" ("" = not recorded: the CPU), and in how many
+    # processes (0 = not recorded: one). A resume under compute.device = "auto" keeps the device.
+    device: str = ""
+    world_size: int = 0
 
 
 class EpochStarted(Event, frozen=True, kw_only=True, tag="EpochStarted"):
@@ -216,6 +221,10 @@ class RunResumed(Event, frozen=True, kw_only=True, tag="RunResumed"):
     superseded_last_seq: int  # < first when nothing was superseded
     config_hash: str = ""  # label of the config in force at the restore point
     seed: ForkSeed | None = None
+    # Where this process (and its peers) go on computing, as RunStarted records it: a resume may change
+    # the world size (its bits then differ from the run that never stopped, within the documented tolerance).
+    device: str = ""
+    world_size: int = 0
 
 
 class ConfigChanged(Event, frozen=True, kw_only=True, tag="ConfigChanged"):

@@ -112,6 +112,8 @@ def _transition(state: State, event: Event) -> State:
                 data=dict(event.data),
                 tokenizer=event.tokenizer,
                 pretrained=event.pretrained,
+                device=event.device,
+                world_size=event.world_size,
             )
         case StageEntered(stage=stage):
             _require(stage == state.num_stages_entered, event, f"expected stage {state.num_stages_entered} next")
@@ -328,7 +330,14 @@ def _resumed(state: State, event: RunResumed) -> State:
     resume = Superseded(first_seq=first, last_seq=last, checkpoint=event.checkpoint, step=event.step)
     # Checkpoints committed after the restore point stay on disk (the log is append-only), but
     # resuming from the last committed one means there are none: the anchor's view is the truth.
-    return replace(anchor, resumes=[*state.resumes, resume], stopped_reason="", next_seq=max(first, last + 1))
+    return replace(
+        anchor,
+        resumes=[*state.resumes, resume],
+        stopped_reason="",
+        next_seq=max(first, last + 1),
+        device=event.device,
+        world_size=event.world_size,
+    )
 
 
 def _agrees(anchor: State, seed: ForkSeed) -> bool:

@@ -172,6 +172,10 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     parent_run: str = ""
     num_threads: int = 0  # CPU threads the run computes with (RunStarted's; 0 = not recorded)
     cpu_capability: str = ""  # the CPU kernels it computes with (RunStarted's; "" = not recorded)
+    # Where the current segment computes (RunStarted's, then the last RunResumed's): "" = the CPU, not
+    # recorded; world_size 0 = one process, not recorded.
+    device: str = ""
+    world_size: int = 0
     features: list[str] = []  # RunStarted's (a fork's: its parent's), see events.RUN_FEATURES
     # The data on record: each user dataset's identity (RunStarted's, updated by ConfigChanged), the
     # tokenizer's and the pretrained weights' sha256 ("" = bytes / none), and the epoch each dataset is in.

@@ -81,9 +81,28 @@ def threads_problem(num_threads: int) -> str:
     return f"num_threads {num_threads} is out of range 0..{MAX_THREADS}"
 
 
+# torchrun's own limit is far lower; this only keeps absurd values out of what sizes a process group.
+MAX_WORLD_SIZE = 1 << 20
+_DEVICE = re.compile(r"(cpu|cuda(:[ -~]{0,80})?)?")
+
+
+def placement_problem(device: str, world_size: int) -> str:
+    """A recorded device is "", "cpu" or "cuda[:name]" and a world size is in 0..MAX_WORLD_SIZE."""
+    if not 0 <= world_size <= MAX_WORLD_SIZE:
+        return f"world_size {world_size} is out of range 0..{MAX_WORLD_SIZE}"
+    if not _DEVICE.fullmatch(device):
+        return f"device {device[:40]!r} is not a device rewind computes on"
+    return ""
+
+
 def state_problem(state: State, config: Config) -> str:
     """Why a cached state (a snapshot) cannot be used ("" if it can): the same rules as the records."""
-    return config_problem(config) or threads_problem(state.num_threads) or capability_problem(state.cpu_capability)
+    return (
+        config_problem(config)
+        or threads_problem(state.num_threads)
+        or capability_problem(state.cpu_capability)
+        or placement_problem(state.device, state.world_size)
+    )
 
 
 def _name_problem(name: str, step: int | None, *, empty_ok: bool) -> str:
@@ -143,6 +162,7 @@ class RecordChecker:
                     or threads_problem(event.num_threads)
                     or capability_problem(event.cpu_capability)
                     or features_problem(event.features)
+                    or placement_problem(event.device, event.world_size)
                 )
                 if not problem:
                     self.config = event.config
@@ -164,7 +184,7 @@ class RecordChecker:
             case RunResumed():
                 problem = _name_problem(
                     event.checkpoint, event.step if event.checkpoint else None, empty_ok=True
-                )
+                ) or placement_problem(event.device, event.world_size)
                 if problem or event.seed is None:
                     return problem
                 return self._seed_problem(event, event.seed)

@@ -72,7 +72,14 @@ def v4_to_v5(raw: dict) -> dict:
     return raw
 
 
+def v5_to_v6(raw: dict) -> dict:
+    """Schema 5 -> 6 added where a run computes (RunStarted/RunResumed .device, .world_size, with
+    defaults): a record without them was computed on the CPU by one process, which is what they mean."""
+    return raw
+
+
 UPCASTERS[1] = v1_to_v2
 UPCASTERS[2] = v2_to_v3
 UPCASTERS[3] = v3_to_v4
 UPCASTERS[4] = v4_to_v5
+UPCASTERS[5] = v5_to_v6

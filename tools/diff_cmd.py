@@ -4,7 +4,8 @@ they part, and by how much their metrics differ after it.
 Exit 0 when the runs do not diverge, 1 when they do (like diff(1)), 2 for bad input. The comparison
 itself is pure and lives in `rewind.states.diffing`; this module streams the two logs into it
 (lock-free, so a live run can be compared while it trains; never held whole, so two million-step logs
-compare in bounded memory) and prints. Floats are equal bit for bit unless `--rtol`.
+compare in bounded memory) and prints. Floats are equal bit for bit unless `--rtol`; when floats differ
+bitwise between runs that recorded different devices or numbers of processes, a hint says so.
 """
 
 from __future__ import annotations
@@ -13,12 +14,22 @@ import argparse
 import json
 import math
 import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rewind.states.diffing import DiffReport, EvaluationPair, Metrics, Relation, RunEnd
-from rewind.states.events import ForkOrigin
+from rewind.states.diffing import (
+    ComputeSite,
+    DiffReport,
+    EvaluationPair,
+    Metrics,
+    Relation,
+    RunEnd,
+    compute_site,
+)
+from rewind.states.events import ForkOrigin, RunResumed, RunStarted
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.replay_cmd import TOLERANCE_ADVICE, describe_sites
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,20 +83,37 @@ def run(args: argparse.Namespace) -> int:
         child = "b"
     elif parent_a is not None and same_run(parent_a.run, args.run_b):
         child = "a"
+    sites_a, sites_b = [], []
     try:
-        report = diff_streams(records_a, records_b, rtol=args.rtol, child=child)
+        report = diff_streams(
+            watch_sites(records_a, sites_a), watch_sites(records_b, sites_b), rtol=args.rtol, child=child
+        )
     except UnorderedSteps as exc:  # no run writes such a log; one put together by hand might
         run_dir = args.run_a if exc.side == "a" else args.run_b
         raise CommandError(f"{run_dir}: the effective records go back a step: {exc}", exit_code=1) from None
+    hint = sites_hint(report, sites_a, sites_b)
     if args.json:
         extra = {"plot": str(args.plot)} if args.plot else {}
+        computed_on = {
+            side: [{"device": device, "world_size": size} for device, size in sites]
+            for side, sites in (("a", sites_a), ("b", sites_b))
+        }
         print(
             json.dumps(
-                {"run_a": args.run_a, "run_b": args.run_b, **msgspec.to_builtins(report), **extra}, indent=1
+                {
+                    "run_a": args.run_a,
+                    "run_b": args.run_b,
+                    **msgspec.to_builtins(report),
+                    "computed_on": computed_on,
+                    "hint": hint or None,
+                    **extra,
+                },
+                indent=1,
             )
         )
     else:
-        print("\n".join(render(report, args.run_a, args.run_b)))
+        lines = render(report, args.run_a, args.run_b)
+        print("\n".join([*lines, "", f"hint: {hint}"] if hint else lines))
     if args.plot:
         from rewind.tools.timeline_cmd import read_timeline
         from rewind.tools.timeline_compare import plot_comparison
@@ -95,6 +123,32 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0 if report.divergence is None else 1
+
+
+def watch_sites(records: Iterable[tuple], sites: list[ComputeSite]) -> Iterator[tuple]:
+    """`records` passed through unchanged, noting in `sites` each (device, world size) a RunStarted or
+    RunResumed records as it streams past (the logs are never held whole)."""
+    for seq, event in records:
+        if isinstance(event, RunStarted | RunResumed):
+            site = compute_site(event.device, event.world_size)
+            if site not in sites:
+                sites.append(site)
+        yield seq, event
+
+
+def sites_hint(report: DiffReport, sites_a: list[ComputeSite], sites_b: list[ComputeSite]) -> str:
+    """Why floats that differ bitwise may be no fault: the runs computed on different devices or in
+    different numbers of processes, which promise the same numbers only within a tolerance. "" otherwise."""
+    found = report.divergence
+    if report.rtol != 0 or found is None or found.kind != "event" or set(sites_a) == set(sites_b):
+        return ""
+    if not (isinstance(found.value_a, float) and isinstance(found.value_b, float)):
+        return ""
+    return (
+        f"A computed on {describe_sites(sites_a)}, B on {describe_sites(sites_b)}: floats computed on different "
+        f"devices or by different numbers of processes agree within a tolerance, not bit for bit; compare with "
+        f"{TOLERANCE_ADVICE}"
+    )
 
 
 # --- the readable report -----------------------------------------------------------------------------

@@ -1,17 +1,22 @@
 """`rewind replay RUN [--from-checkpoint C] [--to-step N] [--rtol R]`: re-execute a window of a run and
-compare every recomputed step with the logged one, and the live tensors with every checkpoint's
-recorded hashes. Exit 0 when everything matches, 1 at the first mismatch (which is reported)."""
+compare every recomputed step with the logged one, and the live tensors with every checkpoint (its
+recorded hashes; within --rtol, its files' values). Exit 0 when everything matches, 1 at the first
+mismatch (which is reported, with a hint when the window was computed where bits are not promised)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 
+from rewind.states.diffing import promises_bits
 from rewind.tools.errors import CommandError, UsageError
 
 COMPARED = "stage, lr, beta, loss, kl, grad norm, rows, cursors, skipped"
+# What a run computed on a GPU or by several processes can be expected to match within (docs/distributed.md).
+TOLERANCE_ADVICE = "--rtol 1e-5 (fp32; bf16 runs need ~1e-2), see docs/distributed.md"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +69,8 @@ def as_dict(report, rtol: float) -> dict:
         "rtol": rtol,
         "num_steps_compared": report.num_steps,
         "checkpoints_matched": report.checkpoints_matched,
+        "checkpoints_not_compared": report.checkpoints_not_compared,
+        "computed_on": [{"device": device, "world_size": size} for device, size in report.computed_on],
         "reproducible": mismatch is None,
         "mismatch": None
         if mismatch is None
@@ -74,7 +81,9 @@ def as_dict(report, rtol: float) -> dict:
             "field": mismatch.difference.field,
             "logged": mismatch.difference.a,
             "recomputed": mismatch.difference.b,
+            "tensor": None if mismatch.tensor is None else dataclasses.asdict(mismatch.tensor),
         },
+        "hint": replay_hint(report, rtol) or None,
     }
 
 
@@ -89,8 +98,12 @@ def describe(report, run_dir: str, rtol: float) -> str:
     else:
         lines.append(f"  {report.num_steps - (mismatch.event == 'StepCommitted')} steps matched {exact} before")
     if report.checkpoints_matched:
-        lines.append(f"  model and optimizer tensors equal the hashes of {len(report.checkpoints_matched)} "
+        against = "hashes" if rtol == 0 else f"files (hashes, once deleted) within rtol {rtol:g}"
+        lines.append(f"  model and optimizer tensors equal the {against} of {len(report.checkpoints_matched)} "
                      f"checkpoint(s): {', '.join(report.checkpoints_matched)}")
+    if report.checkpoints_not_compared:
+        lines.append(f"  not compared (files deleted, bits differ): {len(report.checkpoints_not_compared)} "
+                     f"checkpoint(s): {', '.join(report.checkpoints_not_compared)}")
     if mismatch is None:
         lines.append("replay: reproducible")
         return "\n".join(lines)
@@ -101,10 +114,33 @@ def describe(report, run_dir: str, rtol: float) -> str:
     if isinstance(d.a, float) and isinstance(d.b, float):
         delta = abs(d.a - d.b)
         lines.append(f"  |delta| {delta:.3g}, relative {delta / max(abs(d.a), abs(d.b), 1e-300):.3g}")
+    if mismatch.tensor is not None:
+        t = mismatch.tensor
+        lines.append(f"  worst tensor {t.tensor} of {t.file}: max relative difference {t.max_relative_difference:.3g} "
+                     f"at {t.index}; {t.num_outside:,} of {t.num_elements:,} elements outside rtol {rtol:g} "
+                     f"(+ atol {t.atol:.3g}, rtol x the tensor's mean |value|)")
     if mismatch.event == "CheckpointCommitted":
         lines.append("  every step before matched, so the difference is in state no step reports (e.g. optimizer moments)")
+    if hint := replay_hint(report, rtol):
+        lines.append(f"  hint: {hint}")
     lines.append(f"replay: not reproducible at step {mismatch.step}")
     return "\n".join(lines)
+
+
+def describe_sites(sites) -> str:
+    """(device, world size) pairs as words: "cuda:NVIDIA H100 80GB HBM3 in 8 processes, then cpu"."""
+    return ", then ".join(device + (f" in {size} processes" if size > 1 else "") for device, size in sites)
+
+
+def replay_hint(report, rtol: float) -> str:
+    """Why a bitwise mismatch may be no fault, when the window was computed on a GPU or by several
+    processes: their bits are promised only within a tolerance. "" otherwise."""
+    if report.mismatch is None or rtol != 0 or all(promises_bits(site) for site in report.computed_on):
+        return ""
+    return (
+        f"the replayed window was computed on {describe_sites(report.computed_on)}, where bits are promised "
+        f"only within a tolerance, not bit for bit: compare with {TOLERANCE_ADVICE}"
+    )
 
 
 class _ProgressBar:

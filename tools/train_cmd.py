@@ -89,9 +89,26 @@ class ProgressBar:
 
 
 def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool) -> int:
+    """One process's part of training: the whole of it, or under torchrun one rank's (rank 0 alone writes
+    the run and speaks; see rewind.engine.placement)."""
+    from rewind.engine.placement import PlacementError, join_process_group, leave_process_group
+
+    try:
+        join_process_group(config.compute)
+    except PlacementError as exc:
+        raise CommandError(str(exc), 2) from None
+    try:
+        return _train_here(config, run_dir, fork=fork, max_steps=max_steps, progress=progress)
+    finally:
+        leave_process_group()
+
+
+def _train_here(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool) -> int:
+    from rewind.engine.placement import is_writer
     from rewind.engine.session import RunError, adopt_threads, open_run
     from rewind.stores.eventlog import LogLockedError
 
+    speaks = is_writer()
     try:
         run, state, how = open_run(config, run_dir, fork=fork)
     except RunError as exc:
@@ -107,15 +124,16 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
                 f"it trains no further: use a new --run-dir, or `rewind fork {run_dir} --at-step N NEW_RUN "
                 "--set ...` to branch from one of its checkpoints"
             )
-        print(f"{run_dir}: the run is already finished (step {state.step}); nothing to do")
+        if speaks:
+            print(f"{run_dir}: the run is already finished (step {state.step}); nothing to do")
         return 0
-    if how == "resumed":
+    if how == "resumed" and speaks:
         ref = state.last_checkpoint
         origin = f"checkpoint {ref.checkpoint}" if ref else "the start (no checkpoint yet)"
         print(f"resuming {run_dir} at step {state.step} from {origin}", file=sys.stderr)
         if note := adopt_threads(state.num_threads):
             print(f"  {note}", file=sys.stderr)
-    return drive_and_report(run, state, run_dir, max_steps=max_steps, progress=progress)
+    return drive_and_report(run, state, run_dir, max_steps=max_steps, progress=progress and speaks, speaks=speaks)
 
 
 def finished_under_another_config(logged, new) -> str:
@@ -130,12 +148,14 @@ def finished_under_another_config(logged, new) -> str:
     return shown or "no field differs in value"
 
 
-def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progress: bool) -> int:
-    """Train an opened run to its end (or a stop), close it, and report; returns the exit code."""
+def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progress: bool, speaks: bool = True) -> int:
+    """Train an opened run to its end (or a stop), close it, and report (unless another process of a
+    sharded run reports: `speaks`); returns the exit code."""
     from rewind.engine.loop import drive
 
     try:
-        _write_schedule_plot(run.parts, run_dir)
+        if speaks:
+            _write_schedule_plot(run.parts, run_dir)
         bar = ProgressBar(run.parts.schedule.num_steps, state.step, progress, state.epochs)
         try:
             outcome = drive(run, state, max_steps=max_steps, progress=bar)
@@ -146,8 +166,11 @@ def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progres
     if outcome.status == "nonfinite":
         raise CommandError(outcome.message, 1)
     if outcome.status in ("stopped", "interrupted"):
-        print(f"rewind: {outcome.message}", file=sys.stderr)
+        if speaks:
+            print(f"rewind: {outcome.message}", file=sys.stderr)
         return 130 if outcome.status == "interrupted" else 0
+    if not speaks:
+        return 0
     if outcome.message:  # finished, with something to say (updates skipped for non-finite losses)
         print(f"rewind: warning: {outcome.message}", file=sys.stderr)
     print(summary(run_dir))

@@ -56,6 +56,7 @@ GOLDEN_RUNS = {
     3: GOLDEN_DIR / "run-v3-f2",
     4: GOLDEN_DIR / "run-v4-f2",
     5: GOLDEN_DIR / "run-v5-f2",
+    6: GOLDEN_DIR / "run-v6-f2",
 }  # 1, 2: frame format 1
 # By frame format: format 2 marks the end of each commit group (stores/codec.py).
 GOLDEN_FRAME_RUNS = {1: GOLDEN_DIR / "run-v2", 2: GOLDEN_DIR / "run-v3-f2"}
@@ -121,6 +122,7 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
             features=["lr_warmup_floor", "baseline_evaluation"] if newer else [],
             **data_on_record,
             **({"pretrained": SHA} if version >= 5 else {}),
+            **({"device": "cpu", "world_size": 2} if version >= 6 else {}),
         ),
         Evaluated(
             step=0,
@@ -203,6 +205,7 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
             superseded_last_seq=14,
             config_hash=HASH,
             seed=seed,
+            **({"device": "cuda:NVIDIA H100 80GB HBM3", "world_size": 1} if version >= 6 else {}),
         ),
         ConfigChanged(
             step=120,

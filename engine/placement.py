@@ -1,0 +1,252 @@
+"""Where a run computes: the device, the precision, and the processes the model is sharded over.
+
+One process (the CPU promise, bit for bit) or N processes under torchrun: every rank builds the same
+live objects from the same folded state, then `place` moves the model to the device and, when the run
+is sharded, applies FSDP2's `fully_shard` to each block and then to the root. Control needs no
+messages (every rank folds the same events and `states/` is pure); what a step *measures* is summed
+over the ranks (`sum_over_ranks`) before the event that carries it is built, so every rank folds
+identical events. Only rank 0 writes (the log, checkpoints, caches); what it alone learns (a
+checkpoint's hashes) reaches the others as the msgspec bytes of the event (`shared_event`), never a
+pickle.
+
+Sharded is decided per process, not per config: a world size > 1 (torchrun's WORLD_SIZE), or
+precision "bf16-mixed", which is FSDP2's mixed-precision policy and runs as a one-rank group in a
+single process. The process group is created once per process (`join_process_group`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rewind.states.config import ComputeSection, Config
+from rewind.states.events import AnyEvent, Event
+
+# The device a resume under compute.device = "auto" keeps (RunStarted.device / RunResumed.device of the
+# run being resumed): set once per process by `adopt_device`, like the CPU thread count.
+_adopted_device: str = ""
+
+
+class PlacementError(Exception):
+    """This process cannot compute as the run asks (no CUDA, a world size that cannot split the batch)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    rank: int
+    world_size: int
+    sharded: bool
+    precision: str
+
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 alone writes the log, checkpoints and caches."""
+        return self.rank == 0
+
+    def row_range(self, num_rows: int) -> range:
+        """This rank's rows of a global batch of `num_rows` (checked to divide at start: `check_world`)."""
+        share = num_rows // self.world_size
+        return range(self.rank * share, (self.rank + 1) * share)
+
+
+def is_writer() -> bool:
+    """Whether this process writes the run (rank 0, or the only process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def launched_world_size() -> int:
+    """The number of processes torchrun started (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def wants_sharding(compute: ComputeSection) -> bool:
+    return launched_world_size() > 1 or compute.precision == "bf16-mixed"
+
+
+def join_process_group(compute: ComputeSection) -> None:
+    """Create this process's group once, when the run is sharded: gloo on the CPU, NCCL on CUDA. A
+    one-process bf16-mixed run gets a one-rank group over an in-memory store (nothing to rendezvous)."""
+    if dist.is_initialized() or not wants_sharding(compute):
+        return
+    device = resolve_device(compute.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if launched_world_size() > 1 or "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears the group down while another still talks
+        dist.destroy_process_group()
+
+
+def adopt_device(recorded: str) -> None:
+    """Resume, fork and replay compute where the run did when its config says "auto"."""
+    global _adopted_device
+    _adopted_device = recorded
+
+
+def resolve_device(setting: str) -> torch.device:
+    """compute.device to a torch device: "auto" is the adopted device of a resumed run, else CUDA when
+    this machine has it, else the CPU. Asking for CUDA without it is an error, said plainly."""
+    if setting == "auto":
+        setting = "cuda" if (_adopted_device.startswith("cuda") or (not _adopted_device and torch.cuda.is_available())) else "cpu"
+    if setting == "cuda":
+        if not torch.cuda.is_available():
+            raise PlacementError("compute.device is cuda (or the run computed on CUDA), and this machine has no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def device_record(device: torch.device) -> str:
+    """What RunStarted / RunResumed record of a device: "cpu" or "cuda:<name>"."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return "cpu"
+
+
+def placement_for(config: Config) -> Placement:
+    device = resolve_device(config.compute.device)
+    sharded = dist.is_initialized()
+    return Placement(
+        device=device,
+        rank=dist.get_rank() if sharded else 0,
+        world_size=dist.get_world_size() if sharded else 1,
+        sharded=sharded,
+        precision=config.compute.precision,
+    )
+
+
+def check_world(config: Config, placement: Placement) -> None:
+    """A world size that cannot split the batch (or its micro-batches) is refused before any event."""
+    batch, per_device = config.training.batch_size, config.training.per_device_batch_size
+    world = placement.world_size
+    if batch % world:
+        raise PlacementError(f"training.batch_size {batch} cannot be split over {world} processes")
+    if per_device > 0 and (batch // world) % per_device:
+        raise PlacementError(
+            f"training.per_device_batch_size {per_device} does not divide the {batch // world} rows each of "
+            f"{world} processes computes"
+        )
+    if config.compute.device == "cuda" and placement.device.type != "cuda":
+        raise PlacementError("compute.device is cuda, and this process computes on the CPU")
+
+
+def prepare_device(config: Config) -> None:
+    """Process-wide settings a device needs before its first kernel: deterministic CUDA algorithms
+    (and the cuBLAS workspace they require) when compute.deterministic."""
+    device = resolve_device(config.compute.device)
+    if device.type == "cuda" and config.compute.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def place(model: nn.Module, config: Config) -> nn.Module:
+    """The model on its device, sharded (each block, then the root) when the run is, compiled when asked.
+    In place: parameter names stay what they were (FSDP2 and `nn.Module.compile` rename nothing)."""
+    placement = placement_for(config)
+    model.to(placement.device)
+    if placement.sharded:
+        _shard(model, config)
+    if config.compute.compile:
+        model.compile()
+    return model
+
+
+def _shard(model: nn.Module, config: Config) -> None:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if config.compute.precision == "bf16-mixed"
+        else MixedPrecisionPolicy()
+    )
+    for stack in model.stacks.values():  # type: ignore[union-attr]
+        for block in stack.blocks:
+            fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The loss is already normalised by the global batch's target tokens: gradients are summed
+            # over ranks, not averaged; as a plain sum, which gloo can do (it has no pre-scaled sum).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective: every rank calls it, in the same order), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def like_parameter(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """A whole optimizer moment given the sharding of its parameter (each rank keeps its own slice, no
+    communication); a scalar (AdamW's step) or an unsharded parameter's moment as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(parameter, DTensor) and not isinstance(value, DTensor) and value.shape == parameter.shape:
+        return distribute_tensor(value.to(parameter.device), parameter.device_mesh, parameter.placements, src_data_rank=None)
+    return value
+
+
+def model_device(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _wire() -> torch.device:
+    """Where collectives' tensors must live: NCCL talks between GPUs, gloo between CPUs."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """The sums over every rank of `values` (float64), the same on every rank; itself in one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    summed = torch.tensor(values, dtype=torch.float64, device=_wire())
+    dist.all_reduce(summed)
+    return summed.cpu().tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is set on any rank (a stop request seen by one process stops them all, together)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_wire())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def shared_event(event: Event | None) -> Event:
+    """Rank 0's `event` on every rank (the others pass None): sent as its msgspec JSON bytes."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert event is not None
+        return event
+    payload = msgspec.json.encode(event) if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=_wire())
+    dist.broadcast(size, src=0)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=_wire())
+    if dist.get_rank() == 0:
+        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return msgspec.json.decode(buffer.cpu().numpy().tobytes(), type=AnyEvent)  # type: ignore[return-value]
