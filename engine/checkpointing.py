@@ -17,7 +17,8 @@ import torch
 from rewind.engine import layout as layouts
 from rewind.engine import snapshot
 from rewind.engine.parts import Parts, frozen_copy
-from rewind.engine.placement import is_writer, place, shared_event
+from rewind.engine.placement import place
+from rewind.engine.ranks import is_writer, shared_event
 from rewind.engine.step import apply_hyperparameters, build_optimizer
 from rewind.states.config import Config
 from rewind.states.events import CheckpointCommitted

@@ -24,7 +24,8 @@ from rewind.engine.effects import apply_effect
 from rewind.engine.evaluation import evaluate, validate
 from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
-from rewind.engine.placement import any_rank, is_writer, launched_world_size
+from rewind.engine.placement import launched_world_size
+from rewind.engine.ranks import any_rank, is_writer
 from rewind.engine.step import nonfinite_quantity, train_step
 from rewind.engine.trunkcache import write_cache
 from rewind.states.events import (

@@ -1,4 +1,5 @@
-"""Where a run computes: the device, the precision, and the processes the model is sharded over.
+"""Where a run computes: the device, the precision, the processes the model is sharded over, and the
+CPU settings a resume adopts from the run's record (thread count, CPU kernels: float sums depend on both).
 
 One process (the CPU promise, bit for bit) or N processes under torchrun: every rank builds the same
 live objects from the same folded state, then `place` moves the model to the device and, when the run
@@ -17,15 +18,15 @@ single process. The process group is created once per process (`join_process_gro
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
-import msgspec
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from rewind.states.config import ComputeSection, Config
-from rewind.states.events import AnyEvent, Event
+from rewind.stores.trust import MAX_THREADS
 
 # The device a resume under compute.device = "auto" keeps (RunStarted.device / RunResumed.device of the
 # run being resumed): set once per process by `adopt_device`, like the CPU thread count.
@@ -53,11 +54,6 @@ class Placement:
         """This rank's rows of a global batch of `num_rows` (checked to divide at start: `check_world`)."""
         share = num_rows // self.world_size
         return range(self.rank * share, (self.rank + 1) * share)
-
-
-def is_writer() -> bool:
-    """Whether this process writes the run (rank 0, or the only process)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def launched_world_size() -> int:
@@ -88,6 +84,42 @@ def leave_process_group() -> None:
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks
         dist.destroy_process_group()
+
+
+def adopt_threads(num_threads: int) -> str:
+    """Compute with the run's recorded CPU thread count (resume, fork, replay). Returns a note for the
+    user when that differs from this process's default, else ""."""
+    before = torch.get_num_threads()
+    if num_threads > MAX_THREADS:  # folds refuse such a log (stores.trust); never hand it to OpenMP
+        return f"the run records {num_threads} CPU threads, beyond any machine: computing with {before} instead"
+    if num_threads <= 0 or num_threads == before:
+        return ""
+    torch.set_num_threads(num_threads)
+    return f"computing with {num_threads} CPU thread(s) as the run was started (this process had {before}): bit for bit"
+
+
+def adopt_cpu_capability(recorded: str) -> None:
+    """Compute with the CPU kernels the run was started with (resume, fork, replay): torch dispatches to
+    AVX2 or AVX512 kernels (...) by the CPU, and their float sums differ in the last bits. It reads
+    ATEN_CPU_CAPABILITY once, at its first kernel, so this must run before any tensor is computed;
+    a CPU without the recorded kernels cannot run them, and the user is warned that bits will differ."""
+    if not recorded:
+        return
+    # Asked for before torch is asked what it uses: its answer is fixed by the first question too.
+    os.environ["ATEN_CPU_CAPABILITY"] = recorded.lower()
+    now = torch.backends.cpu.get_cpu_capability()
+    if now != recorded:
+        warnings.warn(
+            f"the run was started with {recorded} CPU kernels and this process computes with {now}: from "
+            "here on its bits differ from an uninterrupted run's (resume it on a CPU with "
+            f"{recorded}, in a process that has computed nothing before)",
+            CapabilityChanged,
+            stacklevel=2,
+        )
+
+
+class CapabilityChanged(UserWarning):
+    """A run goes on with other CPU kernels than it started with: not bit for bit from here on."""
 
 
 def adopt_device(recorded: str) -> None:
@@ -210,43 +242,3 @@ def like_parameter(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor
 def model_device(model: nn.Module) -> torch.device:
     parameter = next(model.parameters(), None)
     return parameter.device if parameter is not None else torch.device("cpu")
-
-
-def _wire() -> torch.device:
-    """Where collectives' tensors must live: NCCL talks between GPUs, gloo between CPUs."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def sum_over_ranks(values: list[float]) -> list[float]:
-    """The sums over every rank of `values` (float64), the same on every rank; itself in one process."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    summed = torch.tensor(values, dtype=torch.float64, device=_wire())
-    dist.all_reduce(summed)
-    return summed.cpu().tolist()
-
-
-def any_rank(flag: bool) -> bool:
-    """Whether `flag` is set on any rank (a stop request seen by one process stops them all, together)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_wire())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
-def shared_event(event: Event | None) -> Event:
-    """Rank 0's `event` on every rank (the others pass None): sent as its msgspec JSON bytes."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        assert event is not None
-        return event
-    payload = msgspec.json.encode(event) if dist.get_rank() == 0 else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=_wire())
-    dist.broadcast(size, src=0)
-    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=_wire())
-    if dist.get_rank() == 0:
-        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(buffer, src=0)
-    return msgspec.json.decode(buffer.cpu().numpy().tobytes(), type=AnyEvent)  # type: ignore[return-value]

@@ -13,17 +13,22 @@ is the model of the checkpoint it names. Control events are applied as logged (a
 takes the replayed weights, a config change rebuilds the schedule and optimizer), so a window may cross
 resumes and in-place forks. Nothing is written to the run.
 
-Within a tolerance, a tensor element passes when |logged - live| <= rtol * max(|logged|, |live|) + atol,
-atol = rtol * (the logged tensor's mean |value|). The absolute part is for elements near zero: an
-element is a sum of many terms (a gradient, Adam's first moment averaging gradients of both signs), and
-a different reduction order moves it by about rtol times the size of those terms, not of their sum, so
-an Adam moment that sits near zero differs by a large *relative* amount while the run is as close as
-any other. A fixed atol would not do: the second moment holds squared gradients (1e-10 is a typical
-value), which a fixed 1e-8 would wave through entirely; the tensor's own mean |value| scales with it.
+Within a tolerance, a checkpoint matches when each of its tensors does, as a whole: ||live - logged|| <=
+rtol * ||logged|| + ATOL * sqrt(numel) (2-norms over the tensor's finite elements; NaN and inf must sit at
+the same places; integer tensors compare exactly). Not element by element: Adam turns noise in a gradient
+element near zero into an update of about lr whatever the noise's size (m / sqrt(v) is then a ratio of
+two noisy near-zeros), so elements of a run computed on another device differ by large relative amounts
+while its losses and grad norms agree to rtol; measured on the tiny run with every weight nudged by 1e-7
+per step, steps agree within 1e-5 and tensors within 6e-6 by norm, but elementwise they need 1.3e-5 even
+with an atol of rtol * the tensor's largest |value|, and 2e-4 with rtol * its mean. ATOL is for a tensor
+that is (nearly) zero as a whole, which gives rtol nothing to be relative to: the Adam moments of
+parameters that got no gradient yet, exactly 0 on one device and denormal-sized on another. It sits far
+below any moment that matters (squared gradients of 1e-8 are 1e-16).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -57,18 +62,22 @@ class ReplayError(Exception):
         self.exit_code = exit_code
 
 
+ATOL = 1e-20  # per element (see the module docstring)
+
+
 @dataclass(frozen=True)
 class TensorDifference:
-    """The worst tensor of a checkpoint compared within a tolerance: the one whose elements outside it
-    differ by the largest relative amount, |a - b| / max(|a|, |b|) (inf where one side is NaN)."""
+    """The worst tensor of a checkpoint compared within a tolerance: the one furthest outside it."""
 
     file: str  # "optimizer.safetensors"
     tensor: str  # "state.stacks.0.blocks.0.attn.qkv.weight.exp_avg_sq"
-    index: list[int]  # where in it the largest relative difference is
-    max_relative_difference: float
-    num_outside: int  # elements outside the tolerance
+    relative_difference: float  # ||live - logged|| / ||logged||, what rtol bounds (inf: NaNs or ints differ)
+    difference_norm: float  # ||live - logged||
+    logged_norm: float  # ||logged||
+    index: list[int]  # the element that differs most in absolute terms (its values are the mismatch's)
+    max_abs_difference: float
+    num_different: int  # elements whose values differ at all
     num_elements: int
-    atol: float  # the tensor's absolute tolerance (rtol * mean |logged|)
 
 
 @dataclass(frozen=True)
@@ -234,10 +243,10 @@ def _compare_within(
 ) -> tuple[FieldDifference | None, TensorDifference | None] | None:
     """(difference, worst tensor) of the live tensors against the checkpoint's files by value, both None
     when they are within `rtol`; None when retention deleted the files and the bits differ (not compared)."""
-    live = _live_groups(parts, logged.files)
-    for file in sorted(logged.files.keys() | {f"{group}{SUFFIX}" for group in live}):
-        if file not in logged.files or file.removesuffix(SUFFIX) not in live:  # a group on one side only
-            return FieldDifference(field=f"files.{file}", a=logged.files.get(file), b=None), None
+    live = _live_groups(parts, logged.files)  # only groups the checkpoint has: one it lacks shows here
+    for file in sorted(logged.files):
+        if file.removesuffix(SUFFIX) not in live:  # e.g. adapters the replayed model does not have
+            return FieldDifference(field=f"files.{file}", a=logged.files[file], b=None), None
     worst: TensorDifference | None = None
     found: FieldDifference | None = None
     for file in sorted(logged.files):
@@ -258,7 +267,7 @@ def _compare_within(
         difference, tensor = compare_tensors(file, saved, live[group], rtol)
         if difference is not None and tensor is None:
             return difference, None  # names, dtypes or shapes differ: no tolerance applies
-        if tensor is not None and (worst is None or tensor.max_relative_difference > worst.max_relative_difference):
+        if tensor is not None and (worst is None or _excess(tensor, rtol) > _excess(worst, rtol)):
             worst, found = tensor, difference
     return found, worst
 
@@ -276,8 +285,8 @@ def compare_tensors(
     file: str, logged: dict[str, torch.Tensor], live: dict[str, torch.Tensor], rtol: float
 ) -> tuple[FieldDifference | None, TensorDifference | None]:
     """The first tensor named on one side only or differing in dtype or shape (difference, None); else
-    the worst tensor outside the tolerance (see the module's docstring) with its worst element's values
-    as the difference; (None, None) when every element is within it."""
+    the tensor furthest outside the tolerance (see the module's docstring), with the values of its most
+    different element as the difference; (None, None) when every tensor is within it."""
     for name in sorted(logged.keys() | live.keys()):
         where = f"files.{file}[{name}]"
         if name not in logged or name not in live:
@@ -288,14 +297,12 @@ def compare_tensors(
     worst: TensorDifference | None = None
     found: FieldDifference | None = None
     for name in sorted(logged):
-        outcome = _outside(logged[name], live[name], rtol)
-        if outcome is None:
+        outcome = tensor_difference(name, file, logged[name], live[name])
+        if outcome is None or _within(outcome, rtol):
             continue
-        relative, index, num_outside, atol = outcome
-        if worst is None or relative > worst.max_relative_difference:
-            values = [t[tuple(index)].item() for t in (logged[name], live[name])]
-            worst = TensorDifference(file, name, index, relative, num_outside, logged[name].numel(), atol)
-            found = FieldDifference(field=f"files.{file}[{name}]", a=values[0], b=values[1])
+        if worst is None or _excess(outcome, rtol) > _excess(worst, rtol):
+            values = [t[tuple(outcome.index)].item() for t in (logged[name], live[name])]
+            worst, found = outcome, FieldDifference(field=f"files.{file}[{name}]", a=values[0], b=values[1])
     return found, worst
 
 
@@ -303,28 +310,47 @@ def _kind(tensor: torch.Tensor) -> str:
     return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
 
 
-def _outside(logged: torch.Tensor, live: torch.Tensor, rtol: float) -> tuple[float, list[int], int, float] | None:
-    """(largest relative difference outside the tolerance, its index, how many elements are outside,
-    atol), or None when all are within it. Integer and bool tensors (counts, masks) compare exactly."""
-    if logged.numel() == 0:
-        return None
+def _within(found: TensorDifference, rtol: float) -> bool:
+    return found.difference_norm <= _allowed(found, rtol)
+
+
+def _excess(found: TensorDifference, rtol: float) -> float:
+    """How many times the allowed difference the tensor's difference is: what makes one tensor worse."""
+    allowed = _allowed(found, rtol)
+    return found.difference_norm / allowed if allowed > 0 else math.inf
+
+
+def _allowed(found: TensorDifference, rtol: float) -> float:
+    return rtol * found.logged_norm + ATOL * math.sqrt(found.num_elements)
+
+
+def tensor_difference(name: str, file: str, logged: torch.Tensor, live: torch.Tensor) -> TensorDifference | None:
+    """How two tensors of one dtype and shape differ; None when their values are equal (NaN equal to NaN).
+    Integer and bool tensors (counts, masks) that differ at all are infinitely far apart."""
     if not logged.is_floating_point():
-        outside = logged != live
-        if not outside.any():
+        different = logged != live
+        if not different.any():
             return None
-        index = [int(i) for i in torch.nonzero(outside)[0]]
-        return float("inf"), index, int(outside.sum()), 0.0
-    wide = torch.float64 if logged.dtype == torch.float64 else torch.float32  # bf16 / fp16 compared in fp32
+        index = [int(i) for i in torch.nonzero(different)[0]] if logged.dim() else []
+        return TensorDifference(
+            file, name, math.inf, math.inf, 0.0, index, math.inf, int(different.sum()), logged.numel()
+        )
+    wide = torch.float64  # sums of squares of a large tensor: float32 would lose the small differences
     a, b = logged.to(wide), live.to(wide)
-    magnitude = a.abs()
-    atol = rtol * float(torch.where(torch.isfinite(a), magnitude, 0.0).mean())
-    scale = torch.maximum(magnitude, b.abs())
-    delta = (a - b).abs()  # NaN where either is NaN, or inf - inf: never <= anything
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    outside = ~(same | (delta <= atol + rtol * scale))
-    if not outside.any():
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # also inf == inf
+    different = ~same
+    if not different.any():
         return None
-    relative = torch.where(outside, (delta / scale).nan_to_num(nan=float("inf")), 0.0)
-    flat = int(relative.reshape(-1).argmax())
+    delta = torch.where(finite, (a - b).abs(), 0.0)
+    flat = int(torch.where(different & ~finite, math.inf, delta).reshape(-1).argmax())
     index = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)] if a.dim() else []
-    return float(relative.reshape(-1)[flat]), index, int(outside.sum()), atol
+    logged_norm = float(torch.linalg.vector_norm(torch.where(finite, a, 0.0)))
+    difference_norm = float(torch.linalg.vector_norm(delta))
+    max_abs_difference = float(delta.max())
+    if not bool((finite | same).all()):  # a NaN or inf on one side only: no tolerance covers it
+        difference_norm = max_abs_difference = math.inf
+    relative = difference_norm / logged_norm if logged_norm > 0 else math.inf
+    return TensorDifference(
+        file, name, relative, difference_norm, logged_norm, index, max_abs_difference, int(different.sum()), a.numel()
+    )

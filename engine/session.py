@@ -16,20 +16,22 @@ from pathlib import Path
 
 import torch
 
+from rewind.engine.continuation import config_mismatch, continuation_problem
 from rewind.engine.journal import FollowerJournal, Journal
 from rewind.engine.loop import Run, record
 from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts, open_datasets, starting_weights
 from rewind.engine.placement import (
+    CapabilityChanged,
     PlacementError,
+    adopt_cpu_capability,
     adopt_device,
-    any_rank,
+    adopt_threads,
     check_world,
     device_record,
-    is_writer,
     placement_for,
     prepare_device,
-    shared_event,
 )
+from rewind.engine.ranks import Failure, first_failure, is_writer, shared_event
 from rewind.engine.rundata import (
     DATA_ERRORS,
     DataChanged,
@@ -40,7 +42,7 @@ from rewind.engine.rundata import (
     replace_config_data,
     start_place,
 )
-from rewind.states.config import Config, config_differences, config_hash
+from rewind.states.config import Config, config_hash
 from rewind.states.events import RUN_FEATURES, ConfigChanged, Event, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, apply
 from rewind.states.history import point_of, skip_ranges
@@ -53,9 +55,17 @@ from rewind.stores.folding import FoldedLog, fold_log, save_snapshot
 from rewind.stores.fsio import filesystem
 from rewind.stores.metrics import MetricsProjection
 from rewind.stores.orphans import LogEnd, lost_record_problems
-from rewind.stores.trust import MAX_THREADS
 
-__all__ = ["REWIND_VERSION", "RunError", "adopt_cpu_capability", "adopt_threads", "open_datasets", "open_run"]
+__all__ = [
+    "REWIND_VERSION",
+    "CapabilityChanged",
+    "RunError",
+    "adopt_cpu_capability",
+    "adopt_threads",
+    "continuation_problem",
+    "open_datasets",
+    "open_run",
+]
 
 try:
     REWIND_VERSION = metadata.version("rewind")
@@ -87,96 +97,6 @@ def prepare_directory(run_dir: str) -> None:
         raise RunError(f"{run_dir}: not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise RunError(f"{run_dir}: the run directory is not writable")
-
-
-def adopt_threads(num_threads: int) -> str:
-    """Compute with the run's recorded CPU thread count (resume, fork, replay). Returns a note for the
-    user when that differs from this process's default, else ""."""
-    before = torch.get_num_threads()
-    if num_threads > MAX_THREADS:  # folds refuse such a log (stores.trust); never hand it to OpenMP
-        return f"the run records {num_threads} CPU threads, beyond any machine: computing with {before} instead"
-    if num_threads <= 0 or num_threads == before:
-        return ""
-    torch.set_num_threads(num_threads)
-    return f"computing with {num_threads} CPU thread(s) as the run was started (this process had {before}): bit for bit"
-
-
-def adopt_cpu_capability(recorded: str) -> None:
-    """Compute with the CPU kernels the run was started with (resume, fork, replay): torch dispatches to
-    AVX2 or AVX512 kernels (...) by the CPU, and their float sums differ in the last bits. It reads
-    ATEN_CPU_CAPABILITY once, at its first kernel, so this must run before any tensor is computed;
-    a CPU without the recorded kernels cannot run them, and the user is warned that bits will differ."""
-    if not recorded:
-        return
-    # Asked for before torch is asked what it uses: its answer is fixed by the first question too.
-    os.environ["ATEN_CPU_CAPABILITY"] = recorded.lower()
-    now = torch.backends.cpu.get_cpu_capability()
-    if now != recorded:
-        warnings.warn(
-            f"the run was started with {recorded} CPU kernels and this process computes with {now}: from "
-            "here on its bits differ from an uninterrupted run's (resume it on a CPU with "
-            f"{recorded}, in a process that has computed nothing before)",
-            CapabilityChanged,
-            stacklevel=2,
-        )
-
-
-class CapabilityChanged(UserWarning):
-    """A run goes on with other CPU kernels than it started with: not bit for bit from here on."""
-
-
-def continuation_problem(old: Config, new: Config, num_growths: int = 0) -> str:
-    """Why a run cannot go on from a checkpoint of `old` under `new` ("" if it can): the architecture
-    fields that give the weights their shapes must stay, and so must the `num_growths` growths already
-    performed (the model is what they made; later ones may change). Dropout, RoPE base and the like may
-    change."""
-    from rewind.engine.objectives import model_vocab_size, num_time_levels
-
-    if old.tokenizer != new.tokenizer:
-        return "tokenizer: a run's tokenizer is fixed when it starts (its token ids are what the weights learned)"
-    done_before, done_after = old.growth[:num_growths], new.growth[:num_growths]
-    if done_before != done_after:
-        return (
-            f"growth[0..{num_growths - 1}] already happened and cannot change when continuing from a checkpoint "
-            f"(the new config has {len(new.growth)} growth entries; change only later ones)"
-        )
-    if num_growths and old.lora.targets != new.lora.targets:
-        return "lora.targets cannot change when continuing from a checkpoint of a grown model: its adapters sit on the old ones"
-    shapes = {
-        "vocabulary": lambda c: model_vocab_size(c.objective, c.architecture.vocab_size),
-        "time levels": lambda c: num_time_levels(c.objective),
-    }
-    for what, shape in shapes.items():
-        before, after = shape(old), shape(new)
-        if before != after:
-            return (
-                f"objective: the model's {what} would change ({before} -> {after}) when continuing from a checkpoint "
-                "(a masked objective adds a mask token; time as input adds a time embedding)"
-            )
-    def shaping(config: Config) -> dict:
-        a = config.architecture
-        return {"vocab_size": a.vocab_size, "num_layers": a.num_layers, "d_model": a.d_model,
-                "d_ff": a.d_ff or 4 * a.d_model, "norm": a.norm, "mlp": a.mlp}
-
-    before, after = shaping(old), shaping(new)
-    changed = [f"architecture.{k} ({before[k]} -> {after[k]})" for k in before if before[k] != after[k]]
-    if not changed:
-        return ""
-    return f"{', '.join(changed)} cannot change when continuing from a checkpoint: the weights have other shapes"
-
-
-def config_mismatch(run_dir: str, logged: Config, new: Config) -> str:
-    """"" when `new` is the run's config; else the refusal, naming what differs. Identity is computed
-    by this code from both configs (never a hash an older release wrote), so a release that adds a
-    field with a default does not strand a run."""
-    if config_hash(logged) == config_hash(new):
-        return ""
-    changes = config_differences(logged, new)
-    shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
-    return (
-        f"{run_dir}: the config differs from the run's ({shown or 'no field differs in value'}); "
-        "pass --fork to continue under the new config"
-    )
 
 
 def metrics_for(run_dir: str, enabled: bool) -> MetricsProjection | None:
@@ -229,10 +149,14 @@ def open_run(config: Config, run_dir: str, *, fork: bool = False, metrics: bool 
 
 
 def together(failure: BaseException | None) -> None:
-    """Raise `failure`, or, in a sharded run, stop every rank when any rank failed (the one that did
-    with its own message; the others say where to look)."""
-    if any_rank(failure is not None):
-        raise failure if failure is not None else RunError("another process of the run could not open it (see its message)", 1)
+    """Raise `failure`; in a sharded run, every rank raises the failure of the lowest rank that failed
+    (as a RunError with its message and exit code), so all stop together and with one message."""
+    shared = first_failure(None if failure is None else Failure(str(failure), getattr(failure, "exit_code", 1)))
+    if shared is None:
+        return
+    if failure is not None:
+        raise failure  # its own, whatever its type (the command reports each as it always has)
+    raise RunError(shared.message, shared.exit_code)
 
 
 @dataclass

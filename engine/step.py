@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from rewind.engine.objectives import objective_batch
-from rewind.engine.placement import full_tensor, is_sharded, placement_for, sum_over_ranks
+from rewind.engine.placement import full_tensor, is_sharded, placement_for
+from rewind.engine.ranks import sum_over_ranks
 from rewind.engine.rng import derive_seed
 from rewind.kernels.losses import fused_losses
 from rewind.states.config import Config

@@ -109,10 +109,8 @@ def fused_losses(
             else:
                 ref_nll = -ref_logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
                 kl_parts.append((nll - ref_nll.detach()).sum())
-    if ce_parts:
-        ce = torch.stack(ce_parts).sum() / denom
-    else:  # no position is masked: a zero that keeps the graph connected (the only case that upcasts it all)
-        ce = _upcast(logits).sum() * 0.0 / denom
+    # No position masked: a zero that keeps the graph connected (the only case that upcasts it all).
+    ce = torch.stack(ce_parts).sum() / denom if ce_parts else _upcast(logits).sum() * 0.0 / denom
     kl = (torch.stack(kl_parts).sum() / denom) if kl_parts else torch.zeros((), dtype=ce.dtype, device=ce.device)
     objective = ce + beta * kl if kl_parts else ce
     return Losses(objective=objective, ce=ce.detach(), kl=kl.detach(), num_correct=correct.detach())

@@ -12,14 +12,14 @@ import time
 
 from rewind.tools.errors import UsageError
 
-TARGETS = ("schedule", "log", "overhead", "resume", "cache", "data")
+TARGETS = ("schedule", "log", "overhead", "resume", "cache", "data", "kernels", "mfu")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmarks: schedule dry-run, event log, training-loop overhead, resume bookkeeping, activation cache, "
-        "data reading and preparation",
+        "data reading and preparation, the fused loss kernel, model FLOPs utilisation (tokens/s, MFU)",
     )
     p.add_argument("target", choices=TARGETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -57,6 +57,18 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise UsageError(f"bench data needs the engine and tokenizers: {exc}") from None
         result = run_data_bench(quick=args.quick)
+    elif args.target == "kernels":
+        try:
+            from rewind.kernels.bench import run_kernels_bench
+        except ImportError as exc:
+            raise UsageError(f"bench kernels needs torch: {exc}") from None
+        result = run_kernels_bench(quick=args.quick)
+    elif args.target == "mfu":
+        try:
+            from rewind.engine.bench_mfu import run_mfu_bench
+        except ImportError as exc:
+            raise UsageError(f"bench mfu needs the engine: {exc}") from None
+        result = run_mfu_bench(quick=args.quick)
     else:  # argparse's choices make this unreachable
         raise UsageError(f"unknown bench target {args.target!r}")
     if args.json:

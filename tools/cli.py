@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 
@@ -75,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"rewind: warning: {message}", file=sys.stderr)
+    _say(f"rewind: warning: {message}")
+
+
+def _say(line: str) -> None:
+    """One line for the user on stderr; under torchrun from rank 0 alone (every rank of a sharded run
+    stops with the same message: rewind.engine.session.together)."""
+    if os.environ.get("RANK", "0") in ("", "0"):
+        print(line, file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -88,23 +96,23 @@ def _run(args: argparse.Namespace) -> int:
         return int(args.run(args) or 0)
     except ConfigError as exc:
         for line in exc.lines():
-            print(f"rewind: {line}", file=sys.stderr)
+            _say(f"rewind: {line}")
         return 2
     except CommandError as exc:
-        print(f"rewind: {exc}", file=sys.stderr)
+        _say(f"rewind: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
-        print("rewind: interrupted", file=sys.stderr)
+        _say("rewind: interrupted")
         return 130
     except BrokenPipeError:
         return 0
     except OSError as exc:  # the filesystem said no: ENOSPC, EROFS, EACCES, ENOTDIR, EISDIR, ...
-        print(f"rewind: {describe_os_error(exc, args)}", file=sys.stderr)
+        _say(f"rewind: {describe_os_error(exc, args)}")
         return 1
     except Exception as exc:
         if not _is_damage(exc):
             raise
-        print(f"rewind: {exc}", file=sys.stderr)
+        _say(f"rewind: {exc}")
         return 1
 
 
@@ -138,7 +146,16 @@ def _is_damage(exc: Exception) -> bool:
 
 
 def entry() -> None:
-    sys.exit(main())
+    code = main()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A rank under torchrun: its process group is already torn down (engine.placement), and what is
+        # left of gloo's threads can abort the interpreter's own shutdown ("terminate called without an
+        # active exception", ~1 exit in 10 with torch 2.13 on the CPU), which torchrun reports as a
+        # failed run. Everything is written and flushed; leave without that shutdown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

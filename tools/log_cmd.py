@@ -62,7 +62,13 @@ def describe(seq: int, event: Event) -> str:
     name = data.pop("type")
     step, tokens = data.pop("step"), data.pop("tokens")
     if name == "RunStarted":
-        data = {"config_hash": data["config_hash"][:12], "name": data["config"]["run"]["name"], "parent": data["parent"]}
+        where = {k: data[k] for k in ("device", "world_size") if data.get(k)}
+        data = {"config_hash": data["config_hash"][:12], "name": data["config"]["run"]["name"], "parent": data["parent"], **where}
+    if name == "RunResumed":
+        # Where it computes, when recorded (a release before schema 6 recorded nothing: one CPU process).
+        for key in ("device", "world_size"):
+            if not data.get(key):
+                data.pop(key, None)
     if name == "RunResumed" and data.pop("seed", None) is not None:
         data["seed"] = "(a copy of the state at the restore point)"  # `log --json` shows it in full
     if name == "CheckpointCommitted":

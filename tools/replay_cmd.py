@@ -98,7 +98,7 @@ def describe(report, run_dir: str, rtol: float) -> str:
     else:
         lines.append(f"  {report.num_steps - (mismatch.event == 'StepCommitted')} steps matched {exact} before")
     if report.checkpoints_matched:
-        against = "hashes" if rtol == 0 else f"files (hashes, once deleted) within rtol {rtol:g}"
+        against = "hashes" if rtol == 0 else f"files (hashes, once deleted) within rtol {rtol:g} by norm"
         lines.append(f"  model and optimizer tensors equal the {against} of {len(report.checkpoints_matched)} "
                      f"checkpoint(s): {', '.join(report.checkpoints_matched)}")
     if report.checkpoints_not_compared:
@@ -116,9 +116,9 @@ def describe(report, run_dir: str, rtol: float) -> str:
         lines.append(f"  |delta| {delta:.3g}, relative {delta / max(abs(d.a), abs(d.b), 1e-300):.3g}")
     if mismatch.tensor is not None:
         t = mismatch.tensor
-        lines.append(f"  worst tensor {t.tensor} of {t.file}: max relative difference {t.max_relative_difference:.3g} "
-                     f"at {t.index}; {t.num_outside:,} of {t.num_elements:,} elements outside rtol {rtol:g} "
-                     f"(+ atol {t.atol:.3g}, rtol x the tensor's mean |value|)")
+        lines.append(f"  worst tensor {t.tensor} of {t.file}: ||recomputed - logged|| / ||logged|| = "
+                     f"{t.relative_difference:.3g} (rtol {rtol:g}); {t.num_different:,} of {t.num_elements:,} "
+                     f"elements differ, most at {t.index} (shown above)")
     if mismatch.event == "CheckpointCommitted":
         lines.append("  every step before matched, so the difference is in state no step reports (e.g. optimizer moments)")
     if hint := replay_hint(report, rtol):

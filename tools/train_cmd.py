@@ -104,7 +104,7 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
 
 
 def _train_here(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool) -> int:
-    from rewind.engine.placement import is_writer
+    from rewind.engine.ranks import is_writer
     from rewind.engine.session import RunError, adopt_threads, open_run
     from rewind.stores.eventlog import LogLockedError
 

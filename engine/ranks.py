@@ -1,0 +1,81 @@
+"""What the processes of a sharded run tell each other: sums of what a step measured, a stop request,
+rank 0's events (as msgspec bytes, never a pickle), and the failure that stops them all. Each is a
+no-op in one process, so the single-process path computes exactly what it always did.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from rewind.states.events import AnyEvent, Event
+
+
+def is_writer() -> bool:
+    """Whether this process writes the run (rank 0, or the only process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _wire() -> torch.device:
+    """Where collectives' tensors must live: NCCL talks between GPUs, gloo between CPUs."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """The sums over every rank of `values` (float64), the same on every rank; itself in one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    summed = torch.tensor(values, dtype=torch.float64, device=_wire())
+    dist.all_reduce(summed)
+    return summed.cpu().tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is set on any rank (a stop request seen by one process stops them all, together)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_wire())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def shared_event(event: Event | None) -> Event:
+    """Rank 0's `event` on every rank (the others pass None): sent as its msgspec JSON bytes."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert event is not None
+        return event
+    payload = _broadcast_bytes(msgspec.json.encode(event) if dist.get_rank() == 0 else b"", source=0)
+    return msgspec.json.decode(payload, type=AnyEvent)  # type: ignore[return-value]
+
+
+class Failure(msgspec.Struct, frozen=True):
+    message: str
+    exit_code: int
+
+
+def first_failure(failure: Failure | None) -> Failure | None:
+    """The failure of the lowest rank that failed (None if none did), on every rank: so that every
+    process of a sharded run stops with the same one-line message, which rank 0 alone prints."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return failure
+    world = dist.get_world_size()
+    lowest = torch.tensor([dist.get_rank() if failure is not None else world], dtype=torch.int64, device=_wire())
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    source = int(lowest.item())
+    if source == world:
+        return None
+    mine = msgspec.json.encode(failure) if dist.get_rank() == source else b""
+    return msgspec.json.decode(_broadcast_bytes(mine, source=source), type=Failure)
+
+
+def _broadcast_bytes(payload: bytes, *, source: int) -> bytes:
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=_wire())
+    dist.broadcast(size, src=source)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=_wire())
+    if dist.get_rank() == source:
+        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(buffer, src=source)
+    return buffer.cpu().numpy().tobytes()
