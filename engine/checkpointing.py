@@ -134,11 +134,13 @@ def load_checkpoint(parts: Parts, state: State) -> None:
     reference_ref = reference_to_restore(state)
     if reference_ref is not None:
         if reference_ref.checkpoint == ref.checkpoint:
-            parts.reference = frozen_copy(model, parts.config, state.layout)
+            parts.reference = frozen_copy(model, parts.config, state.layout, sources)
         else:
             files = next((c.files for c in state.live_checkpoints if c.checkpoint == reference_ref.checkpoint), None)
-            reference = load_model(parts.config, parts.store, reference_ref.checkpoint, files, reference_ref.layout)[0]
-            parts.reference = frozen_copy(reference, parts.config, reference_ref.layout)
+            reference, _, _, reference_sources, _ = load_model(
+                parts.config, parts.store, reference_ref.checkpoint, files, reference_ref.layout
+            )
+            parts.reference = frozen_copy(reference, parts.config, reference_ref.layout, reference_sources)
 
 
 def restore_optimizer(parts: Parts, tensors: dict[str, torch.Tensor], layout: dict) -> None:

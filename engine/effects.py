@@ -34,7 +34,7 @@ def apply_effect(parts: Parts, state: State, event: Event) -> Parts:
         case ReferenceRefreshed():
             # The reference is the weights as they are now, which is what the checkpoint the event
             # names holds: a resume loads it from there (checkpointing.load_checkpoint).
-            parts.reference = frozen_copy(parts.model, parts.config, current_layout(state))
+            parts.reference = frozen_copy(parts.model, parts.config, current_layout(state), parts.trunk_sources)
             return parts
         case OptimizerReset():
             clear_optimizer_state(parts)

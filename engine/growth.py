@@ -20,7 +20,7 @@ from torch import nn
 from rewind.engine import layout as layouts
 from rewind.engine.checkpointing import model_groups
 from rewind.engine.parts import Parts, frozen_copy
-from rewind.engine.placement import place
+from rewind.engine.placement import full_tensor, place
 from rewind.engine.step import apply_hyperparameters, build_optimizer
 from rewind.states.config import Config
 from rewind.states.events import StackAppended
@@ -87,11 +87,11 @@ def reference_for(parts: Parts, config: Config, layout: ModelLayout | None) -> n
     if missing:  # cannot happen while stacks are never removed; said plainly if it ever does
         raise RuntimeError(f"the float weights of the reference's NF4 stacks {sorted(missing)} are not held")
     weights, adapters = {}, {}
-    for name, tensor in parts.reference.state_dict().items():
+    for name, tensor in parts.reference.state_dict().items():  # whole (a sharded reference's are gathered)
         if layouts.is_adapter(name):
-            adapters[layouts.unwrapped(name)] = tensor
+            adapters[layouts.unwrapped(name)] = full_tensor(tensor)
         elif layouts.stack_of(name) not in nf4:
-            weights[layouts.unwrapped(name)] = tensor
+            weights[layouts.unwrapped(name)] = full_tensor(tensor)
     for stack in nf4:
         weights.update(parts.trunk_sources[stack])
     return frozen_copy(layouts.model_from_weights(config, layout, weights, adapters)[0], config, layout)

@@ -18,6 +18,8 @@ dropout is left out on purpose: scaled_dot_product_attention would draw it from 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,9 @@ from torch.utils.checkpoint import checkpoint
 
 from rewind.engine.rng import derive_seed, torch_generator
 from rewind.states.config import ArchitectureSection
+
+# What the fused loss computes in place of the head: f(final hidden states, head weight).
+HeadFunction = Callable[[torch.Tensor, torch.Tensor], Any]
 
 INIT_STD = 0.02
 NORM_EPS = 1e-5
@@ -282,28 +287,46 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
     def forward(
-        self, idx: torch.Tensor, *, dropout_seed: int | None = None, levels: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        idx: torch.Tensor,
+        *,
+        dropout_seed: int | None = None,
+        levels: torch.Tensor | None = None,
+        portion: str = "whole",
+        head_fn: HeadFunction | None = None,
+    ) -> Any:
         """Logits (B, T, vocab) for token ids (B, T), T <= block_size.
 
         `dropout_seed` keys the dropout masks of this forward pass (needed only in training mode
-        with dropout > 0); derive it from (seed, "dropout", step, rank, micro-batch). `levels`: each
-        row's time level, for a model with a time embedding."""
-        length = idx.shape[1]
-        if length > self.arch.block_size:
-            raise ValueError(f"sequence length {length} exceeds block_size {self.arch.block_size}")
-        x = self.embed_tokens(idx, levels, dropout_seed)
-        return self.logits(self.run_stacks(x, range(len(self.order)), dropout_seed))
+        with dropout > 0); derive it from (seed, "dropout", step, micro-batch). `levels`: each row's
+        time level, for a model with a time embedding. `portion`: "whole"; "trunk" (the residual
+        stream entering the last stack: `trunk_output`); "from_trunk" (idx is that stream: only the
+        last stack, the final norm and the head run). `head_fn(final hidden states, head weight)`, when
+        given, is computed in place of the head and returned (the fused loss owns the head matmul and
+        never holds every position's logits). Every portion is a call of the module itself, so FSDP2
+        gathers the root's parameters (embedding, norm, head) for it."""
+        if portion == "from_trunk":
+            x = self.run_stacks(idx, range(len(self.order) - 1, len(self.order)), dropout_seed)
+        else:
+            length = idx.shape[1]
+            if length > self.arch.block_size:
+                raise ValueError(f"sequence length {length} exceeds block_size {self.arch.block_size}")
+            x = self.embed_tokens(idx, levels if portion == "whole" else None, dropout_seed)
+            if portion == "trunk":
+                return self.run_stacks(x, range(len(self.order) - 1), dropout_seed)
+            x = self.run_stacks(x, range(len(self.order)), dropout_seed)
+        if head_fn is not None:
+            return head_fn(self.norm(x), self.head.weight)
+        return self.logits(x)
 
-    def forward_from_trunk(self, hidden: torch.Tensor, *, dropout_seed: int | None = None) -> torch.Tensor:
+    def forward_from_trunk(self, hidden: torch.Tensor, *, dropout_seed: int | None = None, head_fn: HeadFunction | None = None) -> Any:
         """Logits from the trunk's output `hidden` (what `trunk_output` gives): only the last stack, the
         final norm and the head run. With a frozen trunk, this and `forward` compute the same bits."""
-        return self.logits(self.run_stacks(hidden, range(len(self.order) - 1, len(self.order)), dropout_seed))
+        return self(hidden, dropout_seed=dropout_seed, portion="from_trunk", head_fn=head_fn)
 
     def trunk_output(self, idx: torch.Tensor, *, dropout_seed: int | None = None) -> torch.Tensor:
         """The residual stream entering the last stack: the embedding and every stack before it."""
-        x = self.embed_tokens(idx, None, dropout_seed)
-        return self.run_stacks(x, range(len(self.order) - 1), dropout_seed)
+        return self(idx, dropout_seed=dropout_seed, portion="trunk")
 
 
 def stack_dtype(stack: nn.Module) -> torch.dtype:

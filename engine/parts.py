@@ -73,18 +73,30 @@ def build_model(config: Config, layout: ModelLayout | None = None) -> GPT:
     return layouts.build_model(config, layout)
 
 
-def frozen_copy(model: nn.Module, config: Config, layout: ModelLayout | None) -> nn.Module:
+def frozen_copy(
+    model: nn.Module,
+    config: Config,
+    layout: ModelLayout | None,
+    trunk_sources: dict[int, dict[str, torch.Tensor]] | None = None,
+) -> nn.Module:
     """The KL reference: the model (of `layout`) as it is now, fixed, placed as the run computes.
     Parameters that do not train are shared, not copied: they cannot change while this model lives (a
     growth builds a new model from copies), so a frozen or NF4 trunk is held once, not twice. A sharded
     model cannot be copied (FSDP2 forbids it): its reference is built from its whole weights and
-    sharded in turn, so the reference's forward is sharded too."""
+    sharded in turn, so the reference's forward is sharded too; its NF4 stacks (which hold no float
+    weights) are quantised again from `trunk_sources`, the float weights they were quantised from."""
     if is_sharded(model):
         from rewind.engine.snapshot import cpu_copy
 
+        nf4 = {s.stack for s in layouts.layout_of(config, layout).stacks if s.base == "nf4"}
         weights, adapters = {}, {}
         for name, tensor in model.state_dict().items():
-            (adapters if layouts.is_adapter(name) else weights)[layouts.unwrapped(name)] = cpu_copy(tensor)
+            if layouts.is_adapter(name):
+                adapters[layouts.unwrapped(name)] = cpu_copy(tensor)
+            elif layouts.stack_of(name) not in nf4:
+                weights[layouts.unwrapped(name)] = cpu_copy(tensor)
+        for stack in nf4:
+            weights.update((trunk_sources or {})[stack])
         reference = layouts.model_from_weights(config, layout, weights, adapters, complete=True)[0]
     else:
         shared = {id(p): p for p in model.parameters() if not p.requires_grad}

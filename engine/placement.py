@@ -204,10 +204,14 @@ def _shard(model: nn.Module, config: Config) -> None:
         if config.compute.precision == "bf16-mixed"
         else MixedPrecisionPolicy()
     )
+    # NF4 weights stay out of sharding: fully_shard would replace bitsandbytes' Params4bit and lose its
+    # quantisation state. They are frozen and a deterministic function of the float weights every rank
+    # built them from, so each rank holds the same replica (re-quantised on load, never checkpointed).
+    quantised = {p for p in model.parameters() if type(p).__name__ == "Params4bit"}
     for stack in model.stacks.values():  # type: ignore[union-attr]
         for block in stack.blocks:
-            fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+            fully_shard(block, mp_policy=policy, ignored_params=quantised & set(block.parameters()) or None)
+    fully_shard(model, mp_policy=policy, ignored_params=quantised or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The loss is already normalised by the global batch's target tokens: gradients are summed
@@ -220,6 +224,12 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def in_sharded_run() -> bool:
+    """Whether this process is one of a sharded run's (its models' parameters are whole only while a
+    forward or backward of their module runs: FSDP2 frees the gathered copies afterwards)."""
+    return dist.is_initialized()
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

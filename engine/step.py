@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from rewind.engine.objectives import objective_batch
-from rewind.engine.placement import full_tensor, is_sharded, placement_for
+from rewind.engine.placement import full_tensor, in_sharded_run, is_sharded, placement_for
 from rewind.engine.ranks import sum_over_ranks
 from rewind.engine.rng import derive_seed
-from rewind.kernels.losses import fused_losses
+from rewind.kernels.linear_losses import linear_losses
+from rewind.kernels.losses import Losses, fused_losses
 from rewind.states.config import Config
 
 
@@ -79,6 +80,57 @@ def dropout_seed(config: Config, step: int, micro_batch: int) -> int:
     is derived, so the activation cache computes the trunk with exactly the masks the step uses. (The
     0 is where a rank once went: kept, so the seeds of every existing run stay what they were.)"""
     return derive_seed(config.run.seed, "dropout", step, 0, micro_batch)
+
+
+def _micro_batch_losses(
+    model: nn.Module,
+    reference: nn.Module | None,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_mask: torch.Tensor,
+    num_target_tokens: int,
+    *,
+    levels: torch.Tensor | None,
+    trunk: torch.Tensor | None,
+    seed: int,
+    beta: float,
+    config: Config,
+) -> Losses:
+    """One micro-batch's losses, by the config's loss kernel: from the model's logits ("logits"), or
+    with the loss owning the head matmul ("chunked", "triton": the model hands the loss its final
+    hidden states and head weight inside its own forward, so a sharded head is whole there)."""
+    kind, kernel = config.optimization.kl.kind, config.compute.loss_kernel
+    conditioning = {} if levels is None else {"levels": levels}
+    if kernel == "logits":
+        if trunk is not None:
+            logits = model.forward_from_trunk(trunk, dropout_seed=seed)
+        else:
+            logits = model(inputs, dropout_seed=seed, **conditioning)
+        reference_logits = None
+        if reference is not None:
+            with torch.no_grad():  # no reference forward at all when beta is 0
+                reference_logits = reference(inputs, **conditioning)
+        return fused_losses(logits, targets, loss_mask, num_target_tokens, reference_logits, beta, kind)
+    reference_hidden = reference_weight = None
+    if reference is not None:
+        with torch.no_grad():
+            reference_hidden, reference_weight = reference(inputs, head_fn=_hidden_and_head, **conditioning)
+
+    def head_fn(hidden: torch.Tensor, weight: torch.Tensor) -> Losses:
+        return linear_losses(
+            hidden, weight, targets, loss_mask, num_target_tokens, reference_hidden, reference_weight, beta, kind,
+            implementation=kernel,
+        )
+
+    if trunk is not None:
+        return model.forward_from_trunk(trunk, dropout_seed=seed, head_fn=head_fn)
+    return model(inputs, dropout_seed=seed, head_fn=head_fn, **conditioning)
+
+
+def _hidden_and_head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's final hidden states and head weight. A sharded head is whole only inside the
+    forward: copied out then (the loss reads it after), otherwise handed on as it is."""
+    return hidden, weight.detach().clone() if in_sharded_run() else weight.detach()
 
 
 def _compute_precision(config: Config, device: torch.device):
@@ -157,7 +209,6 @@ def train_step(
     levels = None if batch.levels is None else batch.levels[rows_here].to(device)
     trunk_here = None if trunk_rows is None else trunk_rows[rows_here].to(device)
     use_kl = reference is not None and beta > 0.0
-    kind = config.optimization.kl.kind
     sharded = is_sharded(model)
     parts = micro_batches(len(mine), config.training.per_device_batch_size)
     first_micro_batch = mine.start // max(parts[0].stop - parts[0].start, 1) if parts else 0
@@ -168,17 +219,19 @@ def train_step(
             model.set_requires_gradient_sync(index == len(parts) - 1)  # type: ignore[operator]
         seed = dropout_seed(config, step, first_micro_batch + index)
         with _compute_precision(config, device):
-            if trunk_here is not None:
-                logits = model.forward_from_trunk(trunk_here[rows], dropout_seed=seed)
-            else:
-                logits = model(inputs[rows], dropout_seed=seed, **_levels(levels, rows))
-            reference_logits = None
-            if use_kl:
-                with torch.no_grad():  # no reference forward at all when beta is 0
-                    reference_logits = reference(inputs[rows], **_levels(levels, rows))
-        losses = fused_losses(
-            logits, targets[rows], loss_mask[rows], num_target_tokens, reference_logits, beta, kind
-        )
+            losses = _micro_batch_losses(
+                model,
+                reference if use_kl else None,
+                inputs[rows],
+                targets[rows],
+                loss_mask[rows],
+                num_target_tokens,
+                levels=None if levels is None else levels[rows],
+                trunk=None if trunk_here is None else trunk_here[rows],
+                seed=seed,
+                beta=beta,
+                config=config,
+            )
         losses.objective.backward()
         total_ce += float(losses.ce)
         total_kl += float(losses.kl)

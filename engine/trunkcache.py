@@ -18,6 +18,8 @@ import torch
 
 from rewind.engine.cursors import assemble_batch
 from rewind.engine.parts import Parts
+from rewind.engine.placement import in_sharded_run, model_device
+from rewind.engine.ranks import is_writer, shared_event
 from rewind.engine.step import dropout_seed, micro_batches
 from rewind.states.config import Config, config_hash
 from rewind.states.events import ActivationsCached
@@ -52,9 +54,13 @@ def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCa
         num_rows=intent.num_rows, seq_len=config.architecture.block_size, width=width, dtype=dtype, rows_per_chunk=batch
     )
     path = cache_path(intent.version, state.step, config)
-    _delete_others(parts.run_dir, path)
-    cache = ActivationCache.create(cache_url(parts.run_dir, path), spec)
-    missing = set(cache.missing_chunks())
+    writer = is_writer()
+    cache = None
+    if writer:  # rank 0 writes the cache; every rank of a sharded run computes it (each forward is collective)
+        _delete_others(parts.run_dir, path)
+        cache = ActivationCache.create(cache_url(parts.run_dir, path), spec)
+    missing = set(cache.missing_chunks()) if cache is not None else set(range(intent.num_steps))
+    compute_all = in_sharded_run()
     cursors = dict(state.cursors)
     model.train()  # as the step computes it: dropout (if any) keyed by the step's seeds
     with torch.no_grad():
@@ -62,15 +68,18 @@ def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCa
             k = state.step + offset
             plan = parts.schedule.step_plan(k)
             tokens, _, cursors, _ = assemble_batch(config.run.seed, config, plan.rows, cursors, parts.datasets)
-            if offset not in missing:
+            if offset not in missing and not compute_all:
                 continue  # written by a process that was stopped before the cache was complete
-            inputs = tokens[:, :-1]
+            inputs = tokens[:, :-1].to(model_device(model))
             parts_out = []
             for index, rows in enumerate(micro_batches(inputs.shape[0], config.training.per_device_batch_size)):
                 parts_out.append(model.trunk_output(inputs[rows], dropout_seed=dropout_seed(config, k, index)))
-            cache.write_chunk(offset, torch.cat(parts_out).contiguous())
+            if cache is not None and offset in missing:
+                cache.write_chunk(offset, torch.cat(parts_out).contiguous().cpu())
+    if cache is None:
+        return shared_event(None)  # type: ignore[return-value]
     cache.mark_complete()
-    return ActivationsCached(
+    return shared_event(ActivationsCached(
         step=state.step,
         tokens=state.tokens,
         version=intent.version,
@@ -78,7 +87,7 @@ def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCa
         num_rows=intent.num_rows,
         path=path,
         num_bytes=cache.num_bytes(),
-    )
+    ))
 
 
 def _delete_others(run_dir: str, keep: str) -> None:
