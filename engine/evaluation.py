@@ -21,6 +21,7 @@ from torch import nn
 
 from rewind.engine.datasets import Dataset
 from rewind.engine.layout import eval_mode
+from rewind.engine.placement import model_device
 from rewind.kernels.losses import fused_losses
 from rewind.states.config import Config
 from rewind.stores.metrics import perplexity
@@ -103,6 +104,7 @@ def score(
     num_correct = num_tokens = num_bytes = 0
     for start in range(0, len(indices), rows):
         tokens, mask = dataset.batch("validation", indices[start : start + rows])
+        tokens, mask = tokens.to(model_device(model)), mask.to(model_device(model))
         count = int(mask.sum())
         if count == 0:
             continue
@@ -112,7 +114,7 @@ def score(
         num_correct += int(losses.num_correct)
         num_tokens += count
         if token_bytes is not None:
-            num_bytes += _target_bytes(token_bytes, targets, mask)
+            num_bytes += _target_bytes(token_bytes, targets.cpu(), mask.cpu())
     if num_tokens == 0:
         return DatasetScore(float("nan"), float("nan"), None, 0, num_bytes)
     loss = total_nll / num_tokens

@@ -162,6 +162,8 @@ def open_fork(
         parent=origin,
         num_threads=point.state.num_threads,  # the parent's: an unchanged fork must compute the same bits
         cpu_capability=point.state.cpu_capability,
+        device=point.state.device,  # where the parent computed: a fork under compute.device = "auto" goes on there
+        world_size=point.state.world_size,
         features=list(records[0][1].features),  # and the parent's behaviours (a run of an older release: its old ones)
         pretrained=parent_state.pretrained,
         **data,

@@ -51,7 +51,7 @@ class Placement:
         return self.rank == 0
 
     def row_range(self, num_rows: int) -> range:
-        """This rank's rows of a global batch of `num_rows` (checked to divide at start: `check_world`)."""
+        """This rank's rows of a global batch of `num_rows` (checked to divide at start: `check_compute`)."""
         share = num_rows // self.world_size
         return range(self.rank * share, (self.rank + 1) * share)
 
@@ -159,8 +159,9 @@ def placement_for(config: Config) -> Placement:
     )
 
 
-def check_world(config: Config, placement: Placement) -> None:
-    """A world size that cannot split the batch (or its micro-batches) is refused before any event."""
+def check_compute(config: Config, placement: Placement) -> None:
+    """What this process cannot compute as the config asks is refused before any event: a world size
+    that cannot split the batch (or its micro-batches), a loss kernel whose library is missing."""
     batch, per_device = config.training.batch_size, config.training.per_device_batch_size
     world = placement.world_size
     if batch % world:
@@ -172,6 +173,13 @@ def check_world(config: Config, placement: Placement) -> None:
         )
     if config.compute.device == "cuda" and placement.device.type != "cuda":
         raise PlacementError("compute.device is cuda, and this process computes on the CPU")
+    if config.compute.loss_kernel == "triton":
+        from rewind.kernels.linear_losses import KernelUnavailable, triton_available
+
+        try:
+            triton_available(placement.device.type)
+        except KernelUnavailable as exc:
+            raise PlacementError(f"compute.loss_kernel = \"triton\": {exc}") from None
 
 
 def prepare_device(config: Config) -> None:

@@ -26,7 +26,7 @@ from rewind.engine.placement import (
     adopt_cpu_capability,
     adopt_device,
     adopt_threads,
-    check_world,
+    check_compute,
     device_record,
     placement_for,
     prepare_device,
@@ -242,7 +242,7 @@ def _plan_start(config: Config, run_dir: str) -> _Opening:
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
     placement = placement_for(config)
-    check_world(config, placement)
+    check_compute(config, placement)
     prepare_device(config)
     place = start_place(config, run_dir)
     datasets = open_datasets(config, place)
@@ -305,7 +305,7 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool) -> 
     adopt_cpu_capability(current.cpu_capability)  # before the first tensor is computed
     adopt_device(current.device)  # compute.device = "auto" goes on where the run computed
     placement = placement_for(going_on)
-    check_world(going_on, placement)
+    check_compute(going_on, placement)
     prepare_device(going_on)
     # Built for the config the run goes on under (the new one when forking in place, so that the old
     # config's datasets, perhaps moved since, are never opened), from the restore point's tensors.

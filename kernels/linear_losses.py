@@ -51,6 +51,19 @@ class KernelUnavailable(RuntimeError):
     """The chosen loss implementation cannot run here (triton is not installed)."""
 
 
+def triton_available(device_type: str) -> None:
+    """Raise KernelUnavailable (one line) unless the triton implementation can run on `device_type`
+    ("cpu": in Triton's interpreter; "cuda": compiled) in this process: checked when a run starts."""
+    try:
+        from rewind.kernels import triton_losses
+    except ImportError as exc:
+        raise KernelUnavailable(f"needs triton (pip install 'rewind[triton]'), which cannot be imported: {exc}") from None
+    if device_type == "cpu" and not triton_losses.INTERPRETED:
+        raise KernelUnavailable(
+            "on the CPU it runs in Triton's interpreter, and triton was loaded without it: set TRITON_INTERPRET=1"
+        )
+
+
 def default_chunk_rows(vocab_size: int, device: torch.device | str = "cpu") -> int:
     """Rows per chunk so that a chunk's float32 logits take about CHUNK_BYTES (a multiple of 8 rows,
     matmul-friendly, when there is room for 8)."""
