@@ -7,6 +7,7 @@ figures, so a person can compare like with like.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import time
 
@@ -27,6 +28,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+# Targets whose bench lives in one module's `run_*_bench(quick=...)`: (module, function, what it needs).
+_MODULE_BENCHES = {
+    "resume": ("rewind.stores.bench_resume", "run_resume_bench", "the stores"),
+    "overhead": ("rewind.engine.bench_overhead", "run_overhead_bench", "the engine"),
+    "data": ("rewind.engine.bench_data", "run_data_bench", "the engine and tokenizers"),
+    "kernels": ("rewind.kernels.bench", "run_kernels_bench", "torch"),
+    "mfu": ("rewind.engine.bench_mfu", "run_mfu_bench", "the engine"),
+}
+
+
+def _bench_function(target: str):
+    module, function, needs = _MODULE_BENCHES[target]
+    try:  # imported only when asked for: `rewind bench schedule` never imports torch
+        return getattr(importlib.import_module(module), function)
+    except ImportError as exc:
+        raise UsageError(f"bench {target} needs {needs}: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.target == "schedule":
         result = bench_schedule(quick=args.quick)
@@ -34,16 +53,6 @@ def run(args: argparse.Namespace) -> int:
         from rewind.stores.bench_log import run_log_bench
 
         result = run_log_bench(num_events=2_000 if args.quick else 20_000)
-    elif args.target == "resume":
-        from rewind.stores.bench_resume import run_resume_bench
-
-        result = run_resume_bench(quick=args.quick)
-    elif args.target == "overhead":
-        try:
-            from rewind.engine.bench_overhead import run_overhead_bench
-        except ImportError as exc:
-            raise UsageError(f"bench overhead needs the engine: {exc}") from None
-        result = run_overhead_bench(quick=args.quick)
     elif args.target == "cache":
         try:  # zarr for the cache, torch and the engine for the training half
             from rewind.engine.bench_cache import run_trunk_speedup
@@ -51,24 +60,8 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise UsageError(f"bench cache needs the engine and zarr: {exc}") from None
         result = {**run_cache_bench(quick=args.quick), **run_trunk_speedup(quick=args.quick)}
-    elif args.target == "data":
-        try:  # torch for the engine's datasets, tokenizers for preparing
-            from rewind.engine.bench_data import run_data_bench
-        except ImportError as exc:
-            raise UsageError(f"bench data needs the engine and tokenizers: {exc}") from None
-        result = run_data_bench(quick=args.quick)
-    elif args.target == "kernels":
-        try:
-            from rewind.kernels.bench import run_kernels_bench
-        except ImportError as exc:
-            raise UsageError(f"bench kernels needs torch: {exc}") from None
-        result = run_kernels_bench(quick=args.quick)
-    elif args.target == "mfu":
-        try:
-            from rewind.engine.bench_mfu import run_mfu_bench
-        except ImportError as exc:
-            raise UsageError(f"bench mfu needs the engine: {exc}") from None
-        result = run_mfu_bench(quick=args.quick)
+    elif args.target in _MODULE_BENCHES:
+        result = _bench_function(args.target)(quick=args.quick)
     else:  # argparse's choices make this unreachable
         raise UsageError(f"unknown bench target {args.target!r}")
     if args.json:
