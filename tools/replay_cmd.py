@@ -31,9 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rewind.engine.placement import join_process_group, leave_process_group
     from rewind.engine.replay import ReplayError, replay
     from rewind.engine.session import RunError, adopt_cpu_capability, adopt_threads
     from rewind.states.fold import fold
+    from rewind.states.history import config_in_force
     from rewind.tools.runlog import load_records
 
     if not (args.rtol >= 0.0 and math.isfinite(args.rtol)):
@@ -44,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if note := adopt_threads(folded.num_threads):
         print(f"rewind: {note}", file=sys.stderr)
     bar = _ProgressBar(enabled=not args.no_progress and not args.json)
+    # A bf16-mixed run computes through FSDP2 (a one-rank group here), as its single-process training did.
+    join_process_group(config_in_force(records).compute)
     try:
         report = replay(
             args.run_dir, records, from_checkpoint=args.from_checkpoint, to_step=args.to_step, rtol=args.rtol,
@@ -53,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc), exc.exit_code) from None
     finally:
         bar.close()
+        leave_process_group()
     if args.json:
         print(json.dumps(as_dict(report, args.rtol), indent=1, default=repr))
     else:
