@@ -25,7 +25,7 @@ from rewind.engine.evaluation import evaluate, validate
 from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
 from rewind.engine.placement import launched_world_size
-from rewind.engine.ranks import any_rank, is_writer
+from rewind.engine.ranks import any_rank, check_same_state, is_writer
 from rewind.engine.step import nonfinite_quantity, train_step
 from rewind.engine.trunkcache import write_cache
 from rewind.states.events import (
@@ -148,6 +148,7 @@ def record(run: Run, state: State, event: Event) -> State:
 
 def checkpoint(run: Run, state: State, reason: CheckpointReason) -> State:
     run.journal.commit()  # everything before the checkpoint is durable before its files exist (journal)
+    check_same_state(state)  # a sharded run's ranks still agree on what the checkpoint belongs to
     committed = write_checkpoint(run.parts, state, reason, log_seq=run.journal.durable_seq())
     state = record(run, state, committed)
     if is_writer():  # the record is committed (journal); cache the fold up to it, so opening the run costs its tail

@@ -5,11 +5,14 @@ no-op in one process, so the single-process path computes exactly what it always
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 import torch
 import torch.distributed as dist
 
 from rewind.states.events import AnyEvent, Event
+from rewind.states.state import State
 
 
 def is_writer() -> bool:
@@ -49,6 +52,26 @@ def shared_event(event: Event | None) -> Event:
         return event
     payload = _broadcast_bytes(msgspec.json.encode(event) if dist.get_rank() == 0 else b"", source=0)
     return msgspec.json.decode(payload, type=AnyEvent)  # type: ignore[return-value]
+
+
+class RanksDisagree(RuntimeError):
+    """The processes of a sharded run folded different states: their events were not the same."""
+
+
+def check_same_state(state: State) -> None:
+    """Every rank folds rank 0's events, so their states must be equal; checked (a digest of the
+    whole state, compared over the ranks) before each checkpoint, so a divergence can never be
+    written as if it were the run: it stops the run with a RanksDisagree instead."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    digest = int.from_bytes(hashlib.sha256(msgspec.json.encode(state)).digest()[:7], "big")
+    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=_wire())
+    dist.all_reduce(bounds, op=dist.ReduceOp.MIN)  # (min, -max): equal on every rank iff min == max
+    if int(bounds[0]) != -int(bounds[1]):
+        raise RanksDisagree(
+            f"the processes of the run folded different states at step {state.step}; nothing was checkpointed "
+            "(resume from the last checkpoint; report this with the run's log)"
+        )
 
 
 class Failure(msgspec.Struct, frozen=True):

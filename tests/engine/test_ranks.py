@@ -1,0 +1,103 @@
+"""What the processes of a sharded run tell each other (rewind.engine.ranks), checked in two real
+processes under torchrun (gloo): sums, a stop request, rank 0's events, the lowest rank's failure, and
+the state check before a checkpoint. One launch runs every check; each rank writes what it saw."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rewind.engine import ranks
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch.distributed as dist
+    from rewind.engine import ranks
+    from rewind.states.events import CheckpointCommitted
+    from rewind.states.state import State
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    seen = {"rank": rank, "writer": ranks.is_writer()}
+    seen["sums"] = ranks.sum_over_ranks([1.5 * (rank + 1), 0.25, float(rank)])
+    seen["stop_none"] = ranks.any_rank(False)
+    seen["stop_one"] = ranks.any_rank(rank == 1)
+    mine = CheckpointCommitted(step=4, tokens=1024, checkpoint="00000004-deadbeef", manifest_sha256="ab" * 32,
+                               files={"model.safetensors": "cd" * 32}, reason="interval")
+    seen["event"] = ranks.shared_event(mine if rank == 0 else None).checkpoint
+    seen["no_failure"] = ranks.first_failure(None) is None
+    failure = ranks.first_failure(ranks.Failure(f"rank {rank} failed", 2 + rank) if rank == 1 else None)
+    seen["failure"] = [failure.message, failure.exit_code]
+    both = ranks.first_failure(ranks.Failure(f"rank {rank} failed", 2 + rank))
+    seen["lowest"] = [both.message, both.exit_code]
+    ranks.check_same_state(State(step=3))
+    seen["same_state_ok"] = True
+    try:
+        ranks.check_same_state(State(step=3, last_loss=1.0 + rank))
+        seen["different_state"] = "not caught"
+    except ranks.RanksDisagree as exc:
+        seen["different_state"] = str(exc)
+    with open(sys.argv[1] + f".{rank}.json", "w") as out:
+        json.dump(seen, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory) -> list[dict]:
+    where = tmp_path_factory.mktemp("ranks")
+    script = where / "ranks_check.py"
+    script.write_text(SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(script), str(where / "seen")]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=where, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((where / f"seen.{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_only_rank_0_writes(seen):
+    assert [s["writer"] for s in seen] == [True, False]
+
+
+def test_measured_values_are_summed_the_same_on_every_rank(seen):
+    assert seen[0]["sums"] == seen[1]["sums"] == [1.5 + 3.0, 0.5, 1.0]
+
+
+def test_a_stop_request_on_one_rank_stops_every_rank(seen):
+    assert [s["stop_none"] for s in seen] == [False, False]
+    assert [s["stop_one"] for s in seen] == [True, True]
+
+
+def test_rank_0s_event_reaches_every_rank(seen):
+    assert [s["event"] for s in seen] == ["00000004-deadbeef"] * 2
+
+
+def test_every_rank_stops_with_the_lowest_failing_ranks_message(seen):
+    assert all(s["no_failure"] for s in seen)
+    assert [s["failure"] for s in seen] == [["rank 1 failed", 3]] * 2  # rank 1 alone failed
+    assert [s["lowest"] for s in seen] == [["rank 0 failed", 2]] * 2  # both failed: rank 0's
+
+
+def test_ranks_that_folded_different_states_refuse_to_checkpoint(seen):
+    assert all(s["same_state_ok"] for s in seen)
+    for s in seen:
+        assert "folded different states at step 3" in s["different_state"]
+
+
+def test_in_one_process_every_exchange_is_the_identity():
+    assert ranks.is_writer()
+    assert ranks.sum_over_ranks([1.0, 2.0]) == [1.0, 2.0]
+    assert ranks.any_rank(True) and not ranks.any_rank(False)
+    failure = ranks.Failure("no", 2)
+    assert ranks.first_failure(failure) is failure and ranks.first_failure(None) is None
