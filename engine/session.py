@@ -241,6 +241,7 @@ def _plan_start(config: Config, run_dir: str) -> _Opening:
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
+    adopt_device("")  # a new run chooses its own device (not one a resume earlier in this process adopted)
     placement = placement_for(config)
     check_compute(config, placement)
     prepare_device(config)
