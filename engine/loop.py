@@ -160,8 +160,9 @@ def delete_checkpoints(run: Run, state: State, names: tuple[str, ...]) -> State:
     at = {"step": state.step, "tokens": state.tokens}
     for name in names:
         state = record(run, state, CheckpointDeleted(**at, checkpoint=name))
-    for name in names if is_writer() else ():  # the files go only once the deletions are on record: a crash leaves an orphan
-        run.parts.store.delete(name)
+    if is_writer():  # (rank 0 owns the files of a sharded run)
+        for name in names:  # the files go only once the deletions are on record: a crash leaves an orphan
+            run.parts.store.delete(name)
     return state
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from rewind.engine import layout as layouts
 from rewind.engine.datasets import DatasetError
 from rewind.engine.model import GPT
-from rewind.engine.placement import is_sharded, place, placement_for
+from rewind.engine.placement import is_sharded, place
 from rewind.engine.pretrained import Pretrained, PretrainedError, apply_pretrained, load_pretrained
 from rewind.engine.registry import DatasetRegistry
 from rewind.engine.step import build_optimizer
@@ -103,10 +103,7 @@ def frozen_copy(
         reference = copy.deepcopy(model, memo=shared)
     for parameter in reference.parameters():
         parameter.requires_grad_(False)
-    if is_sharded(model) or placement_for(config).sharded:
-        reference = place(reference, config)
-    else:
-        reference.to(placement_for(config).device)
+    reference = place(reference, config)  # (a copy of a placed model: only sharding and compiling are new)
     layouts.eval_mode(reference)
     return reference
 

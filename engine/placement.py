@@ -43,12 +43,6 @@ class Placement:
     rank: int
     world_size: int
     sharded: bool
-    precision: str
-
-    @property
-    def is_writer(self) -> bool:
-        """Rank 0 alone writes the log, checkpoints and caches."""
-        return self.rank == 0
 
     def row_range(self, num_rows: int) -> range:
         """This rank's rows of a global batch of `num_rows` (checked to divide at start: `check_compute`)."""
@@ -122,10 +116,21 @@ class CapabilityChanged(UserWarning):
     """A run goes on with other CPU kernels than it started with: not bit for bit from here on."""
 
 
-def adopt_device(recorded: str) -> None:
-    """Resume, fork and replay compute where the run did when its config says "auto"."""
+def adopt_device(recorded: str, *, or_cpu: bool = False) -> None:
+    """Resume, replay and sample compute where the run did when its config says "auto". A run that
+    recorded no device ("": a release before schema 6) computed on the CPU, and stays there. `or_cpu`:
+    a tool that only reads the run (replay, sample) goes on on the CPU where the recorded CUDA is missing
+    (a resume is refused instead: training elsewhere would change the run)."""
     global _adopted_device
-    _adopted_device = recorded
+    _adopted_device = recorded or "cpu"
+    if or_cpu and _adopted_device.startswith("cuda") and not torch.cuda.is_available():
+        _adopted_device = "cpu"
+
+
+def forget_adopted_device() -> None:
+    """A new run chooses its own device (not one a resume earlier in this process adopted)."""
+    global _adopted_device
+    _adopted_device = ""
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -155,7 +160,6 @@ def placement_for(config: Config) -> Placement:
         rank=dist.get_rank() if sharded else 0,
         world_size=dist.get_world_size() if sharded else 1,
         sharded=sharded,
-        precision=config.compute.precision,
     )
 
 

@@ -80,17 +80,7 @@ def apply_pretrained(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -
     if any(type(m).__name__ == "Linear4bit" for m in model.modules()):
         raise PretrainedError("pretrained: weights go into the plain model, before any stack is quantised")
     live = {unwrapped(n): t for n, t in model.state_dict().items() if not is_adapter(n)}
-    missing, unexpected = sorted(set(live) - set(tensors)), sorted(set(tensors) - set(live))
-    if missing or unexpected:
-        raise PretrainedError(
-            f"pretrained: the weights do not fit the model: missing {missing[:_MAX_NAMES_SHOWN]}, "
-            f"unexpected {unexpected[:_MAX_NAMES_SHOWN]}"
-        )
-    for name, target in live.items():
-        if tuple(tensors[name].shape) != tuple(target.shape):
-            raise PretrainedError(
-                f"pretrained: {name} is {list(tensors[name].shape)}, the model's {list(target.shape)}"
-            )
+    _check_fit(tensors, {name: tuple(t.shape) for name, t in live.items()}, "the weights", "the model")
     with torch.no_grad():
         for name, target in live.items():
             target.copy_(tensors[name])
@@ -126,19 +116,21 @@ def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
 
 
 def _check_shapes(tensors: dict[str, torch.Tensor], config: Config, where: str) -> None:
-    expected = expected_shapes(config)
+    _check_fit(tensors, expected_shapes(config), f"the weights in {where}", "the config's model")
+
+
+def _check_fit(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], given: str, model: str) -> None:
+    """Every tensor of `expected` given, with its shape, and nothing else: else PretrainedError naming
+    the first few that are not."""
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
         raise PretrainedError(
-            f"pretrained: {where} does not hold the model the config describes: missing "
-            f"{missing[:_MAX_NAMES_SHOWN]}, unexpected {unexpected[:_MAX_NAMES_SHOWN]}"
+            f"pretrained: {given} do not fit {model}: missing {missing[:_MAX_NAMES_SHOWN]}, "
+            f"unexpected {unexpected[:_MAX_NAMES_SHOWN]}"
         )
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
-            raise PretrainedError(
-                f"pretrained: {where} has {name} of shape {list(tensors[name].shape)}, the config's model "
-                f"{list(shape)}"
-            )
+            raise PretrainedError(f"pretrained: {given}: {name} is {list(tensors[name].shape)}, {model}'s {list(shape)}")
 
 
 def _read_weights(paths: list[str], where: str) -> tuple[dict[str, torch.Tensor], str]:

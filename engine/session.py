@@ -28,6 +28,7 @@ from rewind.engine.placement import (
     adopt_threads,
     check_compute,
     device_record,
+    forget_adopted_device,
     placement_for,
     prepare_device,
 )
@@ -241,7 +242,7 @@ def _plan_start(config: Config, run_dir: str) -> _Opening:
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
-    adopt_device("")  # a new run chooses its own device (not one a resume earlier in this process adopted)
+    forget_adopted_device()
     placement = placement_for(config)
     check_compute(config, placement)
     prepare_device(config)

@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rewind.engine.placement import join_process_group, leave_process_group
+    from rewind.engine.placement import adopt_device, join_process_group, leave_process_group
     from rewind.engine.replay import ReplayError, replay
     from rewind.engine.session import RunError, adopt_cpu_capability, adopt_threads
     from rewind.states.fold import fold
@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     records = load_records(args.run_dir)
     folded = fold(e for _, e in records)
     adopt_cpu_capability(folded.cpu_capability)
+    adopt_device(folded.device, or_cpu=True)  # compute.device = "auto": where the run computed, if here
     if note := adopt_threads(folded.num_threads):
         print(f"rewind: {note}", file=sys.stderr)
     bar = _ProgressBar(enabled=not args.no_progress and not args.json)

@@ -81,6 +81,7 @@ def model_at(run_dir: str, at_step: int | None) -> CheckpointModel:
     from it would build it: the layout of the restore point the checkpoint makes, the config in force
     there (replay chooses them the same way). Files are checked against the hashes the log recorded."""
     from rewind.engine.checkpointing import load_model
+    from rewind.engine.placement import adopt_device
     from rewind.engine.session import adopt_cpu_capability, adopt_threads
     from rewind.states.fold import fold
     from rewind.states.history import config_in_force, effective, restore_points
@@ -91,6 +92,7 @@ def model_at(run_dir: str, at_step: int | None) -> CheckpointModel:
     # The run's kernels and thread count, as replay adopts them: the same figures as the run's own
     # boundary evaluation of this checkpoint, bit for bit, on the machine it ran on.
     adopt_cpu_capability(state.cpu_capability)
+    adopt_device(state.device, or_cpu=True)  # compute.device = "auto": where the run computed, if here
     adopt_threads(state.num_threads)
     ref = choose_checkpoint(run_dir, sorted(state.live_checkpoints, key=lambda c: c.step), at_step)
     point = next((p for p in restore_points(records) if p.checkpoint == ref.checkpoint), None)

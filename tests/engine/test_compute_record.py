@@ -121,3 +121,17 @@ def test_a_new_run_in_the_same_process_does_not_inherit_a_resumes_device(tmp_pat
     code, _, err = run_cli(*train_args(tmp_path / "fresh", overrides=SHORT))
     assert code == 0, err
     assert events_of(tmp_path / "fresh")[0].device == "cpu"
+
+
+def test_a_run_of_an_older_release_recorded_no_device_and_goes_on_on_the_cpu(monkeypatch):
+    """Before schema 6 nothing was recorded, and every run computed on the CPU: under compute.device =
+    "auto" a resume, replay or sample of one stays there even where CUDA is available; a new run
+    chooses for itself again."""
+    from rewind.engine import placement
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    placement.adopt_device("")
+    assert placement.resolve_device("auto") == torch.device("cpu")
+    placement.forget_adopted_device()
+    assert placement.resolve_device("auto") == torch.device("cuda", 0)
