@@ -21,7 +21,7 @@ import msgspec
 
 from rewind.states.checking import collect_type_problems
 from rewind.states.validation import BUILTIN_DATASETS as BUILTIN_DATASETS
-from rewind.states.validation import check_config
+from rewind.states.validation import check_config, unrecordable_ints
 
 CurveName = Literal["linear", "cosine", "sigmoid"]
 LrScheduleName = Literal["wsds", "wsd", "cosine", "sgdr", "constant", "cosine_rewarm"]
@@ -330,20 +330,25 @@ def config_differences(old: Config, new: Config) -> list[str]:
 
 def loads_config(text: str, source: str = "config", overrides: list[str] | None = None) -> Config:
     """Parse TOML text into a Config, reporting every problem at once as a ConfigError."""
+    # Imported here: the override module raises this module's ConfigError.
+    from rewind.states.overrides import TomlLimitError, apply_overrides, read_toml
+
     try:
-        raw = tomllib.loads(text)
+        raw = read_toml(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"not valid TOML: {exc}"], source) from None
+    except TomlLimitError as exc:
+        raise ConfigError([f"cannot read the TOML: {exc}"], source) from None
     if overrides:
-        # Imported here: the override module raises this module's ConfigError.
-        from rewind.states.overrides import apply_overrides
-
         raw = apply_overrides(raw, overrides)
     return config_from_dict(raw, source)
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
     problems = collect_type_problems(raw, Config)
+    # An integer the log cannot hold is dropped like a mistyped key: no rule computes with it (nor prints it).
+    mistyped = {_field_of(p) for p in problems}
+    problems += [p for p in unrecordable_ints(raw) if _field_of(p) not in mistyped]
     if problems:
         # Still report the cross-field problems: drop the mistyped keys (their problem is already
         # said), check what remains, and keep only findings about fields that were not dropped.

@@ -52,6 +52,28 @@ def format_path(parts: list[PathPart]) -> str:
     return text
 
 
+class TomlLimitError(ValueError):
+    """TOML past what Python reads: tomllib raises ValueError for an integer of more digits than Python
+    converts (4300), RecursionError for arrays nested deeper than its recursion limit."""
+
+
+def read_toml(text: str) -> dict[str, Any]:
+    """tomllib.loads, failing with TOMLDecodeError or TomlLimitError (one line each), never a traceback."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        raise
+    except ValueError:
+        raise TomlLimitError("an integer of more than 4300 digits") from None
+    except RecursionError:
+        raise TomlLimitError("arrays or tables nested too deeply") from None
+
+
+def shown(text: str) -> str:
+    """An override as messages quote it: whole when short, else its start and length."""
+    return repr(text) if len(text) <= 80 else f"{text[:60]!r}... ({len(text):,} characters)"
+
+
 def parse_override(text: str) -> tuple[list[PathPart], Any]:
     """`PATH=VALUE` -> (path parts, value). Only the first '=' separates, so values may hold one."""
     key, sep, raw = text.partition("=")
@@ -61,11 +83,13 @@ def parse_override(text: str) -> tuple[list[PathPart], Any]:
             raise ValueError(key)
         path = parse_path(key)
     except ValueError:
-        raise ConfigError([f"--set {text!r}: expected {SYNTAX}"], SOURCE) from None
+        raise ConfigError([f"--set {shown(text)}: expected {SYNTAX}"], SOURCE) from None
     try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        value = read_toml(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
+    except TomlLimitError as exc:
+        raise ConfigError([f"--set {shown(text)}: VALUE holds {exc}"], SOURCE) from None
     return path, value
 
 
@@ -81,7 +105,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             problems += exc.problems
             continue
         if problem := _set(merged, path, value):
-            problems.append(f"--set {text!r}: {problem}")
+            problems.append(f"--set {shown(text)}: {problem}")
     if problems:
         raise ConfigError(problems, SOURCE)
     return merged

@@ -35,13 +35,52 @@ def non_finite_floats(value, path: str = "") -> list[str]:
     return []
 
 
+# The log is msgpack, whose integers are 64-bit: a config value beyond them cannot be recorded, and torch's
+# integers are int64. run.seed has a rule of its own (unsigned, below 2**64).
+INT64_RANGE = (-(1 << 63), 1 << 63)
+OWN_INT_RULES = frozenset({"run.seed"})
+# Token positions: the schedule places tokens as floats (fade ramps, steps of a position), exact only
+# below 2**53 (9.0e15 tokens, far past any run), so no budget, nor their sum, nor a step may pass it.
+MAX_TOKENS = 1 << 53
+
+
+def unrecordable_ints(value, path: str = "") -> list[str]:
+    """'path: must fit a signed 64-bit integer, ...' for every integer anywhere in the config that the
+    log (msgpack) or torch could not hold: nothing after the check could record or compute with it."""
+    import msgspec
+
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        if path in OWN_INT_RULES or INT64_RANGE[0] <= value < INT64_RANGE[1]:
+            return []
+        return [f"{path}: must fit a signed 64-bit integer (the log's integers), got {show_int(value)}"]
+    if isinstance(value, msgspec.Struct):
+        return [p for f in msgspec.structs.fields(value) for p in unrecordable_ints(getattr(value, f.name), _join(path, f.encode_name))]
+    if isinstance(value, list | tuple):
+        return [p for i, item in enumerate(value) for p in unrecordable_ints(item, f"{path}[{i}]")]
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in unrecordable_ints(item, _join(path, str(key)))]
+    return []
+
+
+def show_int(value: int) -> str:
+    """An integer as a message shows it: whole when short, else its size (never thousands of digits)."""
+    import math
+
+    if abs(value) < 10**30:
+        return str(value)
+    return f"a {'negative ' if value < 0 else ''}number of about {int(math.log10(abs(value))) + 1} digits"
+
+
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
 def check_config(config: Config) -> list[str]:
     """Cross-field rules the types cannot express. Returns every problem, in field order."""
-    non_finite = non_finite_floats(config)
+    # Said first, once, and before any rule computes with the value (a schedule of such numbers cannot be built).
+    non_finite = non_finite_floats(config) + unrecordable_ints(config)
     problems: list[str] = []
     t, fade, opt, kl, arch = (
         config.training,
@@ -67,15 +106,24 @@ def check_config(config: Config) -> list[str]:
     if not arch.rope_base > 0:
         add(f"architecture.rope_base: must be positive, got {arch.rope_base}")
     if not 0 <= config.run.seed < 1 << 64:
-        add(f"run.seed: must be in [0, 2**64), got {config.run.seed}")
+        add(f"run.seed: must be in [0, 2**64), got {show_int(config.run.seed)}")
 
     if n == 0:
         add("training.tokens: expected at least one stage budget, got an empty list")
     for i, budget in enumerate(t.tokens):
         if budget <= 0:
             add(f"training.tokens[{i}]: stage budget must be positive, got {budget}")
+        elif budget > MAX_TOKENS:
+            add(f"training.tokens[{i}]: at most 2**53 tokens (the schedule's exact range), got {show_int(budget)}")
+    if all(0 < budget <= MAX_TOKENS for budget in t.tokens) and (total := sum(t.tokens)) > MAX_TOKENS:
+        add(f"training.tokens: the stage budgets sum to {total:,} tokens, more than 2**53 (the schedule's exact range)")
     if t.batch_size <= 0:
         add(f"training.batch_size: must be positive, got {t.batch_size}")
+    elif arch.block_size > 0 and t.batch_size * arch.block_size > MAX_TOKENS:
+        add(
+            f"training.batch_size: {t.batch_size} rows of block_size {arch.block_size} are more than 2**53 tokens "
+            "per step (the schedule's exact range)"
+        )
     if t.per_device_batch_size == 0 or t.per_device_batch_size < -1:
         add(f"training.per_device_batch_size: must be -1 (no accumulation) or positive, got {t.per_device_batch_size}")
     elif t.per_device_batch_size > 0 and t.batch_size > 0 and t.batch_size % t.per_device_batch_size:
@@ -185,6 +233,6 @@ def check_config(config: Config) -> list[str]:
     from rewind.states.growth_checks import growth_problems  # (it builds schedules, which need this module)
 
     problems += growth_problems(config, schedule_ok=not problems and not non_finite)
-    # A non-finite value is said once, as such, not again by the range rule it also fails.
+    # A non-finite or unrecordable value is said once, as such, not again by the range rule it also fails.
     said = {p.split(":")[0] for p in non_finite}
     return non_finite + [p for p in problems if p.split(":")[0] not in said]
