@@ -43,6 +43,7 @@ from rewind.states.plan import (
     CacheTrunk,
     DeleteCheckpoints,
     Evaluate,
+    GrowModel,
     Intent,
     RunStep,
     TakeCheckpoint,
@@ -243,6 +244,24 @@ def perform(run: Run, state: State, intent: Intent) -> State:
     return record(run, state, control_event(intent, state.step, state.tokens, held))  # type: ignore[arg-type]
 
 
+def pause_note(intent: Intent) -> str:
+    """What a progress bar says while `intent` is performed, for the ones that can take seconds (a
+    checkpoint of a large model, an evaluation over every task, a growth, the trunk's activations); ""
+    for the quick ones."""
+    match intent:
+        case Validate():
+            return "validating"
+        case Evaluate(boundary=boundary):
+            return "evaluating before training" if boundary < 0 else f"evaluating at the end of stage {boundary}"
+        case TakeCheckpoint():
+            return "writing a checkpoint"
+        case GrowModel(event=event):
+            return f"growing the model: {event.num_blocks} block(s) join"
+        case CacheTrunk():
+            return "caching the trunk's activations"
+    return ""
+
+
 def stop(run: Run, state: State, reason: str) -> State:
     """A clean, resumable stop: checkpoint the last complete step unless one exists, say why."""
     if state.last_checkpoint is None or state.last_checkpoint.step != state.step:
@@ -256,11 +275,14 @@ def drive(
     *,
     max_steps: int | None = None,
     progress: Callable[[State], None] | None = None,
+    pausing: Callable[[str], None] | None = None,
 ) -> Outcome:
     """Run until the end, a stop request, a non-finite loss (with on_nonfinite = "stop") or
-    `max_steps` steps in this process. The outcome counts the updates the run skipped, and warns or
-    fails by `skipped_verdict`."""
-    return _with_warning(_drive(run, state, max_steps=max_steps, progress=progress))
+    `max_steps` steps in this process. `progress` is called after each step, `pausing` before any
+    other work that may take a while (with `pause_note`'s words). The outcome counts the updates the
+    run skipped, and warns or fails by `skipped_verdict`."""
+    quiet = pausing or (lambda _: None)
+    return _with_warning(_drive(run, state, max_steps=max_steps, progress=progress, pausing=quiet))
 
 
 def _drive(
@@ -269,18 +291,23 @@ def _drive(
     *,
     max_steps: int | None,
     progress: Callable[[State], None] | None,
+    pausing: Callable[[str], None],
 ) -> Outcome:
     steps_here = 0
     with StopRequest() as stop_request:
         while (intent := decide(state, run.parts.schedule)) is not None:
             if not isinstance(intent, RunStep):
+                if note := pause_note(intent):
+                    pausing(note)
                 state = perform(run, state, intent)
                 continue
             run.journal.at_step_boundary(state)
             if any_rank(stop_request.requested):  # the ranks of a sharded run stop together, after the same step
+                pausing("stopping: writing a checkpoint")
                 state = stop(run, state, "interrupted (Ctrl-C)")
                 return Outcome("interrupted", state, f"stopped after step {state.step}; run the same command to resume")
             if max_steps is not None and steps_here >= max_steps:
+                pausing("stopping: writing a checkpoint")
                 state = stop(run, state, f"step limit of {max_steps} for this process")
                 return Outcome("stopped", state, f"stopped after step {state.step} (--max-steps)")
             state, keep_going = run_one_step(run, state)

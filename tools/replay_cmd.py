@@ -46,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     adopt_device(folded.device, or_cpu=True)  # compute.device = "auto": where the run computed, if here
     if note := adopt_threads(folded.num_threads):
         print(f"rewind: {note}", file=sys.stderr)
-    bar = _ProgressBar(enabled=not args.no_progress and not args.json)
+    # The last step replayed, for the bar's total (replay refuses a --to-step past the log before any step).
+    last = folded.step if args.to_step is None else args.to_step
+    bar = _ProgressBar(enabled=not args.no_progress and not args.json, total=last)
     # A bf16-mixed run computes through FSDP2 (a one-rank group here), as its single-process training did.
     join_process_group(config_in_force(records).compute)
     try:
@@ -150,10 +152,12 @@ def replay_hint(report, rtol: float) -> str:
 
 
 class _ProgressBar:
-    """Appears with the first replayed step, so a request refused up front prints only its one line."""
+    """Appears with the first replayed step, so a request refused up front prints only its one line;
+    counts steps up to `total`, the last step replayed."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, total: int):
         self.enabled = enabled
+        self.total = total
         self.bar = None
 
     def __call__(self, step: int) -> None:
@@ -162,7 +166,9 @@ class _ProgressBar:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(unit="step", dynamic_ncols=True, file=sys.stderr, desc="replay", initial=step - 1)
+            self.bar = tqdm(
+                unit="step", dynamic_ncols=True, file=sys.stderr, desc="replay", initial=step - 1, total=self.total
+            )
         self.bar.update(1)
 
     def close(self) -> None:

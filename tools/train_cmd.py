@@ -53,7 +53,8 @@ def run_resume(args: argparse.Namespace) -> int:
 
 
 class ProgressBar:
-    """step / stage / loss / tokens per second, on stderr."""
+    """step / stage / loss / tokens per second, on stderr; between steps, what the run is doing when it
+    may take a while (a checkpoint, an evaluation, a growth), so the bar is never frozen without a word."""
 
     def __init__(self, total: int, initial: int, enabled: bool, epochs: dict[str, int] | None = None):
         self.bar = None
@@ -75,7 +76,13 @@ class ProgressBar:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         rate = (state.step - self.initial) * state.tokens_per_step / elapsed
         self.bar.set_postfix_str(f"stage {state.stage} loss {state.last_loss:.3f} {rate:,.0f} tok/s", refresh=False)
+        self.bar.set_description_str("", refresh=False)
         self.bar.update(1)
+
+    def pause(self, what: str) -> None:
+        """Say what the run does before the next step (the bar keeps the words until that step)."""
+        if self.bar is not None:
+            self.bar.set_description_str(what, refresh=True)
 
     def _say(self, line: str) -> None:
         if self.bar is not None:
@@ -158,7 +165,7 @@ def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progres
             _write_schedule_plot(run.parts, run_dir)
         bar = ProgressBar(run.parts.schedule.num_steps, state.step, progress, state.epochs)
         try:
-            outcome = drive(run, state, max_steps=max_steps, progress=bar)
+            outcome = drive(run, state, max_steps=max_steps, progress=bar, pausing=bar.pause)
         finally:
             bar.close()
     finally:
@@ -195,8 +202,12 @@ def _write_schedule_plot(parts, run_dir: str) -> None:
     from rewind.tools.plots import plot_schedule
 
     out = Path(local) / "plots" / "schedule.png"
-    if not out.exists():
+    if out.exists():
+        return
+    try:
         plot_schedule(parts.schedule, list(plan(parts.schedule)), out, title=parts.config.run.name)
+    except Exception as exc:  # a picture of the schedule: the run is on record and must go on without it
+        print(f"rewind: warning: {out} not written ({type(exc).__name__}: {exc}); the run goes on", file=sys.stderr)
 
 
 def projection_lines(run_dir: str) -> list[str]:

@@ -1,0 +1,100 @@
+"""What `rewind train` and `rewind replay` say while they work, and what a start can no longer strand:
+the bar names every pause between steps (checkpoints, evaluations, growth, the trunk's cache), replay's
+bar counts towards its last step, a config the log cannot record is refused before anything is written,
+and a schedule plot that fails after RunStarted does not stop the run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from rewind.engine.loop import pause_note
+from rewind.states.events import StackAppended
+from rewind.states.fold import fold
+from rewind.states.plan import (
+    CacheTrunk,
+    DeleteCheckpoints,
+    EnterStage,
+    Evaluate,
+    GrowModel,
+    TakeCheckpoint,
+    Validate,
+)
+from tests.engine.test_loop import events_of, run_cli, train_args
+
+
+def bar_lines(err: str) -> list[str]:
+    """The bar's redraws (tqdm rewrites one line with carriage returns) and the lines written above it."""
+    return [line.strip() for line in re.split(r"[\r\n]+", err) if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def trained_with_bar(tmp_path_factory) -> tuple[Path, str]:
+    run = tmp_path_factory.mktemp("bar") / "run"
+    args = [a for a in train_args(run) if a != "--no-progress"]
+    code, _, err = run_cli(*args)
+    assert code == 0, err
+    return run, err
+
+
+def test_the_bar_names_each_pause_before_it(trained_with_bar):
+    _, err = trained_with_bar
+    draws = [m.groups() for line in bar_lines(err) if (m := re.match(r"(?:(.*?): )?\s*\d+%\|.*?\| (\d+)/20", line))]
+    described = [(words, int(step)) for words, step in draws if words]
+    assert described[0] == ("evaluating before training", 0)
+    assert ("evaluating at the end of stage 0", 11) in described  # tiny's stage 0 ends at step 11 here
+    assert ("evaluating at the end of stage 2", 20) in described
+    assert {step for words, step in described if words == "writing a checkpoint"} >= {4, 8, 12, 16, 20}
+    # The words last until the next step: the redraw of a step carries none.
+    assert all(words is None for words, step in draws if step == "1")
+
+
+def test_pause_notes_cover_the_long_intents_only():
+    grow = GrowModel(event=StackAppended(step=5, tokens=1280, stack=1, num_blocks=2))
+    assert pause_note(grow) == "growing the model: 2 block(s) join"
+    assert pause_note(CacheTrunk(version=1, num_steps=10, num_rows=80)) == "caching the trunk's activations"
+    assert pause_note(TakeCheckpoint(reason="interval")) == "writing a checkpoint"
+    assert pause_note(Evaluate(boundary=-1)) == "evaluating before training"
+    assert pause_note(Evaluate(boundary=1)) == "evaluating at the end of stage 1"
+    assert pause_note(Validate()) == "validating"
+    assert pause_note(EnterStage(stage=1)) == ""
+    assert pause_note(DeleteCheckpoints(names=("00000004-abcdef12",))) == ""
+
+
+def test_replay_bar_counts_to_the_last_step(trained_with_bar):
+    run, _ = trained_with_bar
+    code, out, err = run_cli("replay", run, "--to-step", "12")
+    assert code == 0, err
+    assert "replay: reproducible" in out
+    redraws = [line for line in bar_lines(err) if line.startswith("replay:")]
+    assert redraws and all("/12 [" in line for line in redraws), redraws
+
+
+def test_a_config_the_log_cannot_record_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    code, _, err = run_cli(*train_args(run, "--set", f"training.tokens=[{2**63}, {2**63}, 1]"))
+    assert code == 2
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"rewind: {train_args(run)[1]}: training.tokens[{i}]: must fit a signed 64-bit integer (the log's integers), "
+        f"got {2**63}"
+        for i in (0, 1)
+    ]
+    assert not run.exists()
+
+
+def test_a_schedule_plot_that_fails_does_not_stop_the_run(tmp_path, monkeypatch):
+    import rewind.tools.plots as plots
+
+    def broken(*args, **kwargs):
+        raise TypeError("ufunc 'isfinite' not supported for the input types")
+
+    monkeypatch.setattr(plots, "plot_schedule", broken)
+    run = tmp_path / "run"
+    code, out, err = run_cli(*train_args(run))
+    assert code == 0, err
+    assert "run finished" in out
+    assert f"rewind: warning: {run / 'plots' / 'schedule.png'} not written (TypeError: ufunc" in err
+    assert fold(events_of(run)).finished
