@@ -8,7 +8,8 @@ keeps every batch worth a thread pool's start-up whether the documents are tweet
 file is one document, so one huge file is encoded by one thread (split it, or use jsonl).
 
 Preparing is idempotent: a directory already prepared from the same inputs (same paths, sizes and
-fingerprints), by the same tokenizer and from the same kind and field, is returned as it is.
+fingerprints), by the same tokenizer and from the same kind and field, is returned as it is; with a
+tokenizer to train, that is decided before training one (`reusable_trained`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,20 @@ import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from rewind.engine.documents import DocumentError, expand_inputs, iter_documents
-from rewind.engine.tokenizer import ByteTokenizer, TextTokenizer, Tokenizer, train_bpe
+from rewind.engine.tokenizer import (
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    TextTokenizer,
+    Tokenizer,
+    TokenizerError,
+    load_tokenizer,
+    train_bpe,
+)
 from rewind.states.data_identity import DataIdentity, SourceFile, identity_changes
 from rewind.stores.datafiles import file_identity
 from rewind.stores.datamanifest import (
@@ -47,21 +56,31 @@ IN_FLIGHT = 2
 
 @dataclass(frozen=True)
 class Inputs:
-    """The files of one split, expanded, and their cheap identities (size + fingerprint)."""
+    """The files of one split, expanded, and their cheap identities (size + fingerprint); `left_out`:
+    (name, the name kept) for each name of a file already in."""
 
     paths: list[str]
     identities: list[SourceFile]
+    left_out: list[tuple[str, str]] = field(default_factory=list)
 
 
-def resolve_inputs(inputs: Iterable[str], base_dir: str | os.PathLike[str] | None = None) -> Inputs:
+def resolve_inputs(
+    inputs: Iterable[str], base_dir: str | os.PathLike[str] | None = None, *, by_file: bool = False
+) -> Inputs:
     """Every file `inputs` names (paths and globs, in the order given, each glob sorted), without
-    repeats, with their cheap identities."""
+    repeats, with their cheap identities. A repeat is the same name again, and with `by_file` also
+    another name of the same file (a symlink, a hard link), which `rewind data prepare` reads once;
+    a run's dataset keeps what its glob names, as the run recorded it."""
     paths: list[str] = []
-    seen: set[str] = set()
+    kept: dict[object, str] = {}
+    left_out: list[tuple[str, str]] = []
     for pattern in inputs:
         for path in expand_inputs(pattern, base_dir):
-            if path not in seen:
-                seen.add(path)
+            key = file_key(path) if by_file else path
+            if key in kept:
+                left_out.append((path, kept[key]))
+            else:
+                kept[key] = path
                 paths.append(path)
     identities = []
     for path in paths:
@@ -69,7 +88,24 @@ def resolve_inputs(inputs: Iterable[str], base_dir: str | os.PathLike[str] | Non
             identities.append(file_identity(path))
         except OSError as exc:
             raise DocumentError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    return Inputs(paths, identities)
+    return Inputs(paths, identities, left_out)
+
+
+def file_key(path: str) -> object:
+    """What `path` is: a local file's device and inode (every name of it alike), else its URL."""
+    if "://" in path or "::" in path:
+        return path
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise DocumentError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return (info.st_dev, info.st_ino)
+
+
+def shared_files(train: Inputs, validation: Inputs) -> list[tuple[str, str]]:
+    """(train name, validation name) of each file that both splits read."""
+    in_train = {file_key(path): path for path in train.paths}
+    return [(in_train[key], path) for path in validation.paths if (key := file_key(path)) in in_train]
 
 
 def _batches(documents: Iterator[str], batch_chars: int) -> Iterator[list[str]]:
@@ -230,14 +266,35 @@ def prepare(
     reused: list[bool] | None = None,
 ) -> DataManifest:
     """Tokenise the documents of `inputs` (paths or globs; `validation_inputs` likewise, into the
-    validation split) into the prepared directory `out_dir`, or return it as it is when it already
-    holds exactly that (see `reusable`; `reused`, when given, gets True appended then, else False).
-    `tokenizer` None = UTF-8 bytes. `overwrite`: replace a prepared directory of other data (never a
-    directory that is not a prepared one). Errors: DocumentError, ManifestError (one line each)."""
-    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-    out_dir = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
+    validation split) into the prepared directory `out_dir`: `prepare_files` of them."""
     train = resolve_inputs(inputs, base_dir)
     validation = resolve_inputs(validation_inputs, base_dir) if validation_inputs else None
+    return prepare_files(
+        train, validation, out_dir, tokenizer, kind=kind, text_field=text_field, overwrite=overwrite,
+        progress=progress, batch_chars=batch_chars, reused=reused,
+    )
+
+
+def prepare_files(
+    train: Inputs,
+    validation: Inputs | None,
+    out_dir: str | os.PathLike[str],
+    tokenizer: TextTokenizer | None = None,
+    *,
+    kind: str,
+    text_field: str = "text",
+    overwrite: bool = False,
+    progress: bool = False,
+    batch_chars: int = BATCH_CHARS,
+    reused: list[bool] | None = None,
+) -> DataManifest:
+    """Tokenise the documents of `train` (and `validation`, into the validation split) into the
+    prepared directory `out_dir`, or return it as it is when it already holds exactly that (see
+    `reusable`; `reused`, when given, gets True appended then, else False). `tokenizer` None = UTF-8
+    bytes. `overwrite`: replace a prepared directory of other data (never a directory that is not a
+    prepared one). Errors: DocumentError, ManifestError (one line each)."""
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    out_dir = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
     manifest = reusable(out_dir, train, validation, tokenizer, kind=kind, text_field=text_field, overwrite=overwrite)
     if reused is not None:
         reused.append(manifest is not None)
@@ -289,13 +346,41 @@ def _full_identities(inputs: Inputs) -> list[SourceFile]:
     return full
 
 
-def prepare_tokenizer(
-    inputs: Sequence[str],
-    kind: str,
-    text_field: str,
+def prepare_tokenizer(train: Inputs, kind: str, text_field: str, vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` ids trained on the documents of `train` (deterministic)."""
+    return train_bpe(iter_documents(train.paths, kind, text_field), vocab_size)
+
+
+def reusable_trained(
+    out_dir: str | os.PathLike[str], train: Inputs, validation: Inputs | None, *, kind: str, text_field: str,
     vocab_size: int,
-    base_dir: str | os.PathLike[str] | None = None,
-) -> Tokenizer:
-    """A byte-level BPE of `vocab_size` ids trained on the documents of `inputs` (deterministic)."""
-    paths = resolve_inputs(inputs, base_dir).paths
-    return train_bpe(iter_documents(paths, kind, text_field), vocab_size)
+) -> Tokenizer | None:
+    """The tokenizer of `out_dir` when the directory can be returned as it is for preparing these inputs
+    with a BPE of `vocab_size` ids trained on them, so that a re-run does not train one first (seconds
+    on a large corpus): the directory holds these inputs (`reusable`) tokenised by a tokenizer made as
+    `train_bpe` makes them, with `vocab_size` ids (a trained tokenizer is a function of its train
+    documents and vocab_size). None: train one (a corpus too small to fill the vocabulary always is)."""
+    out_dir = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
+    if not os.path.isfile(os.path.join(out_dir, TOKENIZER_FILE)):
+        return None
+    try:
+        found = load_tokenizer(os.path.join(out_dir, TOKENIZER_FILE))
+    except TokenizerError:
+        return None  # prepare says what is wrong with the directory, if anything
+    if found.vocab_size != vocab_size or _without_learned(found) != _without_learned(train_bpe([], vocab_size)):
+        return None
+    try:
+        same = reusable(out_dir, train, validation, found, kind=kind, text_field=text_field)
+    except ManifestError:  # prepared from these inputs but damaged: prepare says so (or replaces it)
+        return None
+    return found if same is not None else None
+
+
+def _without_learned(tokenizer: Tokenizer) -> dict:
+    """A tokenizer.json without what training learns (merges, and the vocabulary past the 257 fixed ids)."""
+    import json
+
+    data = json.loads(tokenizer.to_json())
+    model = data.get("model") or {}
+    fixed = sorted((token, i) for token, i in (model.get("vocab") or {}).items() if i < 257)
+    return {**data, "model": {**{k: v for k, v in model.items() if k not in ("vocab", "merges")}, "vocab": fixed}}

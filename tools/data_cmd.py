@@ -2,8 +2,12 @@
 kind "tokens" reads it), and `rewind data info DIR`: what a prepared directory holds.
 
 Exit codes: 2 for a command line that cannot work as typed (conflicting options, a vocabulary size out of
-range, inputs of mixed kinds without --kind), 1 for inputs or a directory that are not as expected (no
-file matches, a malformed line, a tokenizer file that is not one, a directory that holds other data).
+range, inputs of mixed kinds without --kind, a file named both as a training and a validation input), 1
+for inputs or a directory that are not as expected (no file matches, a malformed line, a tokenizer file
+that is not one, a directory that holds other data).
+
+A file named twice (again, or by another name: a symlink, a hard link) is read once, and a line on
+stderr says which names were left out.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--kind", choices=("text", "jsonl", "parquet"),
                       help="input kind (default: from the extension: .jsonl, .parquet, else text)")
     prep.add_argument("--text-field", default="text", metavar="F", help="jsonl / parquet: the document field")
-    prep.add_argument("--validation", nargs="+", default=[], metavar="INPUT",
-                      help="files or globs tokenised into the validation split")
+    # One value per --validation: a list would take the training inputs typed after it as validation ones.
+    prep.add_argument("--validation", action="append", default=[], metavar="INPUT",
+                      help="a file or glob tokenised into the validation split; repeat it for more "
+                      "(--validation a.jsonl --validation b.jsonl); no file may also be a training input")
     prep.add_argument("--overwrite", action="store_true", help="replace DIR when it holds other prepared data")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     prep.set_defaults(run=run_prepare)
@@ -62,7 +68,7 @@ def _kind(args: argparse.Namespace) -> str:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from rewind.engine.dataprep import prepare, prepare_tokenizer
+    from rewind.engine.dataprep import prepare_files, prepare_tokenizer, resolve_inputs, reusable_trained
     from rewind.engine.documents import DocumentError
     from rewind.engine.tokenizer import TokenizerError, load_tokenizer
     from rewind.stores.datamanifest import ManifestError, manifest_hash
@@ -71,18 +77,25 @@ def run_prepare(args: argparse.Namespace) -> int:
     if args.train_tokenizer is not None and not 257 <= args.train_tokenizer <= MAX_TRAINED_VOCAB:
         raise UsageError(f"--train-tokenizer: between 257 and {MAX_TRAINED_VOCAB} ids, got {args.train_tokenizer}")
     started = time.perf_counter()
+    trained_here = False
     try:
+        train = resolve_inputs(args.inputs, by_file=True)
+        validation = resolve_inputs(args.validation, by_file=True) if args.validation else None
+        _check_splits(train, validation)
         if args.tokenizer:
             tokenizer = load_tokenizer(args.tokenizer)
         elif args.train_tokenizer is not None:
-            tokenizer = prepare_tokenizer(args.inputs, kind, args.text_field, args.train_tokenizer)
+            vocab = args.train_tokenizer
+            tokenizer = reusable_trained(args.out, train, validation, kind=kind, text_field=args.text_field,
+                                         vocab_size=vocab)
+            if tokenizer is None:
+                tokenizer, trained_here = prepare_tokenizer(train, kind, args.text_field, vocab), True
         else:
             tokenizer = None
         trained = time.perf_counter()
         reused: list[bool] = []
-        manifest = prepare(
-            args.inputs, args.out, tokenizer, kind=kind, text_field=args.text_field,
-            validation_inputs=args.validation, overwrite=args.overwrite,
+        manifest = prepare_files(
+            train, validation, args.out, tokenizer, kind=kind, text_field=args.text_field, overwrite=args.overwrite,
             progress=not args.no_progress and sys.stderr.isatty(), reused=reused,
         )
         elapsed = time.perf_counter() - trained
@@ -95,7 +108,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         num_tokens = sum(split.num_tokens for split in manifest.splits.values())
         print(f"prepared {args.out}: {_splits_line(manifest)}")
         print(f"{elapsed:.2f} s, {num_tokens / max(elapsed, 1e-9):,.0f} tokens/s")
-    if args.train_tokenizer is not None:
+    if trained_here:
         print(f"tokenizer trained in {trained - started:.2f} s")
     print(f"tokenizer: {_tokenizer_line(manifest)}")
     print(f"manifest sha256: {digest}")
@@ -103,6 +116,28 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 MAX_TRAINED_VOCAB = 1 << 20
+
+
+def _check_splits(train, validation) -> None:
+    """Refuse a file in both splits (a validation loss on trained text measures nothing), and say which
+    names of a file already read were left out."""
+    from rewind.engine.dataprep import shared_files
+
+    if validation is not None and (shared := shared_files(train, validation)):
+        train_name, validation_name = shared[0]
+        same = "" if train_name == validation_name else f" (as {train_name})"
+        more = f", and {len(shared) - 1} more" if len(shared) > 1 else ""
+        raise UsageError(
+            f"data prepare: {validation_name} is both a validation input and a training input{same}{more}: "
+            "leave it out of the training inputs (or out of --validation)"
+        )
+    left_out = train.left_out + (validation.left_out if validation is not None else [])
+    if left_out:
+        shown = ", ".join(
+            f"{name} ({'named twice' if name == kept else f'the same file as {kept}'})" for name, kept in left_out[:3]
+        )
+        more = f", and {len(left_out) - 3} more" if len(left_out) > 3 else ""
+        print(f"rewind: data prepare: each file is read once; left out: {shown}{more}", file=sys.stderr)
 
 
 def _splits_line(manifest) -> str:

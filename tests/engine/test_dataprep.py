@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rewind.engine.dataprep import prepare, prepare_tokenizer
+from rewind.engine.dataprep import prepare, prepare_tokenizer, resolve_inputs
 from rewind.engine.documents import DocumentError
 from rewind.engine.tokenizer import Tokenizer, train_bpe
 from rewind.stores.datamanifest import ManifestError, check_prepared, read_manifest
@@ -172,10 +172,10 @@ def test_a_bad_document_midway_leaves_no_directory(tmp_path, bpe):
 
 def test_prepare_tokenizer_trains_on_the_documents(tmp_path):
     source = write_jsonl(tmp_path / "a.jsonl", DOCUMENTS * 3)
-    trained = prepare_tokenizer([source], "jsonl", "text", 300)
+    trained = prepare_tokenizer(resolve_inputs([source]), "jsonl", "text", 300)
     assert trained.to_json() == train_bpe(DOCUMENTS * 3, 300).to_json()
     with pytest.raises(DocumentError, match="no such file"):
-        prepare_tokenizer([str(tmp_path / "gone.jsonl")], "jsonl", "text", 300)
+        prepare_tokenizer(resolve_inputs([str(tmp_path / "gone.jsonl")]), "jsonl", "text", 300)
 
 
 def test_an_input_that_changes_while_read_is_refused(tmp_path, bpe, monkeypatch):

@@ -120,3 +120,86 @@ def test_info(rewind_cli, corpus):
 
     exit_code, out, err = rewind_cli("data", "info", corpus)
     assert exit_code == 1 and "not a prepared data directory" in one_line(err)
+
+
+# --- issue 22: what prepare no longer does silently ------------------------------------------------------
+
+
+@pytest.mark.parametrize("validation", ["train.jsonl", "t*.jsonl", "link.jsonl"])
+def test_a_file_in_both_splits_is_refused(rewind_cli, corpus, monkeypatch, validation):
+    monkeypatch.chdir(corpus)
+    (corpus / "link.jsonl").symlink_to("train.jsonl")
+    exit_code, out, err = rewind_cli("data", "prepare", "train.jsonl", "--validation", "valid.jsonl",
+                                     "--validation", validation, "--out", "prepared", "--no-progress")
+    assert exit_code == 2 and out == ""
+    line = one_line(err)
+    assert "is both a validation input and a training input" in line and "train.jsonl" in line
+    assert not (corpus / "prepared").exists()
+
+
+def test_other_names_of_a_file_are_read_once_and_said(rewind_cli, corpus, monkeypatch):
+    monkeypatch.chdir(corpus)
+    (corpus / "again.jsonl").symlink_to("train.jsonl")
+    exit_code, out, err = rewind_cli("data", "prepare", "*.jsonl", "train.jsonl", "--validation", "valid.jsonl",
+                                     "--out", "prepared", "--kind", "jsonl", "--no-progress")
+    # (*.jsonl also matches valid.jsonl: refused, as above; name the training files instead)
+    assert exit_code == 2 and "valid.jsonl is both" in one_line(err)
+    exit_code, out, err = rewind_cli("data", "prepare", "again.jsonl", "train.jsonl", "again.jsonl",
+                                     "--out", "prepared", "--no-progress")
+    assert exit_code == 0 and out.startswith(f"prepared prepared: train {len(DOCUMENTS)} documents"), err
+    assert one_line(err) == (
+        f"rewind: data prepare: each file is read once; left out: {corpus / 'train.jsonl'} (the same file as "
+        f"{corpus / 'again.jsonl'}), {corpus / 'again.jsonl'} (named twice)"
+    )
+    manifest = read_manifest(corpus / "prepared")
+    assert [s.path for s in manifest.sources] == [str(corpus / "again.jsonl")]
+    assert manifest.splits["train"].num_documents == len(DOCUMENTS)
+
+
+def test_a_rerun_decides_reuse_before_training_a_tokenizer(rewind_cli, corpus, monkeypatch):
+    import rewind.engine.dataprep as dataprep
+
+    monkeypatch.chdir(corpus)
+    # 270 ids: the corpus fills them (a vocabulary it cannot fill is trained again, and ends the same).
+    args = ["data", "prepare", "train.jsonl", "--out", "prepared", "--train-tokenizer", "270", "--no-progress"]
+    assert rewind_cli(*args)[0] == 0
+    assert read_manifest(corpus / "prepared").vocab_size == 270
+    real = dataprep.prepare_tokenizer
+    trainings = []
+    monkeypatch.setattr(dataprep, "prepare_tokenizer", lambda *a: trainings.append(a) or real(*a))
+    exit_code, out, err = rewind_cli(*args)
+    assert exit_code == 0, err
+    assert out.startswith("already prepared: prepared: ") and "tokenizer trained" not in out
+    assert trainings == []
+    # Another vocabulary, or changed inputs, do train (and are then another directory's data).
+    exit_code, out, err = rewind_cli(*args[:-2], "265", "--no-progress", "--overwrite")
+    assert exit_code == 0 and "tokenizer trained in" in out and len(trainings) == 1
+    (corpus / "train.jsonl").write_text(json.dumps({"text": "A new document, a new tokenizer."}) + "\n")
+    exit_code, out, err = rewind_cli(*args[:-2], "265", "--no-progress", "--overwrite")
+    assert exit_code == 0 and len(trainings) == 2
+
+
+def test_a_tokenizer_of_another_shape_is_not_taken_for_a_trained_one(rewind_cli, corpus, monkeypatch):
+    monkeypatch.chdir(corpus)
+    tokenizer = train_bpe(DOCUMENTS, 270)
+    data = json.loads(tokenizer.to_json())
+    data["normalizer"] = {"type": "Lowercase"}  # same ids, other text: not what --train-tokenizer makes
+    (corpus / "tok.json").write_text(json.dumps(data), encoding="utf-8")
+    assert rewind_cli("data", "prepare", "train.jsonl", "--out", "prepared", "--tokenizer", "tok.json")[0] == 0
+    exit_code, out, err = rewind_cli("data", "prepare", "train.jsonl", "--out", "prepared", "--train-tokenizer",
+                                     "270", "--no-progress")
+    assert exit_code == 1 and out == "" and "holds other prepared data" in one_line(err)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_validation_takes_one_input_each_time_wherever_it_comes(rewind_cli, corpus, monkeypatch, first):
+    monkeypatch.chdir(corpus)
+    (corpus / "valid2.jsonl").write_text(json.dumps({"text": "The dog sang."}) + "\n")
+    validation = ["--validation", "valid.jsonl", "--validation", "valid2.jsonl"]
+    args = [*validation, "train.jsonl"] if first else ["train.jsonl", *validation]
+    exit_code, out, err = rewind_cli("data", "prepare", *args, "--out", "prepared", "--no-progress")
+    assert exit_code == 0 and "; validation 2 documents" in out, err
+    manifest = read_manifest(corpus / "prepared")
+    assert [s.path for s in manifest.sources] == [str(corpus / "train.jsonl")]
+    assert [s.path for s in manifest.validation_sources] == [str(corpus / "valid.jsonl"), str(corpus / "valid2.jsonl")]
+    assert manifest.splits["train"].num_documents == len(DOCUMENTS)
