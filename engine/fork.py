@@ -64,8 +64,10 @@ class ForkPoint:
 
 
 def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) -> ForkPoint:
-    """The last restore point at or before `at_step` whose checkpoint is live and intact on disk (an
-    older one is still a faithful starting point when a newer one is damaged), or the run's start."""
+    """The last restore point at or before `at_step` whose checkpoint is live and intact on disk, the
+    frozen stacks' files it names included (an older one is still a faithful starting point when a
+    newer one is damaged: the checkpoint taken before a growth, at the same step as the one after it,
+    needs none of the files the growth froze), or the run's start."""
     records = effective(records)  # the points index into these
     points = restore_points(records)
     live = {c.checkpoint for c in fold(e for _, e in records).live_checkpoints}
@@ -75,7 +77,7 @@ def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) ->
             continue
         if ref.checkpoint not in live:
             continue  # deleted by retention since
-        if store.verify(ref.checkpoint, ref.files):
+        if store.verify(ref.checkpoint, ref.files) or not _trunks_intact(store, ref.checkpoint):
             continue  # damaged or missing on disk
         return ForkPoint(point.checkpoint, point.state.step, point.state, config_in_force(records[: point.index]))
     started = records[0][1]
@@ -90,6 +92,21 @@ def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) ->
     # under a changed config (RunResumed(checkpoint="") then ConfigChanged).
     start = [p for p in points if not p.checkpoint][-1]
     return ForkPoint("", 0, start.state, config_in_force(records[: start.index]))
+
+
+def _trunks_intact(store: CheckpointStore, name: str) -> bool:
+    """Whether every frozen stack's file checkpoint `name` names (RUN/trunks/<sha256>) is there and
+    hashes to its name."""
+    trunks = TrunkStore(store.run_dir)
+    try:
+        named = store.load_manifest(name).meta.get("trunks", {})
+        if not isinstance(named, dict):
+            return False
+        for digest in named.values():
+            trunks.read(digest)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _run_identity(run_dir: str) -> str:

@@ -10,6 +10,11 @@ leaves chunks without completion records, and the next process writes only those
 
 `trunk_rows` gives a step its cached rows. Values read are bitwise the values a recomputation gives,
 so a run with the cache and one without end with the same weights.
+
+A cache is read and written only inside the run: the record's path is a name rewind writes (checked
+when the log is read: rewind.stores.cachenames), and in a local run directory `cache/` and the cache
+must not lead out of it through a link. A cache that does is never read (the trunk is recomputed, to
+the same bits) nor written through (NotConfined: one line, exit 1); `rewind verify` names it.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from rewind.states.config import Config, config_hash
 from rewind.states.events import ActivationsCached
 from rewind.states.plan import CacheTrunk
 from rewind.states.state import CacheRef, State
+from rewind.stores import cachenames
 from rewind.stores.activations import ActivationCache, CacheError, CacheSpec
+from rewind.stores.cachenames import CACHE_DIR
+from rewind.stores.confine import NotConfined, inside_path
 from rewind.stores.fsio import filesystem
-
-CACHE_DIR = "cache"
 
 
 def cache_path(version: int, first_step: int, config: Config) -> str:
@@ -36,11 +42,16 @@ def cache_path(version: int, first_step: int, config: Config) -> str:
     to the run directory. All three name it: a config changed in place (a fork) changes what the trunk
     outputs for a step (data, dropout, seed, RoPE...), and a cache found at the path of another's would
     otherwise be taken for it."""
-    return f"{CACHE_DIR}/trunk-{version}-{first_step:08d}-{config_hash(config)[:12]}.zarr"
+    return cachenames.cache_path(version, first_step, config_hash(config))
 
 
 def cache_url(run_dir: str, path: str) -> str:
-    return filesystem(run_dir).join(*path.split("/")).url
+    """The URL of the cache at `path` (a name the record checks passed) in the run. Locally, the cache
+    and `cache/` must stay inside the run once links are resolved: NotConfined otherwise."""
+    location = filesystem(run_dir)
+    if location.is_local:
+        inside_path(location.path, path.split("/"))
+    return location.join(*path.split("/")).url
 
 
 def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCached:
@@ -100,9 +111,9 @@ def _delete_others(run_dir: str, keep: str) -> None:
     for name in root.list_names():
         if name.endswith(".zarr") and f"{CACHE_DIR}/{name}" != keep:
             try:
-                ActivationCache.open(root.join(name).url).delete()
-            except CacheError:
-                continue  # not a cache rewind made whole: left for a person to look at
+                ActivationCache.open(cache_url(run_dir, f"{CACHE_DIR}/{name}")).delete()
+            except (CacheError, NotConfined):
+                continue  # not a cache rewind made whole, or not the run's: left for a person to look at
 
 
 def _trunk_dtype(model) -> torch.dtype:
@@ -128,9 +139,9 @@ class TrunkReader:
                 if opened.spec.num_rows != ref.num_rows or not opened.is_complete():
                     return None  # not the cache the record names: recomputed instead, to the same bits
                 self._opened = (ref, opened)
-            except CacheError:
-                # Gone or damaged (a copied run directory without cache/): the trunk is recomputed,
-                # which gives the same bits, only slower.
+            except (CacheError, NotConfined):
+                # Gone, damaged (a copied run directory without cache/) or leading out of the run: the
+                # trunk is recomputed, which gives the same bits, only slower.
                 return None
         cache = self._opened[1]
         start, stop = cache.chunk_rows(step - ref.first_step)

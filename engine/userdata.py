@@ -36,6 +36,7 @@ from rewind.engine.tokens import RowSplit, TokenFileError, open_stream
 from rewind.states.config import DataSource
 from rewind.states.data_checks import STDLIB_PLACEHOLDER
 from rewind.states.data_identity import DataIdentity, SourceFile
+from rewind.stores.confine import plain_name_problem
 from rewind.stores.datafiles import file_identity
 from rewind.stores.datamanifest import ManifestError, is_prepared, manifest_hash, read_manifest
 from rewind.stores.fsio import filesystem
@@ -90,7 +91,10 @@ class DataPlace:
     def prepared_name(self, name: str, source: DataSource) -> str:
         """The directory documents of `name` are tokenised into: keyed by what makes the tokens (the
         declaration's inputs and the tokenizer), so a fork that declares other documents tokenises them
-        beside the old ones, which the steps before it still read."""
+        beside the old ones, which the steps before it still read. The dataset's name is the start of a
+        directory's: a path ('../x') would lead out of the run's data."""
+        if problem := plain_name_problem(name):
+            raise DatasetError(f"dataset {name[:80]!r}: {problem}; a dataset's name must be a plain name")
         making = [source.kind, source.path, source.validation_path, source.text_field, self.tokenizer.identity]
         return f"{name}-{hashlib.sha256(msgspec.json.encode(making)).hexdigest()[:12]}"
 

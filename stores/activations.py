@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import re
 import shutil
+import stat
 import sys
 import uuid
 import weakref
@@ -197,6 +199,8 @@ class ActivationCache:
         location = filesystem(url)
         if not location.join(ARRAY_META).exists():
             raise CacheError(f"{location.url}: no activation cache there")
+        if location.is_local:  # zarr reads whatever is there: checked first
+            os.close(_open_regular(location.join(ARRAY_META).path))
         try:
             array = zarr.open_array(_store(location), mode="r+", zarr_format=3)
         except (ValueError, TypeError, KeyError, OSError) as exc:
@@ -494,12 +498,28 @@ def _read_chunk_file(where: Location, buffer: np.ndarray) -> tuple[np.ndarray, b
         data = np.frombuffer(where.read_bytes(), dtype=np.uint8)
         return data[:-CRC_SIZE], data[-CRC_SIZE:].tobytes()
     view, num_read = memoryview(buffer), 0
-    with open(where.path, "rb", buffering=0) as handle:
+    with os.fdopen(_open_regular(where.path), "rb", buffering=0) as handle:
         while num_read < len(view) and (count := handle.readinto(view[num_read:])):
             num_read += count
         trailer = handle.read(CRC_SIZE + 1)
     view.release()
     return buffer[:num_read], trailer
+
+
+def _open_regular(path: str) -> int:
+    """A local file of the cache, opened only if it is a regular file and not a link: a cache rewind
+    wrote holds neither links nor FIFOs nor devices (one leads out of the run, or never ends).
+    CacheError otherwise; FileNotFoundError when nothing is there."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CacheError(f"{path}: a link, not a file of the cache") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CacheError(f"{path}: not a regular file")
+    return fd
 
 
 def _write_records(location: Location, records: dict[str, bytes]) -> None:

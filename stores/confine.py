@@ -33,10 +33,10 @@ def plain_name_problem(name: object) -> str:
     return ""
 
 
-def confined_path(run_root: str, parts: Sequence[str]) -> str:
-    """The real path of `run_root/parts...`, refused (NotConfined) unless every part is a plain name and
-    the path, symlinks resolved, stays inside `run_root` (itself resolved: a run directory may be a link).
-    FileNotFoundError when nothing is there."""
+def inside_path(run_root: str, parts: Sequence[str]) -> str:
+    """The real path of `run_root/parts...`, whether or not anything is there yet (a place about to be
+    written), refused (NotConfined) unless every part is a plain name and the path, every link on the
+    way resolved, stays inside `run_root` (itself resolved: a run directory may be a link)."""
     for part in parts:
         if problem := plain_name_problem(part):
             raise NotConfined(problem)
@@ -44,6 +44,12 @@ def confined_path(run_root: str, parts: Sequence[str]) -> str:
     resolved = os.path.realpath(os.path.join(run_root, *parts))
     if os.path.commonpath([root, resolved]) != root or resolved == root:
         raise NotConfined(f"{'/'.join(parts)} leads outside the run directory (to {resolved})")
+    return resolved
+
+
+def confined_path(run_root: str, parts: Sequence[str]) -> str:
+    """`inside_path` of something that must be there: FileNotFoundError when nothing is."""
+    resolved = inside_path(run_root, parts)
     os.stat(resolved)  # FileNotFoundError for a dangling name, before any other complaint
     return resolved
 

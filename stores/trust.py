@@ -2,8 +2,9 @@
 
 The fold (rewind.states.fold) checks that each event may follow the state before it. It does not check
 what a record carries for later use: a RunStarted's config is adopted as it decodes (batch_size = 0
-divides by zero in the schedule, num_threads = 100000 crashes the OpenMP runtime), and checkpoint names
-and file names become paths. `RecordChecker` applies to every record the rules a user's own input
+divides by zero in the schedule, num_threads = 100000 crashes the OpenMP runtime), and checkpoint names,
+file names, dataset names and activation cache paths become paths, which must stay inside the run.
+`RecordChecker` applies to every record the rules a user's own input
 meets (a config gets the same `check_config` as a config file) and refuses the first one that breaks
 them with `UntrustedRecord`, a LogError: one line naming the record's seq, exit 1, from any command.
 A fork's seed (RunResumed.seed) is the parent's state, which the child's log cannot derive: the fold
@@ -18,10 +19,12 @@ import re
 from rewind.states.config import Config
 from rewind.states.events import (
     RUN_FEATURES,
+    ActivationsCached,
     CheckpointCommitted,
     CheckpointDeleted,
     ConfigChanged,
     Event,
+    ForkOrigin,
     ReferenceRefreshed,
     RunResumed,
     RunStarted,
@@ -31,7 +34,9 @@ from rewind.states.events import (
 from rewind.states.schedule import Schedule
 from rewind.states.state import ForkSeed, State
 from rewind.states.validation import check_config
+from rewind.stores.cachenames import cache_path_problem
 from rewind.stores.codec import LogError
+from rewind.stores.confine import plain_name_problem
 
 # More CPU threads than any machine rewind runs on has: a recorded count beyond it is not a real run's,
 # and handing it to torch.set_num_threads crashes the OpenMP runtime.
@@ -50,8 +55,10 @@ class UntrustedRecord(LogError):
 
 
 def config_problem(config: Config) -> str:
-    """The first thing `check_config` finds wrong with a config carried by a record ("" if none)."""
+    """The first thing `check_config` finds wrong with a config carried by a record ("" if none), or a
+    dataset name that is not a plain name (it names a directory under RUN/data)."""
     problems = check_config(config)
+    problems += [f"data.{name[:80]!r}: {why}" for name in config.data if (why := plain_name_problem(name))]
     if not problems:
         return ""
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -121,10 +128,31 @@ def _files_problem(files: dict[str, str]) -> str:
     return f"file name {bad[0]!r} is not a plain <group>.safetensors name" if bad else ""
 
 
+# A fork's parent is only ever shown (rewind never reads it): a path or URL of printable characters.
+_SHOWN_PATH = re.compile(r"[^\x00-\x1f\x7f]{0,4096}")
+
+
+def _parent_problem(parent: ForkOrigin | None) -> str:
+    if parent is None:
+        return ""
+    if not _SHOWN_PATH.fullmatch(parent.run):
+        return "its parent run's path holds control characters or is too long"
+    problem = _name_problem(parent.checkpoint, parent.step if parent.checkpoint else None, empty_ok=True)
+    return f"its parent's checkpoint: {problem}" if problem else ""
+
+
 # The records whose contents a reader acts on beyond folding them (a config, names that become paths,
 # a fork's seed): what every read of a log checks. The rest are checked where they are folded into a
 # live run (stores.folding), which is where a negative cursor could do harm.
-CARRIERS = (RunStarted, ConfigChanged, RunResumed, CheckpointCommitted, CheckpointDeleted, ReferenceRefreshed)
+CARRIERS = (
+    RunStarted,
+    ConfigChanged,
+    RunResumed,
+    CheckpointCommitted,
+    CheckpointDeleted,
+    ReferenceRefreshed,
+    ActivationsCached,
+)
 
 
 _CARRIER_TYPES = frozenset(CARRIERS)
@@ -163,6 +191,7 @@ class RecordChecker:
                     or capability_problem(event.cpu_capability)
                     or features_problem(event.features)
                     or placement_problem(event.device, event.world_size)
+                    or _parent_problem(event.parent)
                 )
                 if not problem:
                     self.config = event.config
@@ -179,6 +208,8 @@ class RecordChecker:
                 return _name_problem(event.checkpoint, event.step, empty_ok=False) or _files_problem(
                     event.files
                 )
+            case ActivationsCached():
+                return cache_path_problem(event.path, event.version, event.step)
             case CheckpointDeleted() | ReferenceRefreshed():
                 return _name_problem(event.checkpoint, None, empty_ok=isinstance(event, ReferenceRefreshed))
             case RunResumed():

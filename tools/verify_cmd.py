@@ -8,7 +8,9 @@ Checks, reporting every problem with its exact location:
    a damaged or stale one is named;
 2. the fold succeeds (no illegal transition), and no record carries what no rewind run could have
    written (rewind.stores.trust: a config `check_config` refuses, an absurd thread count, a fork seed
-   past the run's end, a checkpoint or file name that is not a plain name);
+   past the run's end, a checkpoint, file or dataset name that is not a plain name, an activation cache
+   path rewind does not write); every activation cache a record names stays inside the run once links
+   are resolved;
 3. every checkpoint the log still holds live exists and matches the hashes its CheckpointCommitted
    recorded, file by file;
 4. each live checkpoint's manifest agrees with the control state folded from the log at that point
@@ -45,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str]]:
     """(problems, notes). Problems make the run fail verification; notes are informational. `data`: the
     run's data files too (8.)."""
-    from rewind.states.events import CheckpointCommitted, ConfigChanged, RunStarted
+    from rewind.states.events import ActivationsCached, CheckpointCommitted, ConfigChanged, RunStarted
     from rewind.states.fold import IllegalTransition, apply
     from rewind.states.state import State, anchor_checkpoint, control_summary
     from rewind.stores import snapshots
@@ -97,6 +99,8 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
                 config = record.event.config
             if isinstance(record.event, CheckpointCommitted):
                 at_checkpoint[record.event.checkpoint] = control_summary(state)
+            if isinstance(record.event, ActivationsCached) and record.event.path:
+                problems += [f"record: {where}: {p}" for p in _cache_problems(run_dir, record.event.path)]
             if record.seq in cached:
                 snapshot = cached.pop(record.seq)
                 if snapshot is None and snapshots.written_elsewhere(run_dir, record.seq):
@@ -173,6 +177,22 @@ def _trunk_problems(run_dir: str, trunks: dict, checked: dict[str, str]) -> list
         if checked[digest]:
             found.append(f"frozen stack {stack}: {checked[digest]}")
     return found
+
+
+def _cache_problems(run_dir: str, path: str) -> list[str]:
+    """An activation cache a record names (a name the record check passed) must not lead out of a
+    local run directory through a link (`cache/` or the cache itself)."""
+    from rewind.stores.confine import NotConfined, inside_path
+    from rewind.stores.fsio import filesystem
+
+    location = filesystem(run_dir)
+    if not location.is_local:
+        return []  # (object stores have no links)
+    try:
+        inside_path(location.path, path.split("/"))
+    except NotConfined as exc:
+        return [f"activation cache {exc} (rewind neither reads nor writes a cache there)"]
+    return []
 
 
 def _snapshot_problems(seq: int, snapshot, event, state, config) -> list[str]:

@@ -504,3 +504,14 @@ def test_task_rows_through_a_tokenizer_score_exactly_the_encoded_answers(task_bp
                 num_examples += 1
             assert not tokens[position:].any()  # then padding only
     assert num_examples >= 24
+
+
+@pytest.mark.parametrize("name", ["../../outside", "a/b"])
+def test_a_dataset_name_that_is_a_path_never_names_a_directory(tmp_path, name):
+    """Documents are tokenised into RUN/data/<name>-<key>: a name that is a path would lead out of it."""
+    (tmp_path / "doc.txt").write_text(DOCUMENTS[0])
+    source = DataSource(kind="text", path=str(tmp_path / "doc.txt"))
+    place = DataPlace(data_dir=str(tmp_path / "run" / "data"))
+    with pytest.raises(DatasetError, match="a dataset's name must be a plain name"):
+        open_user_dataset(name, source, BLOCK, 256, place)
+    assert not (tmp_path / "outside").exists() and not (tmp_path / "run").exists()
