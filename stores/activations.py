@@ -51,18 +51,20 @@ import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import google_crc32c
 import msgspec
 import numpy as np
-import torch
-import zarr
-import zarr.storage
-from zarr.codecs import BytesCodec, Crc32cCodec
 
 from rewind.stores import fsio
 from rewind.stores.fsio import Location, filesystem
+
+if TYPE_CHECKING:
+    # Imported where a cache is made, opened or filled: a run without one, and `rewind state` telling
+    # what is on disk, never import zarr (nor torch).
+    import torch
+    import zarr
 
 FORMAT_VERSION = 1
 ATTRIBUTE = "rewind_activation_cache"
@@ -76,8 +78,8 @@ MAX_RECORD_BYTES = 1 << 12
 GROUP_CHUNKS = 64
 GROUP_BYTES = 256 << 20
 SYNC_THREADS = 8  # a group's chunk syncs issued at once, for the filesystem to commit together
-# (torch dtype, how zarr stores it): bfloat16 travels as its uint16 bit patterns.
-DTYPES = {"float32": (torch.float32, np.dtype("<f4")), "bfloat16": (torch.bfloat16, np.dtype("<u2"))}
+# A spec's dtype (a torch dtype's name) -> how zarr stores it: bfloat16 travels as its uint16 bit patterns.
+DTYPES = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
 # A chunk, or what a write killed half way leaves of a chunk (written beside it, then renamed, as
 # zarr's LocalStore names it) or of zarr.json.
 _CHUNK_NAME = re.compile(r"c\.\d+\.0\.0|(c\.\d+\.0|zarr)\.[0-9a-f]{32}\.partial")
@@ -148,7 +150,7 @@ class ActivationCache:
         self.location, self.spec = location, spec
         self.num_chunks = -(-spec.num_rows // spec.rows_per_chunk)
         self._array = array  # for its metadata: chunks are written and read directly
-        self._torch_dtype, self._stored_dtype = DTYPES[spec.dtype]
+        self._stored_dtype = DTYPES[spec.dtype]
         self._chunk_shape = (spec.rows_per_chunk, spec.seq_len, spec.width)
         self._chunk_bytes = int(np.prod(self._chunk_shape)) * self._stored_dtype.itemsize
         self._records: dict[int, ChunkRecord] = {}
@@ -175,11 +177,14 @@ class ActivationCache:
         location.join(RECORDS_DIR).makedirs()
         if location.is_local:
             fsio.fsync_dir(location.parent.path)
+        import zarr
+        from zarr.codecs import BytesCodec, Crc32cCodec
+
         array = zarr.create_array(
             _store(location),
             shape=(spec.num_rows, spec.seq_len, spec.width),
             chunks=(spec.rows_per_chunk, spec.seq_len, spec.width),
-            dtype=DTYPES[spec.dtype][1],
+            dtype=DTYPES[spec.dtype],
             filters=None,
             serializer=BytesCodec(endian="little"),
             compressors=[Crc32cCodec()],
@@ -201,6 +206,8 @@ class ActivationCache:
             raise CacheError(f"{location.url}: no activation cache there")
         if location.is_local:  # zarr reads whatever is there: checked first
             os.close(_open_regular(location.join(ARRAY_META).path))
+        import zarr
+
         try:
             array = zarr.open_array(_store(location), mode="r+", zarr_format=3)
         except (ValueError, TypeError, KeyError, OSError) as exc:
@@ -281,10 +288,12 @@ class ActivationCache:
         return fd
 
     def _stored_values(self, chunk: int, values: object, shape: tuple[int, ...]) -> np.ndarray:
+        import torch
+
         if not isinstance(values, torch.Tensor):
             raise CacheError(f"chunk {chunk}: values must be a torch.Tensor, got {type(values).__name__}")
-        if values.dtype != self._torch_dtype:
-            raise CacheError(f"chunk {chunk}: values are {values.dtype}, this cache holds {self._torch_dtype}")
+        if values.dtype != (dtype := getattr(torch, self.spec.dtype)):
+            raise CacheError(f"chunk {chunk}: values are {values.dtype}, this cache holds {dtype}")
         if tuple(values.shape) != shape:
             raise CacheError(f"chunk {chunk}: values have shape {tuple(values.shape)}, expected {shape}")
         values = values.detach().cpu().contiguous()  # a trunk on a GPU hands its outputs over as they are
@@ -322,6 +331,8 @@ class ActivationCache:
 
     def read_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) as a (stop-start, seq_len, width) tensor of spec.dtype, bitwise as written."""
+        import torch
+
         num_rows = self.spec.num_rows
         _checked_index("start row", start, 0, num_rows, f"this cache holds rows [0, {num_rows})")
         _checked_index("stop row", stop, start, num_rows, f"must be in [start={start}, {num_rows}]")
@@ -449,6 +460,8 @@ def cache_status(url: str) -> str:
 
 def _spec_of(location: Location, array: zarr.Array) -> CacheSpec:
     """The spec in the array's attributes, checked against the array it describes."""
+    from zarr.codecs import BytesCodec, Crc32cCodec
+
     fields = dict(array.attrs).get(ATTRIBUTE)
     if not isinstance(fields, dict) or fields.get("format") != FORMAT_VERSION:
         raise CacheError(f"{location.url}: a zarr array, but not a rewind activation cache (format {FORMAT_VERSION})")
@@ -462,7 +475,7 @@ def _spec_of(location: Location, array: zarr.Array) -> CacheSpec:
     expected = (
         (spec.num_rows, spec.seq_len, spec.width),
         (spec.rows_per_chunk, spec.seq_len, spec.width),
-        DTYPES[spec.dtype][1],
+        DTYPES[spec.dtype],
         [BytesCodec(endian="little").to_dict(), Crc32cCodec().to_dict()],
     )
     if found != expected or metadata.encode_chunk_key((0, 0, 0)) != "c.0.0.0":
@@ -471,6 +484,8 @@ def _spec_of(location: Location, array: zarr.Array) -> CacheSpec:
 
 
 def _store(location: Location) -> zarr.storage.StoreLike:
+    import zarr.storage
+
     if location.is_local:
         return zarr.storage.LocalStore(location.path)
     return zarr.storage.FsspecStore.from_url(location.url)

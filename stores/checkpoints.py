@@ -20,9 +20,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rewind.stores import confine
 from rewind.stores.fsio import filesystem, fsync_dir, write_new_file
@@ -48,6 +46,9 @@ from rewind.stores.manifest import (
 )
 from rewind.stores.manifest import group_file as group_file
 
+if TYPE_CHECKING:
+    import torch  # for annotations only: reading and verifying checkpoints never imports it
+
 GROUPS = ("model", "optimizer", "reference", "adapters")
 CHECKPOINTS_DIR = "checkpoints"
 TMP_PREFIX = ".tmp-"
@@ -59,7 +60,7 @@ _CHUNK_BYTES = 1 << 22
 # A manifest is a few hundred bytes per tensor: this is far beyond any real one, and keeps a forged
 # one from taking the memory of the process that reads it.
 MAX_MANIFEST_BYTES = 64 << 20
-GroupsIn = Mapping[str, Mapping[str, torch.Tensor]]  # group -> tensor name -> tensor
+GroupsIn = Mapping[str, Mapping[str, "torch.Tensor"]]  # group -> tensor name -> tensor
 
 
 class CheckpointNotFound(CheckpointError):

@@ -7,7 +7,9 @@ step and the start of the manifest's own sha256, so the same tensors and meta at
 give the same bytes and the same name: a changed byte here renames every checkpoint ever written.
 
 No file system here: `stores/checkpoints.py` decides where these bytes go and reads them back. Parsing
-never unpickles: bytes are hashed first, then parsed by `safetensors.torch.load`.
+never unpickles: bytes are hashed first, then parsed by `safetensors.torch.load`. torch and safetensors
+are imported by the functions that handle tensors, so reading and checking a manifest (`rewind verify`,
+`rewind state`) never imports torch.
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import safetensors.torch
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SUFFIX = ".safetensors"
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+# By the names the manifest records (`TensorEntry.dtype`).
+_FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+_INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "bool")
 SUPPORTED_DTYPES = frozenset({*_FLOAT_DTYPES, *_INTEGER_DTYPES})
 _GROUP_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -109,6 +113,8 @@ def _as_json(value: Any) -> Any:
 
 def checked_tensors(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The group's tensors, detached, once each is known to be storable; CheckpointError otherwise."""
+    import torch
+
     checked: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         where = f"{group}/{key}"
@@ -118,7 +124,7 @@ def checked_tensors(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str
             raise CheckpointError(f"{where} is a {type(tensor).__name__}, not a tensor")
         if tensor.device.type != "cpu" or tensor.layout != torch.strided:
             raise CheckpointError(f"{where} must be a dense CPU tensor, not {tensor.device} {tensor.layout}")
-        if tensor.dtype not in SUPPORTED_DTYPES:
+        if _dtype_name(tensor) not in SUPPORTED_DTYPES:
             raise CheckpointError(f"{where} has dtype {tensor.dtype}, which checkpoints do not store")
         if not tensor.is_contiguous():
             raise CheckpointError(f"{where} is not contiguous (snapshot tensors with .contiguous())")
@@ -128,6 +134,8 @@ def checked_tensors(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str
 
 def serialize_group(group: str, checked: dict[str, torch.Tensor]) -> tuple[bytes, FileEntry]:
     """The group's safetensors file and its manifest entry; `checked` comes from `checked_tensors`."""
+    import safetensors.torch
+
     try:
         data = safetensors.torch.save(checked)
     except (ValueError, RuntimeError) as exc:  # e.g. tied tensors sharing storage
@@ -158,6 +166,8 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 
 
 def _tensor_sha256(tensor: torch.Tensor) -> str:
+    import torch
+
     # Flattened first: a 0-dim tensor cannot be viewed as bytes, a 1-dim one can (even when empty).
     return hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
@@ -206,6 +216,8 @@ def deserialize_group(name: str, entry: FileEntry, data: bytes) -> dict[str, tor
     """The tensors of one file of checkpoint `name`, its bytes checked against the manifest entry first."""
     if problem := hash_problem(hashlib.sha256(data).hexdigest(), entry):
         raise CheckpointCorrupt(name, entry.name, problem)
+    import safetensors.torch
+
     tensors = safetensors.torch.load(data)
     # The hash matched, so only a buggy writer could get here; cheap enough to rule out anyway.
     expected = sorted((t.name, t.dtype, t.shape) for t in entry.tensors)

@@ -19,14 +19,15 @@ import contextlib
 import hashlib
 import os
 import re
-
-import safetensors.torch
-import torch
+from typing import TYPE_CHECKING
 
 from rewind.stores import confine
 from rewind.stores.checkpoints import CheckpointCorrupt, CheckpointError
 from rewind.stores.fsio import filesystem, fsync_dir
 from rewind.stores.manifest import checked_tensors
+
+if TYPE_CHECKING:
+    import torch  # annotations only: `rewind verify` checks trunk files without torch
 
 TRUNKS_DIR = "trunks"
 SUFFIX = ".safetensors"
@@ -35,6 +36,8 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def serialize(tensors: dict[str, torch.Tensor]) -> tuple[bytes, str]:
     """(bytes, sha256) of a trunk file: the same tensors always give the same bytes."""
+    import safetensors.torch
+
     checked = checked_tensors("trunk", dict(sorted(tensors.items())))
     data = safetensors.torch.save(checked)
     return data, hashlib.sha256(data).hexdigest()
@@ -82,6 +85,8 @@ class TrunkStore:
 
     def load(self, digest: str) -> dict[str, torch.Tensor]:
         """The tensors of trunk file `digest`, after checking its bytes hash to its name."""
+        import safetensors.torch
+
         return safetensors.torch.load(self.read(digest))
 
     def copy_to(self, other: TrunkStore, digest: str) -> None:
