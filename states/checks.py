@@ -4,7 +4,7 @@ Backs `rewind schedule CONFIG --check`. Each warning names the stage (or the LR 
 read off the `Schedule` the run will follow: a stage shorter than one step, a KL weight before any
 reference refresh, fades covering most of a stage, a budget mostly lost to rounding to whole steps, an
 LR decay that ends far from every stage entry, a first step (or a restart) at LR 0, an LR restart that
-leaves the run ending far above the curve's end. None of them stops a run. LRs are those of a run
+leaves the run ending far above the curve's end, a warmup the constant schedule ignores. None of them stops a run. LRs are those of a run
 started by this release (`rewind.states.plan.step_lr`).
 
 Whether the schedule code itself keeps the spec's invariants is not a question for a user's config:
@@ -76,6 +76,11 @@ def _lr_warnings(config: Config, schedule: Schedule) -> list[str]:
         return lr_at(opt, count, n, schedule.entry_steps, warmup_from_zero=False)
 
     warnings = []
+    if opt.schedule == "constant" and opt.warmup_pct > 0:
+        warnings.append(
+            f"optimization.warmup_pct: {opt.warmup_pct:g} is ignored by the constant schedule (every step trains at "
+            'lr); for a warmup to a constant LR, use schedule = "wsd" with decay_pct = 0'
+        )
     restarts = opt.reset_restarts_lr and opt.reset_optimizer_stages
     if lr(0) == 0.0:
         why = "min_lr_ratio" if opt.schedule == "cosine_rewarm" else "warmup_lr_mult"

@@ -19,7 +19,8 @@ from rewind.tools.import_yaml import MISSING, Notes, YamlConfig
 NO_TRAINING_MEANING = "no training meaning"
 NO_COUNTERPART = {
     "request": f"{NO_TRAINING_MEANING}: the cluster chips the original's launcher asks for",
-    "tokenizer": "rewind reads token files (tokenised already) or JSONL as UTF-8 bytes",
+    "tokenizer": "set [tokenizer] path to its tokenizer.json, or train_vocab_size to train one at the start; without "
+    "either, text / jsonl / parquet documents are read as UTF-8 bytes (docs/data.md)",
     "logging/wandb": f"{NO_TRAINING_MEANING}: rewind writes its metrics next to the run's event log",
     "logging/plots": f"{NO_TRAINING_MEANING}: plot with `rewind timeline --plot` / `rewind schedule --plot`",
     "architecture/dtype": "rewind has no dtype setting in its config",

@@ -20,7 +20,10 @@ FOLLOW_QUIET_S = 2.0
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("log", help="list a run's events (filter by type and step range; --follow a live run)")
     p.add_argument("run_dir", metavar="RUN")
-    p.add_argument("--type", dest="types", action="append", default=[], metavar="T", help="only events of type T")
+    p.add_argument(
+        "--type", dest="types", action="append", default=[], metavar="T",
+        help="only events of type T (any case: stepcommitted is StepCommitted); repeatable",
+    )
     p.add_argument("--steps", metavar="A:B", help="only events with A <= step <= B (either side may be empty)")
     p.add_argument("--json", action="store_true", help="a JSON list of {type, seq, step, ...fields}")
     p.add_argument(
@@ -46,10 +49,13 @@ def parse_steps(text: str | None) -> tuple[int, float]:
 
 
 def check_types(types: list[str]) -> set[str]:
-    unknown = [t for t in types if t not in EVENT_TYPES]
+    """The event types named, as the log spells them; a name matches in any case (no two types differ
+    only in case)."""
+    by_lower = {name.lower(): name for name in EVENT_TYPES}
+    unknown = [t for t in types if t.lower() not in by_lower]
     if unknown:
         raise UsageError(f"--type {unknown[0]}: unknown event type (known: {', '.join(sorted(EVENT_TYPES))})")
-    return set(types)
+    return {by_lower[t.lower()] for t in types}
 
 
 def record_dict(seq: int, event: Event) -> dict:

@@ -12,6 +12,7 @@ import dataclasses
 import signal
 import time
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 
@@ -166,6 +167,16 @@ def test_warns_about_tokens_lost_to_whole_steps():
         and "66 tokens" in warning
     )
     assert warnings_about(config_of(tokens=(640, 128), overlap=0.0), "lost") == []
+
+
+def test_warns_that_the_constant_schedule_ignores_warmup_pct():
+    config = config_of(schedule="constant")  # (warmup_pct = 0: nothing ignored)
+    assert warnings_about(config, "warmup_pct") == []
+    warmed = msgspec.structs.replace(config, optimization=msgspec.structs.replace(config.optimization, warmup_pct=0.05))
+    (warning,) = warnings_about(warmed, "warmup_pct")
+    assert warning.startswith("optimization.warmup_pct: 0.05 is ignored by the constant schedule")
+    wsd = msgspec.structs.replace(warmed, optimization=msgspec.structs.replace(warmed.optimization, schedule="wsd"))
+    assert warnings_about(wsd, "warmup_pct") == []
 
 
 def test_warns_about_a_run_without_steps():

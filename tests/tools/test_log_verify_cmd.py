@@ -83,6 +83,13 @@ def test_log_type_filter(resumed):
     assert {d["type"] for d in listed} == {"StepCommitted", "RunResumed"}
 
 
+def test_log_type_matches_in_any_case(resumed):
+    exact = log_json(resumed, "--type", "StepCommitted", "--type", "RunResumed")
+    assert log_json(resumed, "--type", "stepcommitted", "--type", "RUNRESUMED") == exact
+    code, out, _ = run_cli("log", resumed, "--type", "checkpointcommitted")
+    assert code == 0 and "CheckpointCommitted" in out
+
+
 def test_log_unknown_type_is_a_usage_error(resumed):
     code, out, err = run_cli("log", resumed, "--type", "StepCommited")
     assert code == 2 and not out
