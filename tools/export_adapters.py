@@ -1,22 +1,26 @@
-"""`rewind export RUN --adapters DIR`: the run's LoRA adapters in peft's standard layout.
+"""`rewind export RUN --hf HF_DIR --adapters DIR`: the run's LoRA adapters in peft's standard layout, for the
+transformers model `--hf` writes.
 
-DIR gets `adapter_config.json` (peft's own LoraConfig, serialised as its `save_pretrained` does, so
-every field is one peft reads: the adapted modules, and each stack's rank and alpha as rank_pattern /
-alpha_pattern) and `adapter_model.safetensors` (peft's key layout:
-`base_model.model.<module>.lora_A.weight`, no pickle). Loaded with `PeftModel.from_pretrained(base, DIR)`
-onto the base model `--to` exports (whose safetensors metadata carries the layout that builds it), it
-computes what the run's model computes, bit for bit. For a QLoRA run the base is exported in float:
-quantise it (NF4, as the run did) before comparing outputs bit for bit.
-Adapters are never merged into the base here: merging into a 4-bit trunk re-quantises it and moves the
-logits by far more than rounding.
+DIR gets `adapter_config.json` (peft's own LoraConfig, serialised as its `save_pretrained` does, so every
+field is one peft reads: task CAUSAL_LM, the adapted modules, each one's rank and alpha as rank_pattern /
+alpha_pattern, and HF_DIR as the base model) and `adapter_model.safetensors` (peft's key layout,
+`base_model.model.<module>.lora_A.weight`, no pickle), named for HF_DIR's modules
+(rewind.engine.hf_models.hf_adapters: a fused qkv or gate-and-up adapter becomes one per projection, its
+lora_A copied and its lora_B split). `--adapters` needs `--hf` in the same command, which then writes the
+adapters' base unmerged (an NF4 stack's weights dequantised, what the run computed with), so
+
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(HF_DIR), DIR)
+
+computes what the run's model computes, to float32 rounding (`--hf` alone merges the adapters instead).
 
 What is exported is the last committed checkpoint's model: its adapters, under the layout the run had
 when that checkpoint was taken (a run that grew after its last checkpoint and then crashed has a later
 layout in the log than the checkpoint holds). Everything is checked before anything is written: a run
 without a checkpoint or whose checkpoint holds no adapters is exit 1, a DIR that cannot be a directory
-(an existing file, a path inside a run's own files) exit 2, and then nothing is written
-(`prepare_adapters` does all of it; a command writing other files as well calls it before writing
-any). Each file is written whole or not at all (rewind.tools.outfile), the weights first.
+(an existing file, a path inside a run's own files) or a model no transformers model computes exit 2,
+and then nothing is written (`prepare_adapters` does all of it; a command writing other files as well
+calls it before writing any). Each file is written whole or not at all (rewind.tools.outfile), the
+weights first.
 """
 
 from __future__ import annotations
@@ -36,15 +40,9 @@ CONFIG_NAME = "adapter_config.json"
 _ADAPTER_KEY = re.compile(r"(?P<module>stacks\.\d+\.blocks\.\d+\.[\w.]+)\.lora_(?P<part>[AB])\.weight")
 
 
-def adapter_config(tensors: dict, layout):
-    """peft's LoraConfig for checkpoint adapter `tensors` (unwrapped names, `<module>.lora_A.weight`)
-    of a model of `layout`: the adapted modules are those the tensors name, each module's rank is its
-    lora_A's, its alpha its stack's. None when there are no tensors; CommandError (exit 1) when the
-    tensors are not a set of LoRA pairs that agrees with the layout."""
-    from rewind.engine.layout import lora_config
-
-    if not tensors:
-        return None
+def check_adapters(tensors: dict, layout) -> None:
+    """CommandError (exit 1) unless checkpoint adapter `tensors` (unwrapped names, `<module>.lora_A.weight`)
+    are LoRA pairs of the stacks of `layout`, each of its stack's rank."""
     specs = {spec.stack: spec for spec in layout.stacks}
     parts: dict[str, dict[str, object]] = {}
     for name, tensor in tensors.items():
@@ -52,7 +50,6 @@ def adapter_config(tensors: dict, layout):
         if match is None:
             raise CommandError(f"checkpoint adapter {name!r} is not a LoRA weight of a stack's block", 1)
         parts.setdefault(match["module"], {})[match["part"]] = tensor
-    modules: dict[str, tuple[int, float]] = {}
     for module, pair in sorted(parts.items()):
         a, b = pair.get("A"), pair.get("B")
         if a is None or b is None or a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
@@ -63,8 +60,16 @@ def adapter_config(tensors: dict, layout):
             raise CommandError(
                 f"checkpoint adapters of {module} (rank {a.shape[0]}) do not fit the layout ({wanted})", 1
             )
-        modules[module] = (spec.adapter_rank, spec.adapter_alpha)
-    return lora_config(modules)
+
+
+def peft_config(modules: dict[str, tuple[int, float]], base: str):
+    """peft's LoraConfig of a causal LM at `base` adapting `modules` (name -> (rank, alpha))."""
+    from rewind.engine.layout import lora_config
+
+    lora = lora_config(modules)
+    lora.task_type = "CAUSAL_LM"  # PeftModel.from_pretrained then gives a PeftModelForCausalLM (generate)
+    lora.base_model_name_or_path = base  # AutoPeftModelForCausalLM loads the base from here
+    return lora
 
 
 def config_json(lora) -> bytes:
@@ -117,16 +122,21 @@ class Prepared:
     weights: bytes
     config: bytes
     summary: str
+    architecture: str  # the transformers class the adapters are named for
 
 
-def prepare_adapters(run_dir: str, out_dir: str) -> Prepared:
-    """Every check of `export RUN --adapters DIR` (exit 2: DIR; exit 1: the run has no checkpoint or
-    its checkpoint no adapters, or they do not fit its layout) and the bytes to write; writes nothing,
-    so a caller writing other files too can run it before them."""
+def prepare_adapters(run_dir: str, out_dir: str, hf_dir: str) -> Prepared:
+    """Every check of `export RUN --hf HF_DIR --adapters DIR` for DIR (exit 2: DIR, or a model no
+    transformers model computes; exit 1: the run has no checkpoint or its checkpoint no adapters, or they
+    do not fit its layout) and the bytes to write; writes nothing, so a caller writing other files too
+    can run it before them."""
     from safetensors.torch import save
 
+    from rewind.engine import hf_models
     from rewind.states.fold import fold
+    from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
+    from rewind.tools.export_hf import expressible
 
     weights_path, config_path = check_out_dir(out_dir)
     records = load_records(run_dir)
@@ -134,19 +144,28 @@ def prepare_adapters(run_dir: str, out_dir: str) -> Prepared:
     ref = state.last_checkpoint
     if ref is None:
         raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
+    family = expressible(config_in_force(records), "--adapters")
     tensors = checkpoint_weights(run_dir, ref.checkpoint, ref.files)["adapters"]
-    lora = adapter_config(tensors, checkpoint_layout(state))
-    if lora is None:
+    if not tensors:
         raise CommandError(
             f"{run_dir}: the model of checkpoint {ref.checkpoint} has no adapters (no lora or qlora trunk, no nf4 stack)",
             1,
         )
+    layout = checkpoint_layout(state)
+    check_adapters(tensors, layout)
+    try:
+        renamed, modules = hf_models.hf_adapters(tensors, layout, family)
+    except ValueError as exc:
+        raise CommandError(f"--adapters: checkpoint {ref.checkpoint}: {exc}", 1) from None
     weights = save(
-        {PEFT_PREFIX + name: tensor.contiguous() for name, tensor in sorted(tensors.items())},
-        metadata={"format": "pt"},
+        {PEFT_PREFIX + name: tensor for name, tensor in sorted(renamed.items())}, metadata={"format": "pt"}
     )
-    summary = f"{len(tensors)} adapter tensors of checkpoint {ref.checkpoint} (step {ref.step})"
-    return Prepared(weights_path, config_path, weights, config_json(lora), summary)
+    lora = peft_config(modules, str(Path(hf_dir).absolute()))
+    summary = (
+        f"{len(renamed)} adapter tensors ({len(tensors)} in rewind's fused layers) of checkpoint "
+        f"{ref.checkpoint} (step {ref.step})"
+    )
+    return Prepared(weights_path, config_path, weights, config_json(lora), summary, family.names.architecture)
 
 
 def write_adapters(prepared: Prepared, out_dir: str) -> None:
@@ -160,9 +179,4 @@ def write_adapters(prepared: Prepared, out_dir: str) -> None:
         raise CommandError(
             f"--adapters {out_dir}: cannot write the adapters ({exc.strerror or exc})", 1
         ) from None
-    print(f"wrote {prepared.summary} to {out_dir} (peft layout)")
-
-
-def export_adapters(run_dir: str, out_dir: str) -> int:
-    write_adapters(prepare_adapters(run_dir, out_dir), out_dir)
-    return 0
+    print(f"wrote {prepared.summary} to {out_dir} (peft layout, for the {prepared.architecture} of --hf)")

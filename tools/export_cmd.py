@@ -1,6 +1,7 @@
-"""`rewind export RUN --to FILE.safetensors` (weights of the last committed checkpoint), `--adapters DIR`
-(its LoRA adapters for peft), `--hf DIR` (a transformers LlamaForCausalLM directory, rewind.tools.export_hf)
-and `rewind export tensorboard RUN` (rebuild the metrics projection from the log alone).
+"""`rewind export RUN --to FILE.safetensors` (weights of the last committed checkpoint), `--hf DIR` (a
+transformers model directory, rewind.tools.export_hf), `--adapters DIR` with it (its LoRA adapters for
+peft, onto that model: rewind.tools.export_adapters) and `rewind export tensorboard RUN` (rebuild the
+metrics projection from the log alone).
 
 The `--to` file's metadata says what model its tensors make, so the file alone can start a run
 (`[pretrained] path`, rewind.engine.pretrained): "layout" (the stacks in order, JSON of ModelLayout),
@@ -10,27 +11,34 @@ The `--to` file's metadata says what model its tensors make, so the file alone c
 from __future__ import annotations
 
 import argparse
+import os
 
 from rewind.tools.errors import CommandError, UsageError
 from rewind.tools.outfile import check_target, write_file_atomically
 from rewind.tools.runlog import load_records
 
+HELP = (
+    "export a checkpoint's model (--to FILE.safetensors; --hf DIR for transformers, with --adapters DIR "
+    "for peft) or rebuild metrics (tensorboard RUN)"
+)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="export weights (--to FILE.safetensors) or rebuild metrics (tensorboard RUN)")
+    p = sub.add_parser("export", help=HELP, description=HELP[0].upper() + HELP[1:] + ".")
     p.add_argument("what", metavar="RUN | tensorboard", help="a run directory, or 'tensorboard' followed by one")
     p.add_argument("run_dir", nargs="?", metavar="RUN")
     p.add_argument("--to", metavar="FILE.safetensors", help="where to write the model weights (base weights, frozen stacks included)")
     p.add_argument(
-        "--adapters",
-        metavar="DIR",
-        help="also write the LoRA adapters in peft's layout (adapter_config.json + adapter_model.safetensors)",
-    )
-    p.add_argument(
         "--hf",
         metavar="DIR",
-        help="write a transformers LlamaForCausalLM directory (config.json, model.safetensors, tokenizer), "
-        "adapters merged",
+        help="write a transformers model directory (config.json, model.safetensors, tokenizer): Llama, Arcee, "
+        "Starcoder2 or StableLm, whichever computes the run's block; adapters merged unless --adapters",
+    )
+    p.add_argument(
+        "--adapters",
+        metavar="DIR",
+        help="with --hf: write the LoRA adapters for peft (adapter_config.json + adapter_model.safetensors), "
+        "named for the --hf model, which then holds the unmerged base",
     )
     p.set_defaults(run=run)
 
@@ -43,7 +51,17 @@ def run(args: argparse.Namespace) -> int:
     if args.run_dir:
         raise UsageError(f"export: unexpected argument {args.run_dir!r}")
     if args.to is None and args.adapters is None and args.hf is None:
-        raise UsageError("export RUN: --to FILE.safetensors, --adapters DIR or --hf DIR is required")
+        raise UsageError("export RUN: --to FILE.safetensors, --hf DIR or --hf DIR --adapters DIR is required")
+    if args.adapters is not None and args.hf is None:
+        raise UsageError(
+            "--adapters DIR: the adapters are named for the transformers model --hf writes; give --hf DIR too "
+            "(it then holds the unmerged base they go onto)"
+        )
+    if args.adapters is not None and os.path.abspath(args.adapters) == os.path.abspath(args.hf):
+        raise UsageError(
+            f"--adapters {args.adapters}: the --hf directory itself (transformers would load the adapters with "
+            "the model); name another directory"
+        )
     from rewind.tools.rundir import check_run_dir
 
     check_run_dir(args.what, "RUN")
@@ -51,14 +69,14 @@ def run(args: argparse.Namespace) -> int:
     from rewind.tools.export_hf import prepare_hf, write_hf
 
     # Every check of every output before any is written: a refused --adapters or --hf leaves no --to behind.
-    prepared = prepare_adapters(args.what, args.adapters) if args.adapters is not None else None
-    prepared_hf = prepare_hf(args.what, args.hf) if args.hf is not None else None
+    prepared_hf = prepare_hf(args.what, args.hf, merge=args.adapters is None) if args.hf is not None else None
+    prepared = prepare_adapters(args.what, args.adapters, args.hf) if args.adapters is not None else None
     if args.to is not None:
         export_weights(args.what, args.to)
-    if prepared is not None:
-        write_adapters(prepared, args.adapters)
     if prepared_hf is not None:
         write_hf(prepared_hf, args.hf)
+    if prepared is not None:
+        write_adapters(prepared, args.adapters)
     return 0
 
 

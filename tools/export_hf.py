@@ -1,19 +1,22 @@
-"""`rewind export RUN --hf DIR`: the run's model as a transformers `LlamaForCausalLM` directory.
+"""`rewind export RUN --hf DIR`: the run's model as a transformers model directory.
 
-DIR gets `config.json` (rewind.engine.hf_llama.llama_config), `model.safetensors` (float32, metadata
-{"format": "pt"} as transformers writes it), `generation_config.json` (max_length = the context the model
-was trained for, and the end-of-text token when there is one) and, when the run has a tokenizer
-(RUN/data/tokenizer.json), `tokenizer.json` and `tokenizer_config.json` (PreTrainedTokenizerFast), so
-`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load it as is.
+The architecture is the one that computes the run's block exactly (rewind.engine.hf_models:
+LlamaForCausalLM for RMSNorm + SwiGLU, ArceeForCausalLM for RMSNorm + GELU, Starcoder2ForCausalLM for
+LayerNorm + GELU, StableLmForCausalLM for LayerNorm + SwiGLU). DIR gets `config.json`, `model.safetensors`
+(float32, metadata {"format": "pt"} as transformers writes it), `generation_config.json` (the end-of-text
+token when there is one, and no length: a length there would make every `generate(max_new_tokens=...)`
+warn) and, when the run has a tokenizer (RUN/data/tokenizer.json), `tokenizer.json` and
+`tokenizer_config.json` (PreTrainedTokenizerFast), so `AutoModelForCausalLM.from_pretrained(DIR)` and
+`AutoTokenizer.from_pretrained(DIR)` load it as is.
 
 What is exported is the last committed checkpoint's model, under the layout it had (a grown model's
-stacks in their final order, one Llama layer per block), with every LoRA adapter merged into its base
-weight in float32 (an NF4 stack's base is its dequantised NF4 weight, what the run computed with;
-nothing is re-quantised). `--adapters DIR` still writes the adapters unmerged, in peft's layout.
-A model Llama does not compute exactly (layernorm, a gelu MLP, a masked objective) is refused in one
-line (exit 1), and so is a DIR that exists and is not empty (exit 2). Every check runs before anything is
-written; the files are written into a temporary directory beside DIR, synced, and renamed to DIR, so
-DIR is there whole or not at all.
+stacks in their final order, one layer per block), in float32, an NF4 stack's weights dequantised (what
+the run computed with; nothing is re-quantised). Its LoRA adapters are merged into their base weights,
+unless `--adapters` is given too: DIR then holds the unmerged base the adapters go onto
+(rewind.tools.export_adapters). A masked objective, which no causal LM computes, is refused in one line
+(exit 2), and so is a DIR that exists and is not empty. Every check runs before anything is written; the
+files are written into a temporary directory beside DIR, synced, and renamed to DIR, so DIR is there whole
+or not at all.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class PreparedHf:
     target: Path
     files: dict[str, bytes]
     summary: str
+    architecture: str  # the transformers class, e.g. LlamaForCausalLM
 
 
 def check_hf_dir(out_dir: str) -> Path:
@@ -67,11 +71,13 @@ def check_hf_dir(out_dir: str) -> Path:
     return target
 
 
-def prepare_hf(run_dir: str, out_dir: str) -> PreparedHf:
-    """Every check of `export RUN --hf DIR` and the bytes of DIR's files; writes nothing."""
+def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True) -> PreparedHf:
+    """Every check of `export RUN --hf DIR` and the bytes of DIR's files; writes nothing. `merge`: the
+    adapters merged into the weights (else the unmerged base, for `--adapters`)."""
     from safetensors.torch import save
 
-    from rewind.engine import hf_llama
+    from rewind.engine import hf_models
+    from rewind.engine.hf_llama import Unmapped
     from rewind.states.fold import fold
     from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
@@ -84,35 +90,46 @@ def prepare_hf(run_dir: str, out_dir: str) -> PreparedHf:
     if ref is None:
         raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
     config = config_in_force(records)
-    reason = hf_llama.llama_refusal(config)
-    if reason is not None:
-        raise CommandError(f"--hf: the run's model is not a LlamaForCausalLM: {reason}", 1)
+    family = expressible(config, "--hf")
     layout = checkpoint_layout(state)
     groups = checkpoint_weights(run_dir, ref.checkpoint, ref.files)
+    arch = config.architecture
     try:
-        merged = hf_llama.merged_weights(groups["model"], groups["adapters"], layout, config.architecture)
-        tensors = hf_llama.to_llama(hf_llama.flat_weights(merged, layout))
-    except (ValueError, hf_llama.NotLlama) as exc:
+        computed = hf_models.computed_weights(groups["model"], groups["adapters"] if merge else {}, layout, arch)
+        tensors = hf_models.hf_weights(computed, layout, family)
+    except (ValueError, Unmapped) as exc:
         raise CommandError(f"--hf: checkpoint {ref.checkpoint} does not fit its layout: {exc}", 1) from None
     num_layers = sum(spec.num_blocks for spec in layout.stacks)
     tokenizer = run_tokenizer(run_dir, state.tokenizer if "data_identity" in state.features else None)
     eos = end_of_text(tokenizer, run_dir) if tokenizer is not None else None
-    arch = config.architecture
     files = {
         WEIGHTS_NAME: save(dict(sorted(tensors.items())), metadata={"format": "pt"}),
-        CONFIG_NAME: _json(hf_llama.llama_config(arch, num_layers=num_layers, eos_token_id=eos)),
-        GENERATION_NAME: _json(generation_config(arch.block_size, eos)),
+        CONFIG_NAME: _json(hf_models.hf_config(family, arch, num_layers=num_layers, eos_token_id=eos)),
+        GENERATION_NAME: _json(generation_config(eos)),
     }
     if tokenizer is not None:
         files[TOKENIZER_NAME] = tokenizer
         files[TOKENIZER_CONFIG_NAME] = _json(tokenizer_config(arch.block_size, eos is not None))
-    merged_note = ", adapters merged" if groups["adapters"] else ""
+    adapters_note = ""
+    if groups["adapters"]:
+        adapters_note = ", adapters merged" if merge else ", the base of --adapters: adapters not merged"
     tokenizer_note = " and its tokenizer" if tokenizer is not None else ""
     summary = (
-        f"{len(tensors)} tensors ({num_layers} layers{merged_note}) of checkpoint {ref.checkpoint} "
+        f"{len(tensors)} tensors ({num_layers} layers{adapters_note}) of checkpoint {ref.checkpoint} "
         f"(step {ref.step}){tokenizer_note}"
     )
-    return PreparedHf(target, files, summary)
+    return PreparedHf(target, files, summary, family.names.architecture)
+
+
+def expressible(config, option: str):
+    """The transformers family of a run of `config`; UsageError (exit 2) when no transformers model
+    computes it."""
+    from rewind.engine import hf_models
+
+    try:
+        return hf_models.family_of(config)
+    except hf_models.NotExpressible as exc:
+        raise UsageError(f"{option}: no transformers model computes the run's model: {exc}") from None
 
 
 def run_tokenizer(run_dir: str, recorded: str | None) -> bytes | None:
@@ -148,12 +165,10 @@ def end_of_text(tokenizer: bytes, run_dir: str) -> int | None:
         raise CommandError(f"{run_dir}/data/tokenizer.json: not a tokenizers file ({exc})", 1) from None
 
 
-def generation_config(block_size: int, eos: int | None) -> dict[str, object]:
-    """Generation stops at the context the model was trained for (positions past it were never seen)."""
-    config: dict[str, object] = {"max_length": block_size}
-    if eos is not None:
-        config["eos_token_id"] = eos
-    return config
+def generation_config(eos: int | None) -> dict[str, object]:
+    """Only the end-of-text token: any length here (max_length) makes transformers warn on every
+    `generate(..., max_new_tokens=N)`; the trained context is config.json's max_position_embeddings."""
+    return {} if eos is None else {"eos_token_id": eos}
 
 
 def tokenizer_config(block_size: int, has_eos: bool) -> dict[str, object]:
@@ -203,4 +218,4 @@ def write_hf(prepared: PreparedHf, out_dir: str) -> None:
         fsio.fsync_dir(str(parent))
     except OSError as exc:
         raise CommandError(f"--hf {out_dir}: written, but its parent directory cannot be synced ({exc.strerror or exc})", 1) from None
-    print(f"wrote {prepared.summary} to {out_dir} (transformers LlamaForCausalLM)")
+    print(f"wrote {prepared.summary} to {out_dir} (transformers {prepared.architecture})")

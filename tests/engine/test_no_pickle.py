@@ -282,7 +282,7 @@ def test_a_grown_run_with_a_cached_trunk_lora_and_nf4_resumes_without_unpickling
     assert [e.step for e in events if isinstance(e, RunResumed)] == [3]
     assert fold(events).finished and fold(events).num_growths == 3
     assert "replay: reproducible" in cli_ok("replay", run, "--from-checkpoint", "2", "--no-progress")
-    cli_ok("export", run, "--to", tmp_path / "model.safetensors", "--adapters", tmp_path / "adapters")
+    cli_ok("export", run, "--to", tmp_path / "model.safetensors", "--hf", tmp_path / "hf", "--adapters", tmp_path / "adapters")
     assert "validation rows" in cli_ok("eval", run, "--dataset", "add", "--samples", "8")
     assert "verify: clean" in cli_ok("verify", run)
     assert trapped == []

@@ -1,21 +1,23 @@
-"""`rewind export RUN --adapters DIR`: the LoRA adapters in peft's layout, checked end to end.
+"""`rewind export RUN --hf HF --adapters DIR`: the LoRA adapters in peft's layout, for the transformers
+model `--hf` writes, checked end to end on the progressive example (shortened: tests/tools/progressive_run.py).
 
-A tiny run grows at its second stage: stack 0 becomes a LoRA trunk (trunk rank 4) under a new stack
-(fp32, or nf4 with its own rank-2 adapters). Its adapters, exported, loaded with
-`peft.PeftModel.from_pretrained` onto the base model `export --to` writes (built from the layout in
-that file's metadata), compute the run's own logits bit for bit. Refusals (no adapters, DIR an existing
-file or inside the run) exit with one line and write nothing.
+Its final model is a GELU model (ArceeForCausalLM) of 4 stacks, an NF4 trunk of three stacks training
+through adapters of ranks 8, 4 and 2 under a float stack. `PeftModel.from_pretrained(AutoModelForCausalLM
+.from_pretrained(HF), DIR)` computes the run's logits and greedy `generate` gives `rewind sample`'s tokens,
+as does `--hf` alone (adapters merged). What each export holds of the NF4 stacks is checked tensor by
+tensor. Refusals (no adapters, `--adapters` without `--hf`, DIR an existing file or inside the run) exit
+with one line and write nothing.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import shutil
 import struct
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 from safetensors import safe_open
@@ -23,103 +25,65 @@ from safetensors.torch import load_file
 
 from rewind.states.fold import fold
 from rewind.states.history import config_in_force
-from rewind.states.state import ModelLayout
 from rewind.stores.runs import read_seq_events
+from rewind.stores.trunks import checkpoint_weights
 from tests.engine.test_loop import run_cli
+from tests.tools.progressive_run import progressive_run
 from tests.tools.rundir_forgery import tree_state
+from tests.tools.test_export_hf import transformers_log
 
-TARGETS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
-# Two stages of 2 steps (4 rows of 32 tokens), one block per stack: a few seconds on one thread.
-CONFIG = """
-[run]
-name = "export-adapters"
-seed = 5
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
 
-[architecture]
-block_size = 32
-vocab_size = 256
-num_layers = 1
-num_heads = 2
-d_model = 32
+# peft 0.21's PeftModel reads a property transformers 5 deprecated: not ours to fix, and harmless.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
-[training]
-batch_size = 4
-tokens = [256, 256]
-datasets = [[{{ name = "grammar" }}], [{{ name = "reverse" }}]]
-validation_steps = 1
-
-[optimization]
-lr = 3e-3
-schedule = "constant"
-
-[logging]
-report_interval = 1000
-checkpoint_interval = 1000
-
-[lora]
-trunk_rank = 4
-rank = 2
-alpha_per_rank = 1.5
-
-[[growth]]
-at_stage = 1
-num_blocks = 1
-trunk = "lora"
-precision = "{precision}"
-"""
-
-
-def train(base: Path, precision: str) -> Path:
-    config, run = base / f"{precision}.toml", base / f"run-{precision}"
-    config.write_text(CONFIG.format(precision=precision))
-    code, _, err = run_cli("train", config, "--run-dir", run, "--no-progress")
-    assert code == 0, err
-    return run
+# rewind's adapted layer -> ArceeForCausalLM's projections (a fused qkv is three).
+ARCEE_PROJECTIONS = {
+    "attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn.proj": ("self_attn.o_proj",),
+    "mlp.fc": ("mlp.up_proj",),
+    "mlp.proj": ("mlp.down_proj",),
+}
+PROMPTS = ("add 12+34=", "rev abcd=", "sort dcba=")
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory) -> Path:
-    """Stack 0 a LoRA trunk (rank 4, alpha 6) under a new fp32 stack 1."""
-    return train(tmp_path_factory.mktemp("export-adapters"), "fp32")
+def progressive(tmp_path_factory) -> Path:
+    return progressive_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def nf4_run(tmp_path_factory) -> Path:
-    """As lora_run, but stack 1 is NF4 and trains through its own adapters (rank 2, alpha 3)."""
-    return train(tmp_path_factory.mktemp("export-adapters"), "nf4")
-
-
-def export(run: Path, out: Path) -> tuple[Path, Path]:
-    weights, adapters = out / "base.safetensors", out / "adapters"
-    code, stdout, err = run_cli("export", run, "--to", weights, "--adapters", adapters)
+def exported(progressive, tmp_path_factory) -> tuple[Path, str]:
+    """`--to`, `--hf` and `--adapters` of the run together, and what the command printed."""
+    out = tmp_path_factory.mktemp("exported")
+    code, stdout, err = run_cli(
+        "export", progressive, "--to", out / "w.safetensors", "--hf", out / "hf", "--adapters", out / "adapters"
+    )
     assert code == 0, err
-    assert "(peft layout)" in stdout
-    return weights, adapters
+    return out, stdout
 
 
-def peft_model(weights: Path, adapters: Path) -> torch.nn.Module:
-    """The exported base (the layout from its metadata; NF4 stacks quantised as the run did) with the
-    exported adapters loaded by peft."""
-    from peft import PeftModel
+def final_layout(run: Path):
+    return fold(e for _, e in read_seq_events(run)).layout
 
-    from rewind.engine.layout import build_plain, eval_mode, quantise_stack
-    from rewind.engine.snapshot import load_model_tensors
 
-    with safe_open(weights, "pt") as f:
-        metadata = f.metadata()
-    layout = msgspec.json.decode(metadata["layout"], type=ModelLayout)
-    records = read_seq_events(metadata["run"])
-    base = build_plain(config_in_force(records), layout)
-    load_model_tensors(base, load_file(weights))
-    for spec in layout.stacks:
-        if spec.base == "nf4":
-            quantise_stack(base.stack(spec.stack))
-            base.is_loaded_in_4bit = True  # peft's 4-bit LoRA layer for Linear4bit bases
-    return eval_mode(PeftModel.from_pretrained(base, adapters))
+def expected_modules(run: Path) -> dict[str, tuple[int, float]]:
+    """{Arcee module: (rank, alpha)} of every adapted projection of the run's final model."""
+    layout = final_layout(run)
+    targets = config_in_force(read_seq_events(run)).lora.targets
+    blocks = [(spec, j) for spec in layout.stacks for j in range(spec.num_blocks)]
+    return {
+        f"model.layers.{k}.{projection}": (spec.adapter_rank, spec.adapter_alpha)
+        for k, (spec, _) in enumerate(blocks)
+        if spec.adapter_rank > 0
+        for target in targets
+        for projection in ARCEE_PROJECTIONS[target]
+    }
 
 
 def runs_model(run: Path) -> torch.nn.Module:
-    """rewind's own model of the run's last checkpoint."""
+    """rewind's own model of the run's last checkpoint (NF4 trunk, adapters and all)."""
     from rewind.engine.checkpointing import load_model
     from rewind.engine.layout import eval_mode
     from rewind.stores.checkpoints import CheckpointStore
@@ -127,60 +91,119 @@ def runs_model(run: Path) -> torch.nn.Module:
     records = read_seq_events(run)
     state = fold(e for _, e in records)
     ref = state.last_checkpoint
-    model = load_model(
-        config_in_force(records), CheckpointStore(run), ref.checkpoint, ref.files, state.layout
-    )[0]
+    model = load_model(config_in_force(records), CheckpointStore(run), ref.checkpoint, ref.files, state.layout)[0]
     return eval_mode(model)
 
 
-def adapted_modules(run: Path) -> dict[str, tuple[int, float]]:
-    """{module: (rank, alpha)} of every adapted linear layer of the run's final layout."""
-    layout = fold(e for _, e in read_seq_events(run)).layout
-    return {
-        f"stacks.{s.stack}.blocks.{b}.{t}": (s.adapter_rank, s.adapter_alpha)
-        for s in layout.stacks
-        if s.adapter_rank > 0
-        for b in range(s.num_blocks)
-        for t in TARGETS
-    }
+def peft_model(hf: Path, adapters: Path) -> torch.nn.Module:
+    """The public route, and nothing else: transformers loads HF, peft loads the adapters onto it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf), adapters).eval()
 
 
-@pytest.mark.parametrize("run_fixture", ["lora_run", "nf4_run"])
-def test_peft_loads_the_exported_adapters_onto_the_exported_base_to_the_runs_logits_bitwise(
-    run_fixture, request, tmp_path
-):
-    from peft.tuners.lora import LoraLayer
+def rewind_greedy(run: Path, prompt: str, new: int) -> list[int]:
+    code, out, err = run_cli("sample", run, "--prompt", prompt, "--max-tokens", new, "--temperature", 0, "--json")
+    assert code == 0, err
+    return json.loads(out)["tokens"]
 
-    run = request.getfixturevalue(run_fixture)
-    weights, adapters = export(run, tmp_path)
-    assert sorted(p.name for p in adapters.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    exported, own = peft_model(weights, adapters), runs_model(run)
-    peft_layers = {
-        name.removeprefix("base_model.model."): module
-        for name, module in exported.named_modules()
-        if isinstance(module, LoraLayer)
-    }
-    modules = adapted_modules(run)
-    assert set(peft_layers) == set(modules)
-    for name, (rank, alpha) in modules.items():  # rank_pattern and alpha_pattern reached every layer
-        assert peft_layers[name].r["default"] == rank, name
-        assert peft_layers[name].scaling["default"] == alpha / rank, name
-    assert any(r != 4 for r, _ in modules.values()) == (run_fixture == "nf4_run")
-    lora_b = [p for n, p in exported.named_parameters() if ".lora_B." in n]
-    assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # trained: the adapters change the outputs
+
+def assert_computes_the_run(model: torch.nn.Module, run: Path) -> None:
+    """The run's logits to float32 rounding, and `rewind sample`'s greedy tokens from `generate`, which
+    logs no warning."""
     tokens = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want, got = own(tokens), exported(tokens)
-    assert torch.equal(want, got)
+        want, got = runs_model(run)(tokens), model(tokens).logits
+    assert want.abs().max() > 1.0 and (want - got).abs().max().item() <= 1e-4
+    continuations = []
+    for prompt in PROMPTS:
+        ids = list(prompt.encode())
+        new = 32 - len(ids)  # the trained context: transformers does not crop, rewind sample does
+        with transformers_log() as logged, torch.no_grad():
+            generated = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=new, do_sample=False)
+        assert [r.getMessage() for r in logged if r.levelno >= logging.WARNING] == []
+        continuations.append(generated[0, len(ids) :].tolist())
+        assert continuations[-1] == rewind_greedy(run, prompt, new), prompt
+    assert len({token for c in continuations for token in c}) > 2  # text, not one token repeated
 
 
-def test_the_adapter_file_is_plain_safetensors_with_only_peft_lora_keys(lora_run, tmp_path):
-    _, adapters = export(lora_run, tmp_path)
-    data = (adapters / "adapter_model.safetensors").read_bytes()
+def test_peft_loads_the_adapters_onto_the_hf_base_with_the_runs_logits_and_greedy_text(progressive, exported):
+    from peft.tuners.lora import LoraLayer
+
+    out, stdout = exported
+    assert "the base of --adapters: adapters not merged" in stdout
+    assert "(peft layout, for the ArceeForCausalLM of --hf)" in stdout
+    assert sorted(p.name for p in (out / "adapters").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    model = peft_model(out / "hf", out / "adapters")
+    assert type(model).__name__ == "PeftModelForCausalLM"
+    assert type(model.get_base_model()).__name__ == "ArceeForCausalLM"
+    layers = {
+        name.removeprefix("base_model.model."): module
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    modules = expected_modules(progressive)
+    assert set(layers) == set(modules) and {r for r, _ in modules.values()} == {8, 4, 2}
+    for name, (rank, alpha) in modules.items():  # rank_pattern and alpha_pattern reached every layer
+        assert layers[name].r["default"] == rank and layers[name].scaling["default"] == alpha / rank, name
+    lora_b = [p for n, p in model.named_parameters() if ".lora_B." in n]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # trained: the adapters change the outputs
+    assert_computes_the_run(model, progressive)
+
+
+def test_hf_alone_merges_the_adapters_and_computes_the_same(progressive, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    code, stdout, err = run_cli("export", progressive, "--hf", tmp_path / "hf")
+    assert code == 0, err
+    assert "adapters merged" in stdout
+    assert_computes_the_run(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval(), progressive)
+
+
+def test_what_each_export_holds_of_an_nf4_stack(progressive, exported, tmp_path):
+    """`--to`: the float weights the run keeps (and quantises on load). `--hf` with `--adapters`: those
+    weights quantised and dequantised, what the run's NF4 layers compute with. `--hf` alone: that plus
+    the merged adapters. `--adapters`: the checkpoint's adapters, a fused layer's split."""
+    out, _ = exported
+    state = fold(e for _, e in read_seq_events(progressive))
+    assert [s.base for s in final_layout(progressive).stacks] == ["nf4", "nf4", "nf4", "trainable"]
+    ref = state.last_checkpoint
+    checkpoint = checkpoint_weights(str(progressive), ref.checkpoint, ref.files)
+    bottom = f"stacks.{final_layout(progressive).stacks[0].stack}.blocks.0.attn"
+    qkv = torch.cat([load_file(out / "hf" / "model.safetensors")[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+
+    to_file = load_file(out / "w.safetensors")
+    assert to_file.keys() == checkpoint["model"].keys()
+    assert all(torch.equal(to_file[k], checkpoint["model"][k]) for k in to_file)
+    layer = runs_model(progressive).get_submodule(f"{bottom}.qkv").base_layer
+    assert type(layer).__name__ == "Linear4bit" and layer.training  # F.linear with the dequantised weight
+    with torch.no_grad():
+        used = layer(torch.eye(qkv.shape[1])).T
+    assert torch.equal(qkv, used) and not torch.equal(qkv, to_file[f"{bottom}.qkv.weight"])
+
+    peft = load_file(out / "adapters" / "adapter_model.safetensors")
+    a, b = (checkpoint["adapters"][f"{bottom}.qkv.lora_{x}.weight"] for x in "AB")
+    for p in "qkv":
+        assert torch.equal(peft[f"base_model.model.model.layers.0.self_attn.{p}_proj.lora_A.weight"], a)
+    split_b = [peft[f"base_model.model.model.layers.0.self_attn.{p}_proj.lora_B.weight"] for p in "qkv"]
+    assert torch.equal(torch.cat(split_b), b)
+
+    code, _, err = run_cli("export", progressive, "--hf", tmp_path / "merged")
+    assert code == 0, err
+    merged = torch.cat([load_file(tmp_path / "merged" / "model.safetensors")[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    spec = final_layout(progressive).stacks[0]
+    torch.testing.assert_close(merged, used + spec.adapter_alpha / spec.adapter_rank * (b @ a), rtol=0, atol=1e-6)
+    assert (merged - used).abs().max() > 1e-4
+
+
+def test_the_adapter_file_is_plain_safetensors_with_only_peft_lora_keys(progressive, exported):
+    out, _ = exported
+    data = (out / "adapters" / "adapter_model.safetensors").read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + length])
     assert header.pop("__metadata__") == {"format": "pt"}
-    modules = adapted_modules(lora_run)
+    modules = expected_modules(progressive)
     assert set(header) == {f"base_model.model.{m}.lora_{ab}.weight" for m in modules for ab in "AB"}
     # No pickle anywhere: a JSON header, then raw little-endian float32 buffers that tile the rest.
     assert all(entry["dtype"] == "F32" for entry in header.values())
@@ -188,50 +211,59 @@ def test_the_adapter_file_is_plain_safetensors_with_only_peft_lora_keys(lora_run
     assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert 8 + length + spans[-1][1] == len(data)
     for name, entry in header.items():
-        module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
-        rank, _ = modules[module]
+        rank, _ = modules[name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]]
         assert rank in entry["shape"], name
-    config = json.loads((adapters / "adapter_config.json").read_text())
-    assert config["peft_type"] == "LORA"
+    config = json.loads((out / "adapters" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert config["target_modules"] == sorted(modules)
+    assert config["base_model_name_or_path"] == str((out / "hf").absolute())
     assert config["lora_dropout"] == 0.0 and config["bias"] == "none" and not config["use_rslora"]
+    with safe_open(out / "hf" / "model.safetensors", "pt") as f:
+        assert not any(".lora_" in k for k in f.keys())  # noqa: SIM118 (safe_open is no dict)
 
 
-def test_a_run_without_adapters_exits_1_and_writes_nothing(lora_run, tmp_path):
-    # The log cut just after the growth's first step (a crash before the next checkpoint): the log's
-    # layout has adapters, its last checkpoint (the stage-0 boundary) holds none.
-    from rewind.states.events import StepCommitted
+def test_a_checkpoint_without_adapters_exits_1_and_writes_nothing(progressive, tmp_path):
+    # The log cut just after the growth onto the LoRA trunk (a crash before the reference checkpoint that
+    # follows it): the log's layout has adapters, its last checkpoint (the boundary before) holds none.
+    from rewind.states.events import StackAppended
     from rewind.stores.eventlog import EventLog
 
     crashed = tmp_path / "crashed"
-    shutil.copytree(lora_run, crashed)
+    shutil.copytree(progressive, crashed)
     records = read_seq_events(crashed)
-    grown = next(i for i, (_, e) in enumerate(records) if type(e).__name__ == "StackAppended")
-    cut = next(i for i in range(grown, len(records)) if isinstance(records[i][1], StepCommitted))
+    grown = next(
+        i
+        for i, (_, e) in enumerate(records)
+        if isinstance(e, StackAppended) and any(s.adapter_rank for s in fold(x for _, x in records[: i + 1]).layout.stacks)
+    )
     shutil.rmtree(crashed / "events")
     shutil.rmtree(crashed / "snapshots", ignore_errors=True)
     with EventLog.open(crashed, "w") as log:
-        for _, event in records[: cut + 1]:
+        for _, event in records[: grown + 1]:
             log.append(event)
         log.commit()
     state = fold(e for _, e in read_seq_events(crashed))
     assert any(s.adapter_rank for s in state.layout.stacks) and state.last_checkpoint is not None
     before = tree_state(tmp_path)
-    out = tmp_path / "adapters"
-    code, stdout, err = run_cli("export", crashed, "--adapters", out)
+    code, stdout, err = run_cli("export", crashed, "--hf", tmp_path / "hf", "--adapters", tmp_path / "adapters")
     assert code == 1
     assert stdout == "" and err.count("\n") == 1 and "has no adapters" in err, err
     assert tree_state(tmp_path) == before
 
 
-def test_adapters_onto_an_existing_file_exit_2_and_overwrite_nothing(lora_run, tmp_path):
+def test_adapters_without_their_base_or_onto_an_existing_file_exit_2_and_write_nothing(progressive, tmp_path):
     blocker = tmp_path / "taken"
     blocker.write_bytes(b"not yours")
     before = tree_state(tmp_path)
-    for target in (blocker, blocker / "inside", lora_run / "checkpoints" / "adapters"):
-        run_before = tree_state(lora_run)
-        code, stdout, err = run_cli("export", lora_run, "--adapters", target)
-        assert code == 2, (target, err)
+    attempts = [
+        ("--adapters", tmp_path / "adapters"),  # no --hf: nothing to name the adapters for
+        ("--hf", tmp_path / "hf", "--adapters", tmp_path / "hf"),  # transformers would load them with the model
+        *(("--hf", tmp_path / "hf", "--adapters", t) for t in (blocker, blocker / "inside", progressive / "checkpoints" / "adapters")),
+    ]
+    for options in attempts:
+        run_before = tree_state(progressive)
+        code, stdout, err = run_cli("export", progressive, *options)
+        assert code == 2, (options, err)
         assert stdout == "" and err.count("\n") == 1 and err.startswith("rewind: --adapters"), err
-        assert tree_state(tmp_path) == before and tree_state(lora_run) == run_before
+        assert tree_state(tmp_path) == before and tree_state(progressive) == run_before
     assert blocker.read_bytes() == b"not yours"

@@ -1,21 +1,25 @@
 """`rewind export RUN --hf DIR` end to end, and the `--to` file's model metadata.
 
 A tiny SwiGLU run is trained through the command line (a subprocess, from tmp_path); its export loads
-in transformers (`AutoModelForCausalLM`) with the logits of rewind's model of the same checkpoint, and
-loads back through `load_pretrained` / `apply_pretrained` bit for bit, as does its `--to` file. A run that
-grew a LoRA trunk exports merged, with the adapted model's logits. Refusals (a gelu model, a non-empty
-DIR) are one line, and nothing is written.
+in transformers (`AutoModelForCausalLM`) as a LlamaForCausalLM with the logits of rewind's model of the
+same checkpoint, and loads back through `load_pretrained` / `apply_pretrained` bit for bit, as does its
+`--to` file. The tiny example (GELU MLP, the default) exports as an ArceeForCausalLM with the run's
+logits, and transformers' greedy `generate` continues prompts as `rewind sample` does, without a warning.
+A run that grew a LoRA trunk exports merged, with the adapted model's logits. Refusals (a masked
+objective, a non-empty DIR) are one line, exit 2, and nothing is written. `rewind --help` names every
+export.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 from safetensors import safe_open
@@ -119,12 +123,26 @@ def export_hf(run: Path, out: Path) -> str:
     return stdout
 
 
-def transformers_model(directory: Path) -> torch.nn.Module:
+def transformers_model(directory: Path, architecture: str = "LlamaForCausalLM") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory).eval()
-    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    assert type(model).__name__ == architecture and model.dtype == torch.float32
     return model
+
+
+@contextlib.contextmanager
+def transformers_log():
+    """What transformers logs meanwhile (its logger does not propagate to the root, so caplog misses it)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 def tokens(length: int = 16) -> torch.Tensor:
@@ -133,7 +151,7 @@ def tokens(length: int = 16) -> torch.Tensor:
 
 def test_transformers_loads_the_export_with_the_runs_logits(swiglu_run, tmp_path):
     stdout = export_hf(swiglu_run, tmp_path / "hf")
-    assert "(2 layers)" in stdout and "LlamaForCausalLM" in stdout
+    assert "(2 layers)" in stdout and "(transformers LlamaForCausalLM)" in stdout
     names = sorted(p.name for p in (tmp_path / "hf").iterdir())
     assert names == ["config.json", "generation_config.json", "model.safetensors"]  # bytes: no tokenizer file
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
@@ -212,19 +230,58 @@ def test_refusals_are_one_line_and_write_nothing(swiglu_run, tmp_path):
     assert (tmp_path / "empty" / "model.safetensors").is_file()
 
 
-def test_a_gelu_run_is_refused_with_what_to_change(tmp_path):
-    config = write_config(tmp_path, "gelu", mlp="gelu", num_layers=1, stages={"tokens": "[64]", "datasets": '[[{ name = "grammar" }]]'})
+PROMPTS = ("The cat", "reverse abc=", "sort dcba=")
+
+
+def test_a_gelu_run_is_arcee_with_the_runs_logits_and_greedy_text(straight, tmp_path):
+    """The tiny example's model (RMSNorm, GELU MLP): transformers computes its logits, and greedy
+    `generate(max_new_tokens=N)` gives `rewind sample`'s tokens, with no warning and nothing logged."""
+    stdout = export_hf(straight, tmp_path / "hf")
+    assert "(transformers ArceeForCausalLM)" in stdout
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["hidden_act"], config["model_type"], config["mlp_bias"]) == ("gelu", "arcee", False)
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {}  # no max_length
+    model = transformers_model(tmp_path / "hf", "ArceeForCausalLM")
+    with torch.no_grad():
+        ours, theirs = runs_model(straight)(tokens(32)), model(tokens(32)).logits
+    assert ours.abs().max() > 1.0 and (ours - theirs).abs().max().item() <= 1e-5
+    block_size = runs_config(straight).architecture.block_size
+    for prompt in PROMPTS:
+        ids = list(prompt.encode())
+        new = block_size - len(ids)  # transformers does not crop to the trained context: stay inside it
+        code, out, err = run_cli("sample", straight, "--prompt", prompt, "--max-tokens", new, "--temperature", 0, "--json")
+        assert code == 0, err
+        with transformers_log() as logged, torch.no_grad():
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)
+        assert [r.getMessage() for r in logged if r.levelno >= logging.WARNING] == []
+        assert generated[0, len(ids) :].tolist() == json.loads(out)["tokens"], prompt
+
+
+def test_generate_with_max_new_tokens_logged_a_warning_under_a_max_length(straight, tmp_path):
+    """Why generation_config.json holds no max_length: with one, every generate(max_new_tokens=N) warns."""
+    export_hf(straight, tmp_path / "hf")
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"max_length": 32}))
+    model = transformers_model(tmp_path / "hf", "ArceeForCausalLM")
+    with transformers_log() as logged, torch.no_grad():
+        model.generate(torch.tensor([[65, 66]]), max_new_tokens=2, do_sample=False)
+    assert any("max_new_tokens" in r.getMessage() and r.levelno == logging.WARNING for r in logged)
+
+
+def test_a_masked_objective_is_refused_in_one_line(tmp_path):
+    config = write_config(tmp_path, "mlm", num_layers=1, stages={"tokens": "[64]", "datasets": '[[{ name = "grammar" }]]'}, extra='[objective]\nkind = "mlm"\n')
     code, _, err = run_cli("train", config, "--run-dir", tmp_path / "run", "--no-progress")
     assert code == 0, err
-    code, _, err = run_cli("export", tmp_path / "run", "--hf", tmp_path / "hf")
-    assert code == 1 and err.count("\n") == 1
-    assert "not a LlamaForCausalLM" in err and 'architecture.mlp = "swiglu"' in err
-    assert not (tmp_path / "hf").exists()
-    with safe_open(_exported_to(tmp_path), "pt") as f:  # --to still exports it, with its architecture
-        assert msgspec.json.decode(f.metadata()["rewind.architecture"])["mlp"] == "gelu"
+    code, _, err = run_cli("export", tmp_path / "run", "--to", tmp_path / "w.safetensors", "--hf", tmp_path / "hf")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "no transformers model computes the run's model: objective.kind is 'mlm'" in err and "mask token" in err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "w.safetensors").exists()
 
 
-def _exported_to(tmp_path: Path) -> Path:
-    code, _, err = run_cli("export", tmp_path / "run", "--to", tmp_path / "gelu.safetensors")
-    assert code == 0, err
-    return tmp_path / "gelu.safetensors"
+def test_help_names_every_export():
+    code, out, _ = run_cli("--help")
+    assert code == 0
+    listing = " ".join(out.split())
+    line = listing[listing.index("export ") : listing.index(" sample ")]
+    assert all(option in line for option in ("--to", "--hf", "--adapters", "tensorboard")), line
+    code, out, _ = run_cli("export", "--help")
+    assert code == 0 and all(option in out for option in ("--to", "--hf", "--adapters"))
