@@ -13,18 +13,24 @@ import time
 
 from rewind.tools.errors import UsageError
 
-TARGETS = ("schedule", "log", "overhead", "resume", "cache", "data", "kernels", "mfu")
+TARGETS = ("schedule", "log", "overhead", "resume", "cache", "data", "kernels", "mfu", "gpu", "threads", "startup")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmarks: schedule dry-run, event log, training-loop overhead, resume bookkeeping, activation cache, "
-        "data reading and preparation, the fused loss kernel, model FLOPs utilisation (tokens/s, MFU)",
+        "data reading and preparation, the fused loss kernel, model FLOPs utilisation (tokens/s, MFU); gpu: every "
+        "CUDA claim checked in one call; threads: the tiny example beside CPU-bound competitors; startup: a restart's time "
+        "to its first step over `import torch`",
     )
     p.add_argument("target", choices=TARGETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
+    gpu = p.add_argument_group("bench gpu: every CUDA claim checked in one call (docs/distributed.md)")
+    gpu.add_argument("--out", metavar="DIR", help="a new directory for gpu.json, summary.txt and each part's output")
+    gpu.add_argument("--dry-run", action="store_true", help="hide CUDA: every part runs its CPU form")
+    gpu.add_argument("--parts", metavar="A,B", help="only these parts (default: all)")
     p.set_defaults(run=run)
 
 
@@ -35,6 +41,8 @@ _MODULE_BENCHES = {
     "data": ("rewind.engine.bench_data", "run_data_bench", "the engine and tokenizers"),
     "kernels": ("rewind.kernels.bench", "run_kernels_bench", "torch"),
     "mfu": ("rewind.engine.bench_mfu", "run_mfu_bench", "the engine"),
+    "threads": ("rewind.engine.bench_threads", "run_threads_bench", "the engine"),
+    "startup": ("rewind.tools.bench_startup", "run_startup_bench", "the stores"),
 }
 
 
@@ -47,6 +55,10 @@ def _bench_function(target: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.target == "gpu":
+        return _run_gpu(args)
+    if args.out is not None or args.dry_run or args.parts is not None:
+        raise UsageError(f"--out, --dry-run and --parts are options of bench gpu, not of bench {args.target}")
     if args.target == "schedule":
         result = bench_schedule(quick=args.quick)
     elif args.target == "log":
@@ -70,6 +82,16 @@ def run(args: argparse.Namespace) -> int:
         for key, value in result.items():
             print(f"{key:>28}: {value:.4g}" if isinstance(value, float) else f"{key:>28}: {value}")
     return 0
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    from rewind.tools.bench_gpu import parse_parts, run_gpu_check  # torch-free: the parts import it
+
+    if args.out is None:
+        raise UsageError("bench gpu needs --out DIR (a new directory for gpu.json and summary.txt)")
+    if args.quick:
+        raise UsageError("bench gpu has no --quick: --dry-run runs every part's small CPU form")
+    return run_gpu_check(args.out, dry_run=args.dry_run, parts=parse_parts(args.parts), as_json=args.json)
 
 
 def _bench_config(num_steps: int):
