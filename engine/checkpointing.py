@@ -5,6 +5,11 @@ reference is not copied into every checkpoint: it *is* the model of the checkpoi
 named, which retention never deletes while it is the reference, so loading follows that pointer. (Runs
 written by rewind 0.1 carry a `reference` group as well; it is checked by replay and otherwise unused.)
 
+A run started with "content_named_checkpoints" writes manifest format 2: it records the training state
+(the tensors, the optimizer's settings, the control state, the frozen stacks' and the KL reference's
+content digests) and nothing about when it was written, so its name is the same whenever the same state
+is checkpointed, straight or after any number of resumes. Older runs keep writing format 1.
+
 Writing is durable before the caller may announce it: the store writes under a temporary name, syncs,
 renames; only then does the engine append the CheckpointCommitted this module returns, and the journal
 commits that record on the spot (rewind.engine.journal).
@@ -23,7 +28,13 @@ from rewind.engine.step import apply_hyperparameters, build_optimizer
 from rewind.states.config import Config
 from rewind.states.events import CheckpointCommitted
 from rewind.states.state import CheckpointReason, ModelLayout, State, control_summary, reference_to_restore
-from rewind.stores.checkpoints import CheckpointStore, group_file
+from rewind.stores.checkpoints import (
+    FORMAT_VERSION,
+    FORMAT_WITH_LOG_SEQ,
+    CheckpointError,
+    CheckpointStore,
+    group_file,
+)
 from rewind.stores.trunks import TrunkStore, serialize
 
 Groups = dict[str, dict[str, torch.Tensor]]
@@ -73,12 +84,16 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_s
         "stack_sizes": parts.model.stack_sizes,
         # The control state the tensors belong to; `rewind verify` checks it against the fold.
         "control": control_summary(state),
-        "reference": state.reference.checkpoint if state.reference is not None else "",
-        "log_seq": log_seq,
     }
+    by_content = "content_named_checkpoints" in state.features
+    if by_content:
+        meta["reference_sha256"] = reference_digest(state)
+    else:
+        meta["reference"] = state.reference.checkpoint if state.reference is not None else ""
     if parts.trunk_sources:  # written before the manifest that names them
         meta["trunks"] = trunk_files(parts)
-    written = parts.store.write(state.step, groups, meta)
+    version = FORMAT_VERSION if by_content else FORMAT_WITH_LOG_SEQ
+    written = parts.store.write(state.step, groups, meta, log_seq=log_seq, format_version=version)
     committed = CheckpointCommitted(
         step=state.step,
         tokens=state.tokens,
@@ -88,6 +103,19 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_s
         reason=reason,
     )
     return shared_event(committed)  # type: ignore[return-value]
+
+
+def reference_digest(state: State) -> str:
+    """The content digest of the KL reference in force ("" = none): the manifest sha256 its checkpoint's
+    CheckpointCommitted recorded (retention keeps that checkpoint live). In a run that writes format 2,
+    that hash covers only the state, so the same reference gives the same digest however the run got
+    there, and a checkpoint recording it cannot share a name with one taken under another reference."""
+    if state.reference is None:
+        return ""
+    held = next((c for c in state.live_checkpoints if c.checkpoint == state.reference.checkpoint), None)
+    if held is None:
+        raise CheckpointError(f"the KL reference's checkpoint {state.reference.checkpoint} is not live")
+    return held.manifest_sha256
 
 
 def load_model(

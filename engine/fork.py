@@ -123,7 +123,7 @@ def _copy_checkpoint(parent: CheckpointStore, child: CheckpointStore, ref) -> No
     parent_trunks, child_trunks = TrunkStore(parent.run_dir), TrunkStore(child.run_dir)
     for digest in manifest.meta.get("trunks", {}).values():
         parent_trunks.copy_to(child_trunks, digest)
-    written = child.write(manifest.step, groups, manifest.meta)
+    written = child.write(manifest.step, groups, manifest.meta, format_version=manifest.format_version)
     if written.name != ref.checkpoint or written.files != dict(ref.files):
         raise RunError(f"copying checkpoint {ref.checkpoint} gave {written.name}: the copy is not faithful", 1)
 

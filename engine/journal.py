@@ -5,7 +5,7 @@ The rule, enforced here and nowhere else:
 
 - A run's opening records (RunStarted; RunResumed and a ConfigChanged that goes with it) are committed
   before any tensor is computed: a process that dies later resumes from them.
-- Every record before a checkpoint is committed before its files are written, and the manifest names
+- Every record before a checkpoint is committed before its files are written, and the checkpoint names
   the last of them (`log_seq`): a checkpoint on disk then proves how far the log reached, so a log that
   ends before that lost acknowledged records (rewind.stores.orphans), while a checkpoint no record names
   at the log's end is only what a crash between writing it and recording it leaves.
@@ -71,7 +71,7 @@ class Journal:
             self.metrics.flush()
 
     def durable_seq(self) -> int:
-        """The last record the log holds durably (what a checkpoint's manifest names, see above)."""
+        """The last record the log holds durably (what a checkpoint names, see above)."""
         return self.log.num_committed - 1
 
     def close(self) -> None:

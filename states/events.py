@@ -32,12 +32,16 @@ from rewind.states.state import CheckpointReason, ForkSeed
 # "reference_checkpoints_kept": retention keeps checkpoints taken for a reference refresh, as it keeps
 # boundary ones (a later boundary checkpoint's restore state names them; growth takes them routinely);
 # "data_identity": user datasets are tokenised into the run directory, their identity is on record and
-# checked, and validation rows are carved at random (DataSource.split = "" means "random"; before: "tail").
+# checked, and validation rows are carved at random (DataSource.split = "" means "random"; before: "tail");
+# "content_named_checkpoints": a checkpoint's name and manifest hash hold only its training state (manifest
+# format 2: no log position, the KL reference by its content digest), so a resumed run names its
+# checkpoints as a straight one does (before: format 1, which also held the log position).
 RUN_FEATURES: tuple[str, ...] = (
     "lr_warmup_floor",
     "baseline_evaluation",
     "reference_checkpoints_kept",
     "data_identity",
+    "content_named_checkpoints",
 )
 
 # Bumped whenever an event changes incompatibly; the log frames carry it and the codec upcasts.

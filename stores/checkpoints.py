@@ -1,9 +1,10 @@
 """The checkpoint store: where a checkpoint's files go, how they get there durably, and reading them back.
 
 A checkpoint is a directory `RUN/checkpoints/<step:08d>-<short hash>/`: one safetensors file per group
-given (model, optimizer, reference, adapters) and a `manifest.json` pinning each file by its sha256. What
-those bytes are, and the name they give the checkpoint, is `stores/manifest.py`; this module only writes,
-reads, verifies and deletes them.
+given (model, optimizer, reference, adapters), a `manifest.json` pinning each file by its sha256 and, in
+format 2, `written.json` saying how far the log reached when it was written. What those bytes are, and
+the name they give the checkpoint, is `stores/manifest.py`; this module only writes, reads, verifies and
+deletes them.
 
 A checkpoint exists for rewind only once a CheckpointCommitted event names it, so a write that dies half
 way must leave nothing that passes for one: locally, files go into `checkpoints/.tmp-*`, are fsynced,
@@ -25,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 from rewind.stores import confine
 from rewind.stores.fsio import filesystem, fsync_dir, write_new_file
 from rewind.stores.manifest import FORMAT_VERSION as FORMAT_VERSION
+from rewind.stores.manifest import FORMAT_WITH_LOG_SEQ as FORMAT_WITH_LOG_SEQ
 from rewind.stores.manifest import MANIFEST as MANIFEST
 from rewind.stores.manifest import SUFFIX as SUFFIX
 from rewind.stores.manifest import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from rewind.stores.manifest import WRITTEN as WRITTEN
 from rewind.stores.manifest import CheckpointCorrupt as CheckpointCorrupt
 from rewind.stores.manifest import CheckpointError as CheckpointError
 from rewind.stores.manifest import CheckpointWritten as CheckpointWritten
@@ -38,8 +41,10 @@ from rewind.stores.manifest import (
     canonical_meta,
     checked_tensors,
     decode_manifest,
+    decode_written,
     deserialize_group,
     encode_manifest,
+    encode_written,
     hash_problem,
     logged_file_problems,
     serialize_group,
@@ -60,6 +65,7 @@ _CHUNK_BYTES = 1 << 22
 # A manifest is a few hundred bytes per tensor: this is far beyond any real one, and keeps a forged
 # one from taking the memory of the process that reads it.
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_WRITTEN_BYTES = 4096
 GroupsIn = Mapping[str, Mapping[str, "torch.Tensor"]]  # group -> tensor name -> tensor
 
 
@@ -77,23 +83,37 @@ class CheckpointStore:
         self._fs, self.root, self._is_local = location.fs, location.path, location.is_local
         self._run_root = run.path  # what every local read is confined to
 
-    def write(self, step: int, groups: GroupsIn, meta: Mapping[str, Any] | None = None) -> CheckpointWritten:
-        """Write a checkpoint durably and return its name and hashes; only then may the log name it."""
+    def write(
+        self,
+        step: int,
+        groups: GroupsIn,
+        meta: Mapping[str, Any] | None = None,
+        *,
+        log_seq: int | None = None,
+        format_version: int = FORMAT_VERSION,
+    ) -> CheckpointWritten:
+        """Write a checkpoint durably and return its name and hashes; only then may the log name it.
+        `log_seq`: the last record durable in the log as it is written (None: not recorded, as in a fork's
+        copy of its parent's checkpoint); format 2 keeps it beside the manifest, format 1 in its meta."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
         if not groups or not set(groups) <= set(GROUPS):
             raise CheckpointError(
                 f"checkpoint groups must be some of {', '.join(GROUPS)}; got {sorted(groups)}"
             )
-        checked_meta = canonical_meta(meta or {})
+        in_meta = format_version == FORMAT_WITH_LOG_SEQ and log_seq is not None
+        checked_meta = canonical_meta({**(meta or {}), "log_seq": log_seq} if in_meta else meta or {})
+        beside = encode_written(log_seq) if log_seq is not None and not in_meta else None
         # Files in name order, so the manifest (and hence the name) never depends on dict order.
         # Every tensor is checked before the first byte is written: bad input leaves nothing behind.
         ordered = [(group, checked_tensors(group, tensors)) for group, tensors in sorted(groups.items())]
         if self._is_local:
-            return self._write_local(step, ordered, checked_meta)
-        return self._write_object_store(step, ordered, checked_meta)
+            return self._write_local(step, ordered, checked_meta, format_version, beside)
+        return self._write_object_store(step, ordered, checked_meta, format_version, beside)
 
-    def _write_local(self, step: int, ordered: list, meta: dict[str, Any]) -> CheckpointWritten:
+    def _write_local(
+        self, step: int, ordered: list, meta: dict[str, Any], format_version: int, beside: bytes | None
+    ) -> CheckpointWritten:
         _make_dirs_durably(self.root)
         tmp = _join(self.root, f"{TMP_PREFIX}{step:08d}-{os.urandom(8).hex()}")
         os.mkdir(tmp)
@@ -104,7 +124,9 @@ class CheckpointStore:
                 data, entry = serialize_group(group, tensors)
                 write_new_file(_join(tmp, entry.name), data)
                 entries.append(entry)
-            manifest_bytes, written = encode_manifest(step, entries, meta)
+            manifest_bytes, written = encode_manifest(step, entries, meta, format_version)
+            if beside is not None:
+                write_new_file(_join(tmp, WRITTEN), beside)
             write_new_file(_join(tmp, MANIFEST), manifest_bytes)
             fsync_dir(tmp)
         except Exception:  # e.g. a full disk; a killed process leaves the orphan for remove_orphans
@@ -112,7 +134,8 @@ class CheckpointStore:
             raise
         final = _join(self.root, written.name)
         if os.path.isdir(final):
-            # Same name = same content by construction, e.g. a step rewritten after a resume.
+            # Same name = same content by construction, e.g. a step rewritten after a resume (its
+            # WRITTEN may date it earlier: still a true bound on how far the log reached).
             if not self.verify(written.name, written.files):
                 shutil.rmtree(tmp)
                 return written
@@ -121,23 +144,41 @@ class CheckpointStore:
         fsync_dir(self.root)
         return written
 
-    def _write_object_store(self, step: int, ordered: list, meta: dict[str, Any]) -> CheckpointWritten:
+    def _write_object_store(
+        self, step: int, ordered: list, meta: dict[str, Any], format_version: int, beside: bytes | None
+    ) -> CheckpointWritten:
         # The name depends on every file's hash, and there is no rename to fix it up afterwards, so
         # all files are serialized in memory before the first byte is written.
         payloads = [serialize_group(group, tensors) for group, tensors in ordered]
-        manifest_bytes, written = encode_manifest(step, [entry for _, entry in payloads], meta)
+        entries = [entry for _, entry in payloads]
+        manifest_bytes, written = encode_manifest(step, entries, meta, format_version)
         final = _join(self.root, written.name)
         if self._fs.exists(_join(final, MANIFEST)) and not self.verify(written.name, written.files):
             return written
         self._fs.makedirs(final, exist_ok=True)
         for data, entry in payloads:
             self._fs.pipe_file(_join(final, entry.name), data)
+        if beside is not None:
+            self._fs.pipe_file(_join(final, WRITTEN), beside)
         self._fs.pipe_file(_join(final, MANIFEST), manifest_bytes)  # last: marks the checkpoint complete
         return written
 
     def load_manifest(self, name: str) -> Manifest:
         """The manifest, checked against the hash embedded in the checkpoint's name."""
         return decode_manifest(name, self._read(name, MANIFEST, max_size=MAX_MANIFEST_BYTES))
+
+    def log_seq(self, name: str, manifest: Manifest) -> int | None:
+        """How far the log reached when checkpoint `name` (whose `manifest` was loaded) was written: the
+        last record durable then, or None where nothing (readable) records it: a release before
+        `log_seq`, a fork's copy, a damaged or missing WRITTEN file."""
+        if manifest.format_version == FORMAT_WITH_LOG_SEQ:
+            recorded = manifest.meta.get("log_seq")
+            readable = isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= -1
+            return recorded if readable else None
+        try:
+            return decode_written(self._read(name, WRITTEN, max_size=MAX_WRITTEN_BYTES))
+        except CheckpointError:  # missing, too large, not a regular file
+            return None
 
     def load(
         self,

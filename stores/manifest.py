@@ -6,6 +6,12 @@ stores them). The manifest is canonical JSON with no time or uuid in it, and a c
 step and the start of the manifest's own sha256, so the same tensors and meta at the same step always
 give the same bytes and the same name: a changed byte here renames every checkpoint ever written.
 
+Format 2 (runs started with the "content_named_checkpoints" feature) holds only what defines the
+training state, so the manifest's sha256 is a content digest: a run killed and resumed names its
+checkpoints as the run that never stopped did. How far the log reached when it was written (`log_seq`)
+sits beside the manifest (WRITTEN). Format 1 (runs started earlier, for life) also holds `log_seq` and
+the KL reference's name in its meta, so the same state written after a resume was named apart.
+
 No file system here: `stores/checkpoints.py` decides where these bytes go and reads them back. Parsing
 never unpickles: bytes are hashed first, then parsed by `safetensors.torch.load`. torch and safetensors
 are imported by the functions that handle tensors, so reading and checking a manifest (`rewind verify`,
@@ -24,8 +30,10 @@ import msgspec
 if TYPE_CHECKING:
     import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+FORMAT_WITH_LOG_SEQ = 1  # what runs started before "content_named_checkpoints" write, for life
 MANIFEST = "manifest.json"
+WRITTEN = "written.json"  # beside a format 2 manifest: `Written`
 SUFFIX = ".safetensors"
 # By the names the manifest records (`TensorEntry.dtype`).
 _FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -70,6 +78,14 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
 
     def file_hashes(self) -> dict[str, str]:
         return {entry.name: entry.sha256 for entry in self.files}
+
+
+class Written(msgspec.Struct, frozen=True, kw_only=True):
+    """When a format 2 checkpoint was written: the last record durable in the log then (see
+    rewind.engine.journal). Not part of the manifest, so not of the name: it differs between a straight
+    run and a resumed one that hold the same state."""
+
+    log_seq: int
 
 
 class CheckpointWritten(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,16 +165,33 @@ def serialize_group(group: str, checked: dict[str, torch.Tensor]) -> tuple[bytes
 
 
 def encode_manifest(
-    step: int, entries: list[FileEntry], meta: dict[str, Any]
+    step: int, entries: list[FileEntry], meta: dict[str, Any], format_version: int = FORMAT_VERSION
 ) -> tuple[bytes, CheckpointWritten]:
     """The manifest's bytes and the checkpoint's name and hashes; `meta` comes from `canonical_meta`."""
-    manifest = Manifest(format_version=FORMAT_VERSION, step=step, files=entries, meta=meta)
+    if format_version not in (FORMAT_WITH_LOG_SEQ, FORMAT_VERSION):
+        raise CheckpointError(f"checkpoint format {format_version!r} is not one this rewind writes")
+    manifest = Manifest(format_version=format_version, step=step, files=entries, meta=meta)
     # "deterministic" sorts dict keys (meta), so equal content always gives equal bytes.
     encoded = msgspec.json.encode(manifest, order="deterministic")
     data = msgspec.json.format(encoded, indent=2) + b"\n"
     digest = hashlib.sha256(data).hexdigest()
     name = f"{step:08d}-{digest[:8]}"
     return data, CheckpointWritten(name=name, manifest_sha256=digest, files=manifest.file_hashes())
+
+
+def encode_written(log_seq: int) -> bytes:
+    """The bytes of the WRITTEN file beside a format 2 manifest."""
+    return msgspec.json.encode(Written(log_seq=log_seq)) + b"\n"
+
+
+def decode_written(data: bytes) -> int | None:
+    """The log_seq a WRITTEN file records, or None where it does not read as one: no name pins it, so a
+    damaged one dates nothing (rewind.stores.orphans then bounds the log by the checkpoint's step)."""
+    try:
+        written = msgspec.json.decode(data, type=Written)
+    except msgspec.DecodeError:
+        return None
+    return written.log_seq if written.log_seq >= -1 else None
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:

@@ -2,7 +2,7 @@
 
 A crash can leave a complete checkpoint whose CheckpointCommitted never became durable: the engine
 writes the checkpoint, then appends and commits its record. That is normal debris. But the engine
-commits every record before it writes a checkpoint, and the manifest names the last of them
+commits every record before it writes a checkpoint, and the checkpoint records the last of them
 (`log_seq`, rewind.engine.journal): a log that ends before a checkpoint's `log_seq` lost acknowledged
 records. Checkpoints of older releases carry no `log_seq`; for them the bound is their step: the journal
 group-commits at every multiple of `report_interval`, before the next step runs, so by the time a
@@ -51,8 +51,7 @@ def dated_orphans(store: CheckpointStore, live_names: Iterable[str]) -> list[tup
             manifest = store.load_manifest(name)
         except CheckpointError:
             continue
-        log_seq = manifest.meta.get("log_seq")
-        dated.append((name, manifest.step, log_seq if isinstance(log_seq, int) and log_seq >= -1 else None))
+        dated.append((name, manifest.step, store.log_seq(name, manifest)))
     return dated
 
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rewind.states.fold import fold
+from rewind.stores.runs import read_seq_events
 from tests.engine.test_loop import OVERRIDES, TINY
 
 ROUNDS = int(os.environ.get("REWIND_KILL_ROUNDS", "10"))
@@ -36,6 +38,10 @@ def _final(run_dir) -> dict:
     subprocess.run([sys.executable, "-m", "rewind.tools.cli", "export", str(run_dir), "--to", str(out)], check=True,
                    capture_output=True, env=_env())
     return load_file(out)
+
+
+def _checkpoint_names(run_dir) -> list[str]:
+    return [c.checkpoint for c in fold(e for _, e in read_seq_events(run_dir)).live_checkpoints]
 
 
 @pytest.mark.slow
@@ -65,3 +71,4 @@ def test_kill_and_restart_at_once_is_never_refused_and_ends_bitwise_equal(tmp_pa
             process.stderr.close()
     a, b = _final(straight), _final(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _checkpoint_names(killed) == _checkpoint_names(straight)  # the same state, the same names

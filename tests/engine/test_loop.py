@@ -411,6 +411,10 @@ def test_ctrl_c_finishes_the_step_checkpoints_stops_and_resumes_exactly(straight
         exported_weights(run, tmp_path / "b.safetensors"),
     )
     assert effective_steps(run) == effective_steps(straight)
+    # The same state, the same name: the checkpoints written after the resume are named as the straight
+    # run's (a name once embedded the log position, and with it the KL reference's name).
+    names = [[c.checkpoint for c in fold(events_of(r)).live_checkpoints] for r in (straight, run)]
+    assert names[0] == names[1]
 
 
 # --- which quantity, and how many skipped -----------------------------------------------------------

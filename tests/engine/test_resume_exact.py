@@ -78,6 +78,12 @@ def test_sigkill_over_the_whole_run_then_resume_gives_identical_weights(tmp_path
     # Every resume removed the debris of the process it replaced: no checkpoint directory is unnamed.
     live = fold(e for _, e in records).live_checkpoints
     assert CheckpointStore(str(killed.run_dir)).orphans(c.checkpoint for c in live) == []
+    # The same state, the same names: the checkpoints the resumed processes wrote (the final one, the KL
+    # references) are named as the straight run's, though they were written at other log positions.
+    _, straight = shared_straight(tmp_path_factory)
+    want = fold(e for _, e in read_seq_events(straight.run_dir)).live_checkpoints
+    named = [[(c.checkpoint, c.manifest_sha256) for c in checkpoints] for checkpoints in (want, live)]
+    assert named[0] == named[1]
 
 
 @pytest.mark.slow

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 
 from rewind.stores import checkpoints, fsio, manifest
 from rewind.stores.checkpoints import (
+    FORMAT_WITH_LOG_SEQ,
     MANIFEST,
+    WRITTEN,
     CheckpointCorrupt,
     CheckpointError,
     CheckpointNotFound,
@@ -130,9 +132,17 @@ def test_manifest_records_each_tensors_shape_dtype_and_raw_bytes_hash(run_dir):
     assert not re.search(r"time|uuid|host|pid", read(store, store.write(1, groups).name, MANIFEST).decode())
 
 
-def test_the_bytes_and_hence_the_names_are_pinned(tmp_path):
+@pytest.mark.parametrize(
+    ("version", "digest"),
+    [
+        (FORMAT_WITH_LOG_SEQ, "9807993f6ca8e19abc29564f035408132eebf397e853b3e08d27374a951b54db"),
+        (checkpoints.FORMAT_VERSION, "4e0497bcc728190c2c0ad92002ab773510c00ea05d08e13ea97cfbe105a38687"),
+    ],
+)
+def test_the_bytes_and_hence_the_names_are_pinned(tmp_path, version, digest):
     """Names are content hashes: a changed byte in a safetensors file or in the manifest's JSON renames
-    every checkpoint ever written, and old logs would no longer name what a rewrite produces."""
+    every checkpoint ever written, and old logs would no longer name what a rewrite produces (a fork
+    copies its parent's checkpoints in the parent's format, and checks the name)."""
     groups = {
         "model": {
             "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
@@ -141,9 +151,10 @@ def test_the_bytes_and_hence_the_names_are_pinned(tmp_path):
         },
         "optimizer": {"m": torch.full((2,), -0.5, dtype=torch.float64), "mask": torch.tensor([True, False])},
     }
-    written = CheckpointStore(tmp_path).write(12, groups, {"lr": 0.5, "betas": (0.9, 0.95)})
-    assert written.name == "00000012-9807993f"
-    assert written.manifest_sha256 == "9807993f6ca8e19abc29564f035408132eebf397e853b3e08d27374a951b54db"
+    meta = {"lr": 0.5, "betas": (0.9, 0.95)}
+    written = CheckpointStore(tmp_path).write(12, groups, meta, format_version=version)
+    assert written.name == f"00000012-{digest[:8]}"
+    assert written.manifest_sha256 == digest
     assert written.files == {
         "model.safetensors": "064b67ec808e9fc4d3a37e0f1ee5f6a88edcc2d58f3bb46018e71a464a677159",
         "optimizer.safetensors": "e87cc892692c688061717916aecd2c29ec00cf19f0dd4ebbe50e37d5dd54d80b",
@@ -182,6 +193,61 @@ def test_same_content_gives_the_same_name_and_bytes_anywhere(tmp_path):
     changed = sample_groups()
     changed["model"]["counter"] = torch.tensor(8)
     assert store.write(9, changed, {"x": 1, "y": [1.5, "s"]}).name != first.name
+
+
+def test_format_2_names_the_state_and_keeps_the_log_position_beside_the_manifest(run_dir, tmp_path):
+    """The same state written at two log positions (a straight run, a resumed one) gets one name and one
+    manifest; each write's log position is in WRITTEN, where the store reads it back."""
+    groups, meta = sample_groups(), {"control": {"step": 9}}
+    store, elsewhere = CheckpointStore(run_dir), CheckpointStore(tmp_path / "resumed")
+    straight = store.write(9, groups, meta, log_seq=40)
+    resumed = elsewhere.write(9, groups, meta, log_seq=44)
+    assert resumed == straight
+    assert read(elsewhere, resumed.name, MANIFEST) == read(store, straight.name, MANIFEST)
+    manifest = store.load_manifest(straight.name)
+    assert manifest.format_version == checkpoints.FORMAT_VERSION and manifest.meta == meta
+    assert json.loads(read(store, straight.name, WRITTEN)) == {"log_seq": 40}
+    assert store.log_seq(straight.name, manifest) == 40
+    assert elsewhere.log_seq(resumed.name, elsewhere.load_manifest(resumed.name)) == 44
+    assert store.verify(straight.name, straight.files) == []
+    # Without a log position (a fork's copy): no WRITTEN, and nothing dates the checkpoint.
+    copied = CheckpointStore(tmp_path / "copy").write(9, groups, meta)
+    assert copied == straight and CheckpointStore(tmp_path / "copy").log_seq(copied.name, manifest) is None
+
+
+def test_format_1_keeps_the_log_position_in_its_manifest_and_so_in_its_name(tmp_path):
+    """What runs started before "content_named_checkpoints" write, for life: as they always did."""
+    store = CheckpointStore(tmp_path)
+    first = store.write(9, sample_groups(), {"reference": ""}, log_seq=40, format_version=FORMAT_WITH_LOG_SEQ)
+    later = store.write(9, sample_groups(), {"reference": ""}, log_seq=44, format_version=FORMAT_WITH_LOG_SEQ)
+    assert first.name != later.name
+    manifest = store.load_manifest(first.name)
+    assert manifest.format_version == FORMAT_WITH_LOG_SEQ and manifest.meta == {
+        "reference": "",
+        "log_seq": 40,
+    }
+    assert store.log_seq(first.name, manifest) == 40
+    assert not store._fs.exists(f"{store.root}/{first.name}/{WRITTEN}")
+
+
+@pytest.mark.parametrize(
+    "content", [b"", b"{not json", b'{"log_seq": "40"}', b'{"log_seq": -7}', b"x" * 5000]
+)
+def test_a_damaged_log_position_dates_nothing_and_is_not_damage_to_the_checkpoint(tmp_path, content):
+    store = CheckpointStore(tmp_path)
+    written = store.write(3, sample_groups(), log_seq=12)
+    path = tmp_path / "checkpoints" / written.name / WRITTEN
+    path.write_bytes(content)
+    assert store.log_seq(written.name, store.load_manifest(written.name)) is None
+    assert store.verify(written.name, written.files) == []
+    path.unlink()
+    assert store.log_seq(written.name, store.load_manifest(written.name)) is None
+
+
+def test_a_format_this_rewind_does_not_write_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="format 3"):
+        CheckpointStore(tmp_path).write(1, sample_groups(), format_version=3)
+    assert CheckpointStore(tmp_path).names_on_disk() == []
 
 
 def test_writing_the_same_checkpoint_twice_keeps_one_copy(run_dir):
@@ -318,12 +384,12 @@ def test_local_write_syncs_every_file_then_renames_then_syncs_the_directory(tmp_
     monkeypatch.setattr(fsio, "sync_fd", sync_fd)  # (checkpoint files are written by fsio.write_new_file)
     monkeypatch.setattr(checkpoints, "fsync_dir", lambda path: calls.append(("dir", os.path.basename(path))))
     monkeypatch.setattr(checkpoints.os, "rename", rename)
-    written = store.write(7, {"model": {"w": torch.ones(2)}, "optimizer": {"m": torch.zeros(2)}})
+    written = store.write(7, {"model": {"w": torch.ones(2)}, "optimizer": {"m": torch.zeros(2)}}, log_seq=3)
     monkeypatch.undo()
     assert calls[:3] == [("dir", "run"), ("sync", "model.safetensors"), ("sync", "optimizer.safetensors")]
-    assert calls[3] == ("sync", MANIFEST)
-    assert calls[4][0] == "dir" and calls[4][1].startswith(".tmp-00000007-")
-    assert calls[5:] == [("rename", written.name), ("dir", "checkpoints")]
+    assert calls[3:5] == [("sync", WRITTEN), ("sync", MANIFEST)]
+    assert calls[5][0] == "dir" and calls[5][1].startswith(".tmp-00000007-")
+    assert calls[6:] == [("rename", written.name), ("dir", "checkpoints")]
 
 
 def test_a_crash_before_the_rename_leaves_only_an_orphan(tmp_path, monkeypatch):
@@ -360,10 +426,11 @@ def test_object_stores_get_the_manifest_last_and_an_incomplete_write_is_an_orpha
     monkeypatch.setattr(
         store._fs, "pipe_file", lambda path, data: (written_paths.append(path), real_pipe(path, data))
     )
-    written = store.write(4, {"model": {"w": torch.ones(2)}, "optimizer": {"m": torch.zeros(2)}})
+    written = store.write(4, {"model": {"w": torch.ones(2)}, "optimizer": {"m": torch.zeros(2)}}, log_seq=9)
     assert [p.rsplit("/", 1)[-1] for p in written_paths] == [
         "model.safetensors",
         "optimizer.safetensors",
+        WRITTEN,
         MANIFEST,
     ]
     assert all(f"/{written.name}/" in p for p in written_paths)  # straight under the final name
