@@ -219,10 +219,12 @@ def projection_lines(run_dir: str) -> list[str]:
         why = "not written: metrics, TensorBoard files and plots go only to a local run directory"
         return [f"  tensorboard  {why}", f"  metrics      {why}", f"  plots        {why}"]
     because = " (the run directory was given as a URL)" if "://" in run_dir else ""
-    rebuild = f"not written{because}; `rewind export tensorboard {local}` writes it from the log"
+    from rewind.tools.invocation import invocation
+
+    rebuild = f"not written{because}; `{invocation('rewind')} export tensorboard {local}` writes it from the log"
     tb, jsonl, plots = Path(local) / "tb", Path(local) / "metrics.jsonl", Path(local) / "plots"
     return [
-        f"  tensorboard  {run_dir}/tb/  (tensorboard --logdir {local}/tb)" if tb.is_dir()
+        f"  tensorboard  {run_dir}/tb/  ({invocation('tensorboard')} --logdir {local}/tb)" if tb.is_dir()
         else f"  tensorboard  {rebuild}",
         f"  metrics      {run_dir}/metrics.jsonl" if jsonl.is_file() else f"  metrics      {rebuild}",
         f"  plots        {run_dir}/plots/" if plots.is_dir() else "  plots        not written",
@@ -235,6 +237,7 @@ def summary(run_dir: str) -> str:
     from rewind.states.fold import fold
     from rewind.states.history import effective
     from rewind.stores.runs import read_records
+    from rewind.tools.invocation import invocation
 
     records = effective([(r.seq, r.event) for r in read_records(run_dir)])
     state = fold(e for _, e in records)
@@ -242,7 +245,7 @@ def summary(run_dir: str) -> str:
     last = state.last_checkpoint.checkpoint if state.last_checkpoint else "-"
     lines = [
         f"run finished: {state.step:,} steps, {state.tokens:,} tokens, final loss {state.last_loss:.4f}",
-        f"  event log    {run_dir}/events/  (rewind log {run_dir})",
+        f"  event log    {run_dir}/events/  ({invocation('rewind')} log {run_dir})",
         f"  checkpoints  {run_dir}/checkpoints/  (last: {last})",
         *projection_lines(run_dir),
     ]
