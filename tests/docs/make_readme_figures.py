@@ -156,18 +156,9 @@ def progressive_table(work: Path) -> str:
 
 
 # What the README shows of examples/text.toml: samples before and after the task stage, the export loaded
-# in transformers (its greedy continuation next to rewind's), and `rewind eval`.
+# in transformers by examples/load_hf.py (its greedy continuation next to rewind's), and `rewind eval`.
 TEXT_PROMPTS = ("def parse_args(", "sort qzkd=")
 TEXT_BEFORE_STEP = 321  # the checkpoint that closes pretraining (the boundary of stage 0)
-TRANSFORMERS_CHECK = """
-import sys
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
-ids = tokenizer(sys.argv[2], return_tensors="pt").input_ids
-out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-print(type(model).__name__, repr(tokenizer.decode(out[0, ids.shape[1]:])))
-"""
 
 
 def text_figure(work: Path) -> str:
@@ -186,10 +177,10 @@ def text_figure(work: Path) -> str:
     shown += ["", "$ rewind eval runs/text --dataset stdlib", rewind(work, "eval", "runs/text", "--dataset", "stdlib").rstrip()]
     shown += ["", "$ rewind export runs/text --hf runs/text-hf", rewind(work, "export", "runs/text", "--hf", "runs/text-hf").rstrip()]
     loaded = subprocess.run(
-        [sys.executable, "-c", TRANSFORMERS_CHECK, "runs/text-hf", TEXT_PROMPTS[0]],
+        [sys.executable, "examples/load_hf.py", "runs/text-hf", TEXT_PROMPTS[0]],
         cwd=work, capture_output=True, text=True, check=True,
-    ).stdout.rstrip()
-    shown += ["", f"$ python -c '<load runs/text-hf with AutoModelForCausalLM, generate greedily>' {TEXT_PROMPTS[0]!r}", loaded]
+    ).stdout.rstrip("\n")
+    shown += ["", f"$ python examples/load_hf.py runs/text-hf {TEXT_PROMPTS[0]!r}", loaded]
     return "\n".join(shown)
 
 

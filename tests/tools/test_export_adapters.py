@@ -11,11 +11,17 @@ with one line and write nothing.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import json
 import logging
+import re
+import runpy
+import shlex
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +33,7 @@ from rewind.states.fold import fold
 from rewind.states.history import config_in_force
 from rewind.stores.runs import read_seq_events
 from rewind.stores.trunks import checkpoint_weights
+from tests.conftest import EXAMPLES, REPO
 from tests.engine.test_loop import run_cli
 from tests.tools.progressive_run import progressive_run
 from tests.tools.rundir_forgery import tree_state
@@ -150,6 +157,13 @@ def test_peft_loads_the_adapters_onto_the_hf_base_with_the_runs_logits_and_greed
     lora_b = [p for n, p in model.named_parameters() if ".lora_B." in n]
     assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # trained: the adapters change the outputs
     assert_computes_the_run(model, progressive)
+    # adapter_config.json names HF as the base: peft's AutoPeftModelForCausalLM loads both from DIR alone.
+    from peft import AutoPeftModelForCausalLM
+
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        by_config = AutoPeftModelForCausalLM.from_pretrained(out / "adapters").eval()(tokens).logits
+        assert torch.equal(by_config, model(tokens).logits)
 
 
 def test_hf_alone_merges_the_adapters_and_computes_the_same(progressive, tmp_path):
@@ -267,3 +281,24 @@ def test_adapters_without_their_base_or_onto_an_existing_file_exit_2_and_write_n
         assert stdout == "" and err.count("\n") == 1 and err.startswith("rewind: --adapters"), err
         assert tree_state(tmp_path) == before and tree_state(progressive) == run_before
     assert blocker.read_bytes() == b"not yours"
+
+
+def test_the_readmes_peft_route_continues_as_rewind_sample(progressive, tmp_path, monkeypatch):
+    """The README's three commands, as written, on the shortened run: the export, examples/load_hf.py
+    (run as a script: transformers and peft only) and `rewind sample` print the same text."""
+    readme = (REPO / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "examples/load_hf.py runs/progressive-hf" in b)
+    export, load, sample = (shlex.split(line.split("  #")[0]) for line in block.strip().splitlines())
+    assert export[0] == sample[0] == ".venv/bin/rewind" and load[:2] == [".venv/bin/python", "examples/load_hf.py"]
+    shutil.copytree(progressive, tmp_path / "runs" / "progressive")
+    (tmp_path / "examples").symlink_to(EXAMPLES)
+    monkeypatch.chdir(tmp_path)  # the README's relative paths
+    code, _, err = run_cli(*export[1:])
+    assert code == 0, err
+    code, sampled, err = run_cli(*sample[1:])
+    assert code == 0, err
+    monkeypatch.setattr(sys, "argv", load[1:])
+    loaded = io.StringIO()
+    with contextlib.redirect_stdout(loaded):
+        runpy.run_path(load[1], run_name="__main__")
+    assert loaded.getvalue() == sampled
