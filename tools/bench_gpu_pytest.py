@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ import pytest
 LOG_ENV = "REWIND_GPU_TEST_LOG"
 TIMEOUT_ENV = "REWIND_GPU_TEST_TIMEOUT"
 PER_TEST_TIMEOUT_S = 60.0
+POLL_S = 0.5
 GPU_MARK = "mark.gpu"  # how a test is marked: @pytest.mark.gpu, pytestmark = pytest.mark.gpu, marks=...
 PYTEST_DONE = (0, 1, 5)  # all passed, some failed, none collected: pytest ran to its end
 # The stack dump of a hung test goes to the real stderr (the part's log), not to pytest's capture of the
@@ -74,7 +76,8 @@ def outcomes(log: Path) -> dict[str, dict]:
     """test -> {"outcome": one of OUTCOMES, "seconds", "reason"}, in the
     order the tests started."""
     tests: dict[str, dict] = {}
-    lines = log.read_text().splitlines() if log.exists() else []
+    # Whole lines only: pytest may be writing the last one now.
+    lines = log.read_text().split("\n")[:-1] if log.exists() else []
     for line in lines:
         record = json.loads(line)
         test = tests.setdefault(record["test"], {"finished": False, "reports": []})
@@ -133,21 +136,16 @@ def run_marked_tests(rec, root: Path, files: list[str], work: Path, per_test_tim
         leave_out = [f"--deselect={name}" for name in results]  # run already, or hung
         command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
         command += ["-p", "rewind.tools.bench_gpu_pytest", *leave_out, *files]
-        rec.doing(f"pytest run {runs}")
-        code = subprocess.run(command, cwd=root, env=env, check=False).returncode
+        process = subprocess.Popen(command, cwd=root, env=env)
+        while process.poll() is None:  # kept up to date, should the part's budget run out mid-test
+            so_far = outcomes(log)
+            running = [name for name, r in so_far.items() if r["outcome"] == "timed_out" and name not in hung]
+            _record(rec, so_far, runs)
+            rec.doing(f"pytest run {runs}" + (f", in {running[-1]}" if running else ""))
+            time.sleep(POLL_S)
+        code = process.returncode
         results = outcomes(log)
-        counts = {outcome: sum(r["outcome"] == outcome for r in results.values()) for outcome in OUTCOMES}
-        slowest = sorted(results.items(), key=lambda item: -item[1]["seconds"])[:5]
-        rec.figures(
-            pytest_runs=runs,
-            tests=len(results),
-            **counts,
-            failed_tests=[
-                name for name, r in results.items() if r["outcome"] in ("failed", "errors", "timed_out")
-            ],
-            skip_reasons=_skip_reasons(results),
-            slowest_tests={name: r["seconds"] for name, r in slowest},
-        )
+        counts = _record(rec, results, runs)
         now_hung = {name for name, r in results.items() if r["outcome"] == "timed_out"}
         if now_hung == hung:  # no new test hung: this pytest ran to its end
             break
@@ -164,6 +162,22 @@ def run_marked_tests(rec, root: Path, files: list[str], work: Path, per_test_tim
 
 
 OUTCOMES = ("passed", "skipped", "failed", "errors", "timed_out")
+
+
+def _record(rec, results: dict[str, dict], runs: int) -> dict[str, int]:
+    counts = {outcome: sum(r["outcome"] == outcome for r in results.values()) for outcome in OUTCOMES}
+    slowest = sorted(results.items(), key=lambda item: -item[1]["seconds"])[:5]
+    rec.figures(
+        pytest_runs=runs,
+        tests=len(results),
+        **counts,
+        failed_tests=[
+            name for name, r in results.items() if r["outcome"] in ("failed", "errors", "timed_out")
+        ],
+        skip_reasons=_skip_reasons(results),
+        slowest_tests={name: r["seconds"] for name, r in slowest},
+    )
+    return counts
 
 
 def _skip_reasons(results: dict[str, dict]) -> dict[str, int]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rewind.tools.bench_gpu import run_part_process
+from rewind.tools.bench_gpu import BUDGETS_S, PROBE_TIMEOUT_S, run_part_process
 from rewind.tools.bench_gpu_part import Recorder
 from rewind.tools.bench_gpu_pytest import run_marked_tests
 from rewind.tools.bench_gpu_schema import PART_NAMES, GpuReport, GpuTestsFigures, decode_report
@@ -269,3 +269,8 @@ def test_the_help_of_bench_gpu_imports_no_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "--dry-run" in done.stdout and done.stdout.splitlines()[-1] == "False"
+
+
+def test_the_cuda_budgets_fit_in_eight_minutes():
+    assert set(BUDGETS_S["cuda"]) == set(PART_NAMES)
+    assert PROBE_TIMEOUT_S + sum(BUDGETS_S["cuda"].values()) < 8 * 60
