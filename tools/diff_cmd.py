@@ -34,7 +34,10 @@ from rewind.tools.replay_cmd import TOLERANCE_ADVICE, describe_sites
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "diff", help="compare two runs: relation, config, first divergent event, metric deltas"
+        "diff",
+        help="compare two runs: relation, config, first divergent event, metric deltas (exit 1 if they diverge)",
+        description="Compare two runs. Exit 0 when they do not diverge, 1 when they do (like diff(1): a script "
+        "that runs it under `set -e` stops there), 2 for bad input.",
     )
     p.add_argument("run_a", metavar="RUN_A")
     p.add_argument("run_b", metavar="RUN_B")

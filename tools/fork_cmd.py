@@ -22,7 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--at-step", type=int, required=True, metavar="N", help="fork at the last checkpoint at or before N")
     add_set_option(p)
     p.add_argument("--config", help="a whole new config file instead of the parent's (--set applies on top)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop cleanly after this many steps (resumable)")
+    p.add_argument(
+        "--max-steps", type=int, default=None,
+        help="stop cleanly after this many steps of this process, counted from the fork point (resumable)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 

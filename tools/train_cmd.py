@@ -33,8 +33,14 @@ def _steps(text: str) -> int:
     return value
 
 
+MAX_STEPS_HELP = (
+    "stop cleanly after this many steps of this process, counted from where it starts or resumes (not the run's "
+    "step number: --max-steps 10 on a run resumed at step 40 stops after step 50); resumable"
+)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-steps", type=_steps, default=None, help="stop cleanly after this many steps (resumable)")
+    p.add_argument("--max-steps", type=_steps, default=None, help=MAX_STEPS_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -173,7 +173,7 @@ def text_figure(work: Path) -> str:
             at = ["--at-step", str(step)] if step is not None else []
             args = ["sample", "runs/text", *at, "--prompt", prompt, "--max-tokens", "16", "--temperature", "0"]
             shown += ["", f"$ rewind {' '.join(args[:-6])} --prompt {prompt!r} --max-tokens 16 --temperature 0"]
-            shown.append(repr(rewind(work, *args).rstrip("\n")))
+            shown.append(rewind(work, *args).rstrip("\n"))  # as it prints: the completion's raw text
     shown += ["", "$ rewind eval runs/text --dataset stdlib", rewind(work, "eval", "runs/text", "--dataset", "stdlib").rstrip()]
     shown += ["", "$ rewind export runs/text --hf runs/text-hf", rewind(work, "export", "runs/text", "--hf", "runs/text-hf").rstrip()]
     loaded = subprocess.run(
