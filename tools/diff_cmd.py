@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         from rewind.tools.timeline_compare import plot_comparison
 
         timelines = [read_timeline(run_dir, with_plot=True) for run_dir in (args.run_a, args.run_b)]
-        plot_comparison(*timelines, args.plot)
+        plot_comparison(*timelines, args.plot, child=child)  # the fork point is marked
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0 if report.divergence is None else 1

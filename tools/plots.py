@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from rewind.states.events import Event, ReferenceRefreshed, StackAppended, StageEntered
 from rewind.states.schedule import Schedule
+from rewind.tools.outfile import write_file_atomically
 
 # One colour per stage, the same in every panel and every plot rewind draws.
 STAGE_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
@@ -76,9 +78,12 @@ def sample_steps(schedule: Schedule) -> list[int]:
     return sorted(steps)
 
 
-def draw_stage_context(ax, schedule: Schedule, events: list[Event], *, label: bool = False) -> None:
+def draw_stage_context(
+    ax, schedule: Schedule, events: list[Event], *, label: bool = False, growth_label_top: float = 1.0
+) -> None:
     """Boundaries (dashed), fade windows (shaded), reference refreshes (red dotted) and growths (green,
-    with the new stack's id and the trunk it joined) on one axis."""
+    with the new stack's id and the trunk it joined, written downwards from `growth_label_top`, in axes
+    fraction) on one axis."""
     for j, b in enumerate(schedule.boundaries[:-1]):
         ax.axvline(b, color="0.35", linestyle="--", linewidth=0.8, label="stage boundary" if label and j == 0 else None)
     for i, ramp in enumerate(schedule.fades):
@@ -90,12 +95,26 @@ def draw_stage_context(ax, schedule: Schedule, events: list[Event], *, label: bo
     for i, e in enumerate(growths):
         ax.axvline(e.tokens, color="#2CA02C", linestyle="-.", linewidth=1.4, label="stack joins" if label and i == 0 else None)
         if label:
-            ax.annotate(f"+stack {e.stack} ({e.position}, trunk {e.trunk})", (e.tokens, 1.0), xycoords=("data", "axes fraction"),
+            ax.annotate(f"+stack {e.stack} ({e.position}, trunk {e.trunk})", (e.tokens, growth_label_top), xycoords=("data", "axes fraction"),
                         rotation=90, va="top", ha="left", fontsize=7, color="#1A6B1A",
                         xytext=(3, -14), textcoords="offset points", bbox={"fc": "white", "alpha": 0.75, "lw": 0})
 
 
-def plot_schedule(schedule: Schedule, events: list[Event], out: str | Path, title: str = "") -> None:
+def fades_text(schedule: Schedule) -> str:
+    """The fades in a few words, as `rewind schedule` says them: "none" where every boundary is a hard switch."""
+    if not schedule.fades:
+        return "none"
+    fade = schedule.config.training.fade
+    return f"{schedule.curve}, overlap {fade.per_boundary_overlap or fade.overlap}"
+
+
+# The weights panel's top: the band above weight 1 holds the stage labels ("enter 1"), the growth labels
+# start below it, so the two never cover each other where a stack joins as a stage begins.
+WEIGHTS_TOP = 1.08
+
+
+def schedule_figure(schedule: Schedule, events: list[Event], title: str = ""):
+    """The schedule's picture as a matplotlib Figure: panels labelled (Axes.get_label) weights, lr, kl."""
     plt = _pyplot()
     steps = sample_steps(schedule)
     x = [schedule.tokens_of(k) for k in steps]
@@ -104,25 +123,27 @@ def plot_schedule(schedule: Schedule, events: list[Event], out: str | Path, titl
 
     fig, axes = plt.subplots(3, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [2.2, 1, 1]})
     ax_w, ax_lr, ax_kl = axes
+    for name, ax in zip(("weights", "lr", "kl"), axes, strict=True):
+        ax.set_label(name)
     series = [[w[i] for w in weights] for i in range(schedule.num_stages)]
     labels = [
         f"stage {i}: " + " + ".join(s.name for s in config.training.datasets[i]) for i in range(schedule.num_stages)
     ]
     ax_w.stackplot(x, series, labels=labels, colors=[stage_colour(i) for i in range(schedule.num_stages)], alpha=0.85)
-    draw_stage_context(ax_w, schedule, events, label=True)
+    draw_stage_context(ax_w, schedule, events, label=True, growth_label_top=1.0 / WEIGHTS_TOP)
     for e in events:
         if isinstance(e, StageEntered):
             ax_w.annotate(
-                f"enter {e.stage}", (e.tokens, 1.0), xytext=(2, 3), textcoords="offset points", fontsize=8, color="0.2"
+                f"enter {e.stage}", (e.tokens, 1.0), xytext=(2, 3), textcoords="offset points", fontsize=8, color="0.2",
+                gid="stage label",
             )
-    ax_w.set_ylim(0, 1.08)
+    ax_w.set_ylim(0, WEIGHTS_TOP)
     ax_w.set_ylabel("data mixture weight")
     ax_w.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fade = config.training.fade
     ax_w.set_title(
         (title + "\n" if title else "")
         + f"{schedule.num_stages} stages, {schedule.num_steps:,} steps of {schedule.tokens_per_step:,} tokens; "
-        + f"fades: {fade.curve}, overlap {fade.per_boundary_overlap or fade.overlap}",
+        + f"fades: {fades_text(schedule)}",
         fontsize=10,
     )
 
@@ -137,8 +158,15 @@ def plot_schedule(schedule: Schedule, events: list[Event], out: str | Path, titl
     ax_kl.set_xlabel("tokens consumed")
     ax_kl.set_ylim(bottom=0, top=max(max(schedule.betas), 1e-3) * 1.25)
     ax_kl.set_xlim(0, schedule.num_steps * schedule.tokens_per_step)
-
     fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    return fig
+
+
+def plot_schedule(schedule: Schedule, events: list[Event], out: str | Path, title: str = "") -> Path:
+    """Draw `schedule_figure` into exactly `out` (a PNG whatever its name ends in), written whole."""
+    fig = schedule_figure(schedule, events, title)
+    image = io.BytesIO()  # savefig to a path without a suffix would write `out`.png: the bytes go to `out`
+    fig.savefig(image, format="png", dpi=110, bbox_inches="tight")
+    _pyplot().close(fig)
+    write_file_atomically(Path(out), image.getvalue())
+    return Path(out)

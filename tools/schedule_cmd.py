@@ -33,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        from rewind.tools.outfile import check_target
+
+        check_target(args.plot, "--plot", ".png")  # a directory or a device: exit 2 before any work
     config = load_config(args.config, args.overrides)
     schedule = Schedule(config)
     if schedule.num_steps == 0:
@@ -50,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from rewind.tools.plots import plot_schedule
 
-        plot_schedule(schedule, events, args.plot, title=f"{config.run.name} ({args.config})")
-        print(f"plot written to {args.plot}", file=sys.stderr)
+        written = plot_schedule(schedule, events, args.plot, title=f"{config.run.name} ({args.config})")
+        print(f"plot written to {written}", file=sys.stderr)  # exactly the path given, suffix or not
     if args.check:
         _check(schedule, args.json)
     return 0

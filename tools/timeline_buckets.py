@@ -10,12 +10,14 @@ are reduced while the log streams past, never held whole:
   the split inside one, e.g. 80% task and 20% replay, which shares per stage could not show).
 - `PointSampler`: every k-th point of a series, k doubling as it grows: at most 2 x MAX_POINTS points,
   evenly spread (validation losses, superseded steps).
-At drawing time `bucket_edges` brings either down to MAX_POINTS, as the plot did over whole arrays
-before it streamed; up to 2 x MAX_POINTS steps nothing has been merged, so such runs plot as then.
+At drawing time `bucket_edges` brings either down to MAX_POINTS (`StepColumns`, what the panels draw),
+as the plot did over whole arrays before it streamed; up to 2 x MAX_POINTS steps nothing has been
+merged, so such runs plot as then.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -39,13 +41,20 @@ def bucket_mean(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
         return sums / counts
 
 
-def windowed_mean(sums: np.ndarray, counts: np.ndarray, window: int) -> np.ndarray:
-    """Centred moving average of series given as per-position sums and counts (of finite values)."""
+def windowed_mean(
+    sums: np.ndarray, counts: np.ndarray, window: int, segments: np.ndarray | None = None
+) -> np.ndarray:
+    """Centred moving average of series given as per-position sums and counts (of finite values). With
+    `segments` (a non-decreasing segment number per position) a window stops at its position's segment's
+    ends: a curve does not average across a stage boundary or a growth, where the loss jumps."""
     total = np.concatenate([[0.0], np.cumsum(sums)])
     number = np.concatenate([[0.0], np.cumsum(counts)])
     index = np.arange(len(sums))
     low = np.clip(index - window // 2, 0, len(sums))
     high = np.clip(index + window // 2 + 1, 0, len(sums))
+    if segments is not None:
+        low = np.maximum(low, np.searchsorted(segments, segments, side="left"))
+        high = np.minimum(high, np.searchsorted(segments, segments, side="right"))
     with np.errstate(invalid="ignore", divide="ignore"):
         return (total[high] - total[low]) / (number[high] - number[low])
 
@@ -199,3 +208,64 @@ class PointSampler:
         """At most max_points of the kept points, evenly spread (all of them for a short series)."""
         keep = bucket_edges(len(self.xs), max_points)
         return [self.xs[i] for i in keep], [self.ys[i] for i in keep]
+
+
+def smoothing_segments(stages: np.ndarray, tokens: np.ndarray, cuts) -> np.ndarray:
+    """A segment number per bucket, a new one at each change of primary stage and after each token
+    position in `cuts` (growths, reference refreshes: where the loss or the KL term jumps)."""
+    stages, tokens = np.asarray(stages, dtype=np.int64), np.asarray(tokens, dtype=np.float64)
+    # How many cuts lie before each bucket's first step ends: a cut after step k parts steps k and k + 1.
+    crossed = np.searchsorted(np.sort(np.asarray(list(cuts), dtype=np.float64)), tokens, side="left")
+    starts = (np.diff(stages, prepend=stages[:1]) != 0) | (np.diff(crossed, prepend=crossed[:1]) != 0)
+    return np.cumsum(starts)
+
+
+class StepColumns:
+    """The effective steps as at most MAX_POINTS buckets (single steps for a short run), as columns:
+    x = tokens after each bucket's first step, start = before it. The smoothed loss and KL average
+    within one segment (see `smoothing_segments`; `cuts` are token positions that start a new one)."""
+
+    def __init__(self, buckets: StepBuckets, tokens_per_step: int, cuts=()):
+        self.num_steps = buckets.num_steps
+        edges = bucket_edges(len(buckets.size))
+        self.reduced = len(edges) < self.num_steps
+        self.last_tokens, self.last_beta = buckets.last_tokens, buckets.last_beta
+
+        def first(column: list, dtype=np.float64) -> np.ndarray:
+            return np.array(column, dtype=dtype)[edges]
+
+        def summed(column: list) -> np.ndarray:
+            values = np.array(column, dtype=np.float64)
+            return np.add.reduceat(values, edges, axis=0) if len(edges) else values
+
+        self.tokens = first(buckets.tokens)
+        self.start = self.tokens - tokens_per_step
+        self.stage = first(buckets.stage, np.int64)
+        self.lr, self.beta, self.loss = first(buckets.lr), first(buckets.beta), first(buckets.first_loss)
+        loss_min, loss_max = np.array(buckets.loss_min), np.array(buckets.loss_max)
+        self.low = np.fmin.reduceat(loss_min, edges) if len(edges) else loss_min
+        self.high = np.fmax.reduceat(loss_max, edges) if len(edges) else loss_max
+        # About 40 windows across the run, however long; over the stored buckets, so exactly the
+        # per-step moving average while they are single steps.
+        window = max(1, round(max(self.num_steps, 1) / 40 / buckets.width))
+        segments = smoothing_segments(np.array(buckets.stage), np.array(buckets.tokens), cuts)
+        self.segment = segments[edges]
+        sums = np.array(buckets.loss_sum, dtype=np.float64)
+        counts = np.array(buckets.loss_count, dtype=np.float64)
+        self.smooth = windowed_mean(sums, counts, window, segments)[edges]
+        kl_sums = np.array(buckets.kl_sum, dtype=np.float64)
+        kl_counts = np.array(buckets.kl_count, dtype=np.float64)
+        self.kl = windowed_mean(kl_sums, kl_counts, window, segments)[edges]
+        self.dataset_names = list(buckets.dataset_names)
+        datasets = buckets.dataset_matrix()
+        datasets = np.add.reduceat(datasets, edges, axis=0) if len(edges) and datasets.size else datasets
+        self.datasets = datasets / summed(buckets.size)[:, None] if datasets.size else datasets
+
+
+def runs_of(values: np.ndarray) -> list[tuple[int, int, int]]:
+    """(value, first index, last index + 1) of each run of equal values."""
+    if len(values) == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(values)) + 1
+    bounds = [0, *cuts.tolist(), len(values)]
+    return [(int(values[a]), a, b) for a, b in itertools.pairwise(bounds)]

@@ -3,9 +3,12 @@ no-KL run (or a fork and its parent) are compared in one picture rather than by 
 
 Run A is drawn solid, run B dashed, each in its own colour where a panel has one curve per run (loss,
 learning rate, KL) and in the task's colour where it has one per task (accuracy, mixture), so a task
-reads in the same colour in both runs and the line style says which run. The stage context (boundaries,
-fades, refreshes) is A's; where B's boundaries differ they are drawn too, dotted. Both timelines are
-read with their bounded series (`tools.timeline_scan`), so two million-step runs plot in seconds.
+reads in the same colour in both runs and the line style says which run. Each run is named by its run
+name (by its directory where the two share one, as a fork and its parent do). Under the loss, B - A of
+it at the tokens both runs trained. A fork's point of departure is marked on every panel. The stage
+context (boundaries, fades, refreshes) is A's; where B's boundaries differ they are drawn too, dotted.
+Both timelines are read with their bounded series (`tools.timeline_scan`), so two million-step runs
+plot in seconds.
 """
 
 from __future__ import annotations
@@ -16,18 +19,54 @@ from pathlib import Path
 import numpy as np
 from matplotlib.ticker import FuncFormatter
 
-from rewind.states.events import Evaluated, ReferenceRefreshed
+from rewind.states.events import Evaluated, ReferenceRefreshed, StackAppended
 from rewind.tools.outfile import write_file_atomically
 from rewind.tools.plots import _pyplot, dataset_styles, draw_stage_context, format_tokens
-from rewind.tools.timeline_plot import LEGEND, StepColumns
+from rewind.tools.timeline_buckets import StepColumns, runs_of
+from rewind.tools.timeline_plot import LEGEND, evaluation_points
 from rewind.tools.timeline_scan import Timeline
 
 RUN_COLOURS = {"a": "#1F4E9C", "b": "#D95F02"}
 RUN_LINES = {"a": "-", "b": "--"}
+FORK = {"color": "#111111", "linestyle": (0, (6, 2, 1, 2)), "linewidth": 1.5}
 
 
-def _label(side: str, timeline: Timeline) -> str:
-    return f"{side.upper()}: {timeline.config.run.name} ({timeline.run_dir})"
+def run_names(runs: dict[str, Timeline]) -> dict[str, str]:
+    """What each run is called in the picture: its run name; where both share one (a fork keeps its
+    parent's), its directory's name, then its path; the same run twice is A and B."""
+    for name_of in (lambda t: t.config.run.name, lambda t: Path(t.run_dir).name, lambda t: str(t.run_dir)):
+        names = {side: name_of(timeline) for side, timeline in runs.items()}
+        if names["a"] != names["b"]:
+            return names
+    return {side: f"{names[side]} ({side.upper()})" for side in runs}
+
+
+def fork_points(runs: dict[str, Timeline], names: dict[str, str], child: str) -> list[tuple[int, str]]:
+    """(tokens, what) where a run's log parts from its parent: the other run when `child` names it."""
+    points = []
+    for side, timeline in runs.items():
+        origin = timeline.parent
+        if origin is None or timeline.fork_tokens is None:
+            continue
+        parent = names["b" if side == "a" else "a"] if side == child else origin.run
+        points.append((timeline.fork_tokens, f"{names[side]} forked from {parent} at step {origin.step:,}"))
+    return points
+
+
+def loss_difference(a: StepColumns, b: StepColumns) -> dict[str, np.ndarray]:
+    """B - A of the task loss at the tokens where both runs have a step (a bucket's first, in a long
+    run): per step ("raw") and smoothed, with each point's pair of segments (a piece per pair is drawn,
+    so no line crosses a jump in either run)."""
+    tokens, ia, ib = np.intersect1d(a.tokens, b.tokens, assume_unique=True, return_indices=True)
+    return {
+        "tokens": tokens,
+        "raw": b.loss[ib] - a.loss[ia],
+        "smooth": b.smooth[ib] - a.smooth[ia],
+        "piece": np.cumsum(
+            (np.diff(a.segment[ia], prepend=a.segment[ia][:1]) != 0)
+            | (np.diff(b.segment[ib], prepend=b.segment[ib][:1]) != 0)
+        ),
+    }
 
 
 def _task_styles(runs: dict[str, Timeline]) -> dict[str, tuple[str, str]]:
@@ -41,34 +80,62 @@ def _task_styles(runs: dict[str, Timeline]) -> dict[str, tuple[str, str]]:
     return dataset_styles(names, mixtures)
 
 
-def _draw_losses(ax, side: str, timeline: Timeline, steps: StepColumns) -> None:
-    if steps.num_steps:
+def _draw_losses(ax, side: str, name: str, steps: StepColumns) -> None:
+    for i, (_, a, b) in enumerate(runs_of(steps.segment)):  # a piece per segment, as in the timeline
         ax.plot(
-            steps.tokens,
-            steps.smooth,
+            steps.tokens[a:b],
+            steps.smooth[a:b],
             color=RUN_COLOURS[side],
             linestyle=RUN_LINES[side],
             linewidth=1.8,
-            label=_label(side, timeline),
+            label=f"{side.upper()}: {name}" if i == 0 else None,
+            gid=f"loss {side}",
         )
 
 
-def _draw_accuracy(ax, side: str, timeline: Timeline, styles: dict) -> None:
-    evaluations = timeline.effective_of(Evaluated)
-    for task in sorted({t for e in evaluations for t in e.scores}):
-        points = [(e.tokens, e.scores[task]) for e in evaluations if task in e.scores]
-        colour, marker = styles.get(task, ("0.4", "o"))
-        fill = colour if side == "a" else "white"
+def _draw_difference(ax, a: StepColumns, b: StepColumns) -> None:
+    ax.axhline(0.0, color="0.5", linewidth=0.8)
+    ax.set_ylabel("task loss\nB - A")
+    delta = loss_difference(a, b)
+    if len(delta["tokens"]) == 0:
+        ax.text(
+            0.5,
+            0.5,
+            "no step at the same tokens in both runs",
+            transform=ax.transAxes,
+            ha="center",
+            color="0.4",
+        )
+        return
+    if not (a.reduced or b.reduced):  # single steps: the per-step difference is exact
+        ax.plot(delta["tokens"], delta["raw"], color="0.3", alpha=0.35, linewidth=0.8, label="B - A per step")
+    for i, (_, start, end) in enumerate(runs_of(delta["piece"])):
         ax.plot(
-            [p[0] for p in points],
-            [p[1] for p in points],
+            delta["tokens"][start:end],
+            delta["smooth"][start:end],
+            color="black",
+            linewidth=1.6,
+            label="B - A smoothed" if i == 0 else None,
+            gid="difference",
+        )
+
+
+def _draw_accuracy(ax, side: str, name: str, timeline: Timeline, styles: dict) -> None:
+    """Points where each task was measured (start, stage ends): A filled, B a larger ring, so an equal
+    score shows both."""
+    points = evaluation_points(timeline.effective_of(Evaluated), "scores")
+    for task in sorted(points):
+        colour, marker = styles.get(task, ("0.4", "o"))
+        ax.plot(
+            *points[task],
             color=colour,
-            linestyle=RUN_LINES[side],
+            linestyle="none",
             marker=marker,
-            markerfacecolor=fill,
-            markersize=5,
-            linewidth=1.2,
-            label=f"{task} ({side.upper()})",
+            markerfacecolor=colour if side == "a" else "none",
+            markersize=6 if side == "a" else 10,
+            clip_on=False,  # the one before training stands on the left edge
+            zorder=3,
+            label=f"{task} ({name})",
         )
 
 
@@ -118,26 +185,37 @@ def _draw_mixture(ax, side: str, steps: StepColumns, styles: dict) -> None:
         )
 
 
-def plot_comparison(a: Timeline, b: Timeline, out: str | Path) -> Path:
-    """Draw two Timelines read `with_plot` into `out`: A solid, B dashed, in the timeline's panels."""
+def comparison_figure(a: Timeline, b: Timeline, child: str = ""):
+    """Two Timelines read `with_plot`, A solid, B dashed, as a matplotlib Figure whose panels are
+    labelled (Axes.get_label): loss, difference, accuracy, lr, kl, mixture. `child`: "a" or "b" where
+    that run is a fork of the other (as `rewind diff` found), "" otherwise."""
     runs = {"a": a, "b": b}
     if any(t.steps is None for t in runs.values()):
         raise ValueError("both timelines must be read with_plot: they carry the series to draw")
     plt = _pyplot()
     styles = _task_styles(runs)
-    columns = {side: StepColumns(t.steps, t.schedule.tokens_per_step) for side, t in runs.items()}
-    panels = {"height_ratios": [2.4, 1.5, 1.0, 1.0, 1.2], "hspace": 0.08}
-    fig, axes = plt.subplots(5, 1, figsize=(12, 12.5), sharex=True, gridspec_kw=panels)
-    ax_loss, ax_eval, ax_lr, ax_kl, ax_mix = axes
+    names = run_names(runs)
+    columns = {}
+    for side, t in runs.items():
+        cuts = [e.tokens for e in [*t.effective_of(StackAppended), *t.effective_of(ReferenceRefreshed)]]
+        columns[side] = StepColumns(t.steps, t.schedule.tokens_per_step, cuts=cuts)
+    heights = {"loss": 2.4, "difference": 1.1, "accuracy": 1.5, "lr": 1.0, "kl": 1.0, "mixture": 1.2}
+    panels = {"height_ratios": list(heights.values()), "hspace": 0.08}
+    fig, axes = plt.subplots(len(heights), 1, figsize=(12, 14.5), sharex=True, gridspec_kw=panels)
+    for name, ax in zip(heights, axes, strict=True):
+        ax.set_label(name)
+    ax_loss, ax_delta, ax_eval, ax_lr, ax_kl, ax_mix = axes
     for side, timeline in runs.items():
         steps = columns[side]
-        _draw_losses(ax_loss, side, timeline, steps)
-        _draw_accuracy(ax_eval, side, timeline, styles)
+        _draw_losses(ax_loss, side, names[side], steps)
+        _draw_accuracy(ax_eval, side, names[side], timeline, styles)
         _draw_lr(ax_lr, side, steps)
         _draw_kl(ax_kl, side, steps)
         _draw_mixture(ax_mix, side, steps, styles)
+    _draw_difference(ax_delta, columns["a"], columns["b"])
     refreshes = a.effective_of(ReferenceRefreshed)
     b_boundaries = [x for x in b.schedule.boundaries[:-1] if x not in set(a.schedule.boundaries[:-1])]
+    forks = fork_points(runs, names, child)
     for i, ax in enumerate(axes):
         draw_stage_context(ax, a.schedule, refreshes, label=i == 0)
         for j, x in enumerate(b_boundaries):
@@ -148,6 +226,8 @@ def plot_comparison(a: Timeline, b: Timeline, out: str | Path) -> Path:
                 linewidth=0.8,
                 label="B's stage boundary" if i == 0 and j == 0 else None,
             )
+        for x, what in forks:
+            ax.axvline(x, **FORK, label=what if i == 0 else None, gid="fork")
         ax.grid(axis="y", color="0.92", linewidth=0.8)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(**LEGEND)
@@ -164,10 +244,18 @@ def plot_comparison(a: Timeline, b: Timeline, out: str | Path) -> Path:
     ax_mix.set_xlim(0, total * 1.005)
     ax_mix.set_xlabel("training tokens")
     ax_mix.xaxis.set_major_formatter(FuncFormatter(format_tokens))
-    ax_loss.set_title(f"A (solid) vs B (dashed)\n{_label('a', a)}\n{_label('b', b)}", fontsize=10)
+    title = [f"{names['a']} (A, solid) vs {names['b']} (B, dashed)"]
+    title += [f"{side.upper()}: {t.run_dir}" for side, t in runs.items() if str(t.run_dir) != names[side]]
+    ax_loss.set_title("\n".join(title), fontsize=10)
+    return fig
+
+
+def plot_comparison(a: Timeline, b: Timeline, out: str | Path, child: str = "") -> Path:
+    """Draw `comparison_figure` into exactly `out` (a PNG whatever its name ends in), written whole."""
+    fig = comparison_figure(a, b, child)
     path = Path(out)
     image = io.BytesIO()  # the PNG whole, then written whole: exactly `out`, never `out`.png beside it
     fig.savefig(image, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    _pyplot().close(fig)
     write_file_atomically(path, image.getvalue())
     return path

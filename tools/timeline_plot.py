@@ -1,10 +1,14 @@
-"""`rewind timeline --plot`: the one picture of a run. Five panels over training tokens:
+"""`rewind timeline --plot`: the one picture of a run. Five panels over training tokens (six for a run
+that scores running text):
 
 (a) the task loss (cross-entropy on the batch's target tokens; the objective a step minimises adds
     beta x KL, drawn in (d)): raw per-step loss faint, a smoothed line bold in the colour of each
-    step's primary stage, validation losses per dataset, and the steps a resume superseded in grey;
+    step's primary stage (averaged within a stage and between growths only: a jump at a boundary
+    stays a jump), validation losses per dataset, and the steps a resume superseded in grey;
+(+) bits per byte of each held-out text, before training and at each stage end, where the run
+    scores running text (its headline figure);
 (b) answer-token accuracy per evaluation task, before training (the baseline) and at each stage end
-    (where forgetting shows);
+    (where forgetting shows): points where it was measured, nothing drawn between;
 (c) learning rate (left axis) and KL weight beta (right axis), as trained, then as planned;
 (d) the KL term itself, KL(policy || reference) per target token, and beta x KL, the part it adds
     to the objective (smoothed as the loss is);
@@ -21,7 +25,6 @@ the raw loss), so a million steps plot in seconds and in little memory.
 from __future__ import annotations
 
 import io
-import itertools
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +48,7 @@ from rewind.tools.plots import (
     stage_colour,
 )
 from rewind.tools.state_cmd import status_text
-from rewind.tools.timeline_buckets import StepBuckets, bucket_edges, windowed_mean
+from rewind.tools.timeline_buckets import StepColumns, runs_of
 from rewind.tools.timeline_scan import Timeline
 
 RESUME_COLOUR = "#222222"
@@ -61,54 +64,6 @@ LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.085, 1.0), "fontsize": 8, "f
 LOG_SCALE_RATIO = 2.5
 
 
-class StepColumns:
-    """The effective steps as at most MAX_POINTS buckets (single steps for a short run), as columns:
-    x = tokens after each bucket's first step, start = before it."""
-
-    def __init__(self, buckets: StepBuckets, tokens_per_step: int):
-        self.num_steps = buckets.num_steps
-        edges = bucket_edges(len(buckets.size))
-        self.reduced = len(edges) < self.num_steps
-        self.last_tokens, self.last_beta = buckets.last_tokens, buckets.last_beta
-
-        def first(column: list, dtype=np.float64) -> np.ndarray:
-            return np.array(column, dtype=dtype)[edges]
-
-        def summed(column: list) -> np.ndarray:
-            values = np.array(column, dtype=np.float64)
-            return np.add.reduceat(values, edges, axis=0) if len(edges) else values
-
-        self.tokens = first(buckets.tokens)
-        self.start = self.tokens - tokens_per_step
-        self.stage = first(buckets.stage, np.int64)
-        self.lr, self.beta, self.loss = first(buckets.lr), first(buckets.beta), first(buckets.first_loss)
-        loss_min, loss_max = np.array(buckets.loss_min), np.array(buckets.loss_max)
-        self.low = np.fmin.reduceat(loss_min, edges) if len(edges) else loss_min
-        self.high = np.fmax.reduceat(loss_max, edges) if len(edges) else loss_max
-        # About 40 windows across the run, however long; over the stored buckets, so exactly the
-        # per-step moving average while they are single steps.
-        window = max(1, round(max(self.num_steps, 1) / 40 / buckets.width))
-        sums = np.array(buckets.loss_sum, dtype=np.float64)
-        counts = np.array(buckets.loss_count, dtype=np.float64)
-        self.smooth = windowed_mean(sums, counts, window)[edges]
-        kl_sums = np.array(buckets.kl_sum, dtype=np.float64)
-        kl_counts = np.array(buckets.kl_count, dtype=np.float64)
-        self.kl = windowed_mean(kl_sums, kl_counts, window)[edges]
-        self.dataset_names = list(buckets.dataset_names)
-        datasets = buckets.dataset_matrix()
-        datasets = np.add.reduceat(datasets, edges, axis=0) if len(edges) and datasets.size else datasets
-        self.datasets = datasets / summed(buckets.size)[:, None] if datasets.size else datasets
-
-
-def _stage_runs(stages: np.ndarray) -> list[tuple[int, int, int]]:
-    """(stage, first index, last index + 1) of each run of equal stages."""
-    if len(stages) == 0:
-        return []
-    cuts = np.flatnonzero(np.diff(stages)) + 1
-    bounds = [0, *cuts.tolist(), len(stages)]
-    return [(int(stages[a]), a, b) for a, b in itertools.pairwise(bounds)]
-
-
 def _stage_label(timeline: Timeline, stage: int) -> str:
     datasets = timeline.config.training.datasets
     names = " + ".join(s.name for s in datasets[stage]) if stage < len(datasets) else ""
@@ -118,19 +73,28 @@ def _stage_label(timeline: Timeline, stage: int) -> str:
 def _draw_loss(ax, timeline: Timeline, steps: StepColumns, styles: dict) -> None:
     if steps.num_steps:
         x = steps.tokens
-        labelled: set[int] = set()
-        for stage, a, b in _stage_runs(steps.stage):
+        for stage, a, b in runs_of(steps.stage):
             colour = stage_colour(stage)
-            end = min(b + 1, len(x))  # overlap one point so the coloured pieces join
+            end = min(b + 1, len(x))  # overlap one point so the raw pieces join, as the steps do
             if steps.reduced:  # the envelope of each bucket stands in for its raw steps
                 ax.fill_between(
                     x[a:end], steps.low[a:end], steps.high[a:end], color=colour, alpha=0.18, linewidth=0
                 )
             else:
                 ax.plot(x[a:end], steps.loss[a:end], color=colour, alpha=0.3, linewidth=0.8)
+        labelled: set[int] = set()
+        for _, a, b in runs_of(steps.segment):  # each smoothed piece alone: no line across a jump
+            stage = int(steps.stage[a])
             label = _stage_label(timeline, stage) if stage not in labelled else None
             labelled.add(stage)
-            ax.plot(x[a:end], steps.smooth[a:end], color=colour, linewidth=2.0, label=label)
+            ax.plot(
+                x[a:b],
+                steps.smooth[a:b],
+                color=stage_colour(stage),
+                linewidth=2.0,
+                label=label,
+                gid="smoothed",
+            )
     if timeline.superseded_points.num_points:
         xs, ys = timeline.superseded_points.points()
         ax.plot(xs, ys, **SUPERSEDED, zorder=3, label="superseded, recomputed after resume")
@@ -150,18 +114,54 @@ def _draw_loss(ax, timeline: Timeline, steps: StepColumns, styles: dict) -> None
         ax.text(0.5, 0.5, "no steps committed yet", transform=ax.transAxes, ha="center", color="0.4")
 
 
+def evaluation_points(evaluations: list[Evaluated], figure: str) -> dict[str, tuple[list[int], list[float]]]:
+    """name -> (tokens, values) of one figure of the boundary evaluations ("scores": answer-token
+    accuracy per task; "bits_per_byte": per held-out text), where each was measured."""
+    points: dict[str, tuple[list[int], list[float]]] = {}
+    for e in evaluations:
+        for name, value in getattr(e, figure).items():
+            xs, ys = points.setdefault(name, ([], []))
+            xs.append(e.tokens)
+            ys.append(value)
+    return points
+
+
+def _draw_points(ax, points: dict, styles: dict, **style) -> None:
+    """Each figure as markers where it was measured: nothing was measured between two of them. Not
+    clipped: the one before training stands on the left edge."""
+    for name in [n for n in styles if n in points]:
+        colour, marker = styles[name]
+        line = {"linestyle": "none", "clip_on": False, "zorder": 3}
+        ax.plot(*points[name], color=colour, marker=marker, label=name, gid="measured", **line, **style)
+
+
+def _draw_bits_per_byte(ax, points: dict, styles: dict) -> None:
+    _draw_points(ax, points, styles, markersize=7)
+    for name in [n for n in styles if n in points]:  # the headline figure: the last one written out
+        xs, ys = points[name]
+        ax.annotate(
+            f"{ys[-1]:.3f}",
+            (xs[-1], ys[-1]),
+            xytext=(-6, 0),
+            textcoords="offset points",
+            ha="right",
+            va="center",
+            fontsize=8,
+            color=styles[name][0],
+        )
+    low, high = ax.dataLim.intervaly
+    margin = max((high - low) * 0.15, 0.05)
+    ax.set_ylim(max(low - margin, 0.0), high + margin)
+    ax.set_ylabel("bits per byte, held-out\n(start, stage ends)")
+
+
 def _draw_evaluations(ax, timeline: Timeline, styles: dict) -> None:
-    evaluations = timeline.effective_of(Evaluated)
-    tasks = [t for t in styles if any(t in e.scores for e in evaluations)]
-    for task in tasks:
-        points = [(e.tokens, e.scores[task]) for e in evaluations if task in e.scores]
-        colour, marker = styles[task]
-        xs, ys = [p[0] for p in points], [p[1] for p in points]
-        ax.plot(xs, ys, color=colour, marker=marker, markersize=5, linewidth=1.2, label=task)
-    if not tasks:
+    points = evaluation_points(timeline.effective_of(Evaluated), "scores")
+    _draw_points(ax, points, styles, markersize=6)
+    if not points:
         why = "no evaluation tasks configured" if not timeline.config.training.evaluations else "none yet"
         ax.text(0.5, 0.5, f"boundary evaluations: {why}", transform=ax.transAxes, ha="center", color="0.4")
-    best = max((s for e in evaluations for s in e.scores.values()), default=0.0)
+    best = max((y for _, ys in points.values() for y in ys), default=0.0)
     ax.set_ylim(0, best * 1.15 if best > 0 else 1.0)  # headroom for the markers of the best score
     ax.set_ylabel("answer-token accuracy\n(start, stage ends)")
 
@@ -201,18 +201,23 @@ def _draw_kl(ax, timeline: Timeline, steps: StepColumns) -> None:
             color="0.4",
         )
         return
-    if steps.num_steps == 0:
-        return
     x = steps.tokens
-    ax.plot(x, steps.kl, color=BETA_COLOUR, linewidth=1.5, label="KL(policy || reference)")
-    ax.plot(
-        x,
-        steps.kl * steps.beta,
-        color=BETA_COLOUR,
-        linewidth=1.0,
-        linestyle=":",
-        label="beta x KL (in the objective)",
-    )
+    for i, (_, a, b) in enumerate(runs_of(steps.segment)):  # smoothed within a segment, as the loss is
+        ax.plot(
+            x[a:b],
+            steps.kl[a:b],
+            color=BETA_COLOUR,
+            linewidth=1.5,
+            label="KL(policy || reference)" if i == 0 else None,
+        )
+        ax.plot(
+            x[a:b],
+            steps.kl[a:b] * steps.beta[a:b],
+            color=BETA_COLOUR,
+            linewidth=1.0,
+            linestyle=":",
+            label="beta x KL (in the objective)" if i == 0 else None,
+        )
     ax.set_ylim(bottom=0)
 
 
@@ -281,25 +286,38 @@ def _draw_stops(ax, timeline: Timeline) -> None:
         ax.plot(stops, [1.0] * len(stops), **triangle, transform=ax.get_xaxis_transform(), label="stopped")
 
 
-def plot_timeline(timeline: Timeline, out: str | Path) -> Path:
-    """Draw a Timeline read `with_plot` (its bounded series) into `out`."""
+def timeline_figure(timeline: Timeline):
+    """The picture of a Timeline read `with_plot` (its bounded series), as a matplotlib Figure whose
+    panels are labelled (Axes.get_label): loss, bits per byte (text runs), accuracy, lr, kl, mixture."""
     if timeline.steps is None:
         raise ValueError("the timeline was read without with_plot: it has no series to draw")
     plt = _pyplot()
     schedule, state, config = timeline.schedule, timeline.state, timeline.config
     tps = schedule.tokens_per_step
-    steps = StepColumns(timeline.steps, tps)
     refreshes = timeline.effective_of(ReferenceRefreshed)  # all that draw_stage_context looks at
+    growths = timeline.effective_of(StackAppended)
+    steps = StepColumns(timeline.steps, tps, cuts=[e.tokens for e in [*growths, *refreshes]])
+    bits = evaluation_points(timeline.effective_of(Evaluated), "bits_per_byte")
     names = [s.name for mixture in config.training.datasets for s in mixture] + [*config.training.evaluations]
     names += list(timeline.validation_points)
-    names += [n for e in timeline.evaluations for n in e.scores]
+    names += [n for e in timeline.evaluations for n in e.scores] + list(bits)
     mixtures = [{s.name: s.rate for s in mixture} for mixture in config.training.datasets]
     styles = dataset_styles(names, mixtures)
 
-    panels = {"height_ratios": [2.6, 1.5, 1.1, 1.0, 1.0], "hspace": 0.08}
-    fig, axes = plt.subplots(5, 1, figsize=(12, 12.5), sharex=True, gridspec_kw=panels)
-    ax_loss, ax_eval, ax_lr, ax_kl, ax_mix = axes
+    heights = {"loss": 2.6, "bits per byte": 1.3, "accuracy": 1.5, "lr": 1.1, "kl": 1.0, "mixture": 1.0}
+    if not bits:
+        del heights["bits per byte"]
+    panels = {"height_ratios": list(heights.values()), "hspace": 0.08}
+    fig, axes = plt.subplots(
+        len(heights), 1, figsize=(12, 1.74 * sum(heights.values())), sharex=True, gridspec_kw=panels
+    )
+    by_name = dict(zip(heights, axes, strict=True))
+    for name, ax in by_name.items():
+        ax.set_label(name)
+    ax_loss, ax_eval, ax_lr, ax_kl, ax_mix = (by_name[n] for n in ("loss", "accuracy", "lr", "kl", "mixture"))
     _draw_loss(ax_loss, timeline, steps, styles)
+    if bits:
+        _draw_bits_per_byte(by_name["bits per byte"], bits, styles)
     _draw_evaluations(ax_eval, timeline, styles)
     twin = _draw_lr_beta(ax_lr, timeline, steps)
     _draw_kl(ax_kl, timeline, steps)
@@ -317,8 +335,8 @@ def plot_timeline(timeline: Timeline, out: str | Path) -> Path:
     handles, labels = ax_lr.get_legend_handles_labels()
     twin_handles, twin_labels = twin.get_legend_handles_labels()
     ax_lr.legend(handles + twin_handles, labels + twin_labels, **LEGEND)
-    for ax in (ax_loss, ax_eval, ax_kl, ax_mix):
-        if ax.get_legend_handles_labels()[0]:
+    for ax in axes:
+        if ax is not ax_lr and ax.get_legend_handles_labels()[0]:
             ax.legend(**LEGEND)
     ax_mix.set_xlim(0, total * 1.005)  # room for the markers of the final evaluation
     ax_mix.set_xlabel("training tokens")
@@ -333,9 +351,16 @@ def plot_timeline(timeline: Timeline, out: str | Path) -> Path:
         f"{num_resumes} resume{'s' if num_resumes != 1 else ''}",
         fontsize=11,
     )
+    return fig
+
+
+def plot_timeline(timeline: Timeline, out: str | Path) -> Path:
+    """Draw a Timeline read `with_plot` into `out`: exactly that path (a PNG whatever its name ends in),
+    written whole."""
+    fig = timeline_figure(timeline)
     path = Path(out)
     image = io.BytesIO()  # the PNG whole, then written whole: exactly `out`, never `out`.png beside it
     fig.savefig(image, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    _pyplot().close(fig)
     write_file_atomically(path, image.getvalue())
     return path

@@ -26,6 +26,7 @@ from rewind.states.events import (
     Event,
     FadeEnded,
     FadeStarted,
+    ForkOrigin,
     NonFiniteLoss,
     OptimizerReset,
     ReferenceRefreshed,
@@ -118,6 +119,10 @@ class Timeline:
         self.checkpoint_tokens: list[int] = []
         self.checkpoint_reasons: Counter = Counter()
         self.num_resumes = 0
+        # A fork's origin (its RunStarted's parent) and the tokens its log goes on from (its first
+        # RunResumed's, 0 for a fork at step 0): where it parts from its parent.
+        self.parent: ForkOrigin | None = None
+        self.fork_tokens: int | None = None
         # The plot's bounded series (with_plot only).
         self.steps = StepBuckets() if with_plot else None
         self.superseded_points = PointSampler()
@@ -129,6 +134,10 @@ class Timeline:
             self.num_resumes += isinstance(event, RunResumed)
         if isinstance(event, RunStarted | ConfigChanged):
             self.configs[event.config_hash] = event.config
+        if isinstance(event, RunStarted) and event.parent is not None:
+            self.parent, self.fork_tokens = event.parent, 0 if event.parent.step == 0 else None
+        elif isinstance(event, RunResumed) and self.parent is not None and self.fork_tokens is None:
+            self.fork_tokens = event.tokens
         if superseded:
             if isinstance(event, StepCommitted):
                 self.redone.append((seq, event.step))

@@ -31,7 +31,7 @@ from rewind.states.fold import fold
 from rewind.states.history import anchor_end, effective
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import iter_effective, read_seq_events
-from tests.engine.test_loop import OVERRIDES, one_line, run_cli, train_args
+from tests.engine.test_loop import OVERRIDES, events_of, one_line, run_cli, train_args
 from tests.states import diff_reference
 from tests.states.test_diffing import resumed_event
 
@@ -224,6 +224,50 @@ def test_diff_plot_overlays_both_runs_in_one_picture(straight, perturbed, tmp_pa
     code, report = diff_json(straight, perturbed, "--plot", tmp_path / "again.png")
     assert code == 1 and report["plot"] == str(tmp_path / "again.png")
     assert_png(tmp_path / "again.png")
+
+
+def test_diff_plot_marks_the_fork_names_both_runs_and_draws_b_minus_a(straight, tmp_path, monkeypatch):
+    """Read from the Figure's artists: the fork point on every panel, each run by its own name (a fork
+    shares its parent's run name: their directories tell them apart), and B - A of the loss, exactly
+    zero but at the one step the fork changed."""
+    from rewind.tools import timeline_compare
+    from rewind.tools.plots import _pyplot
+    from rewind.tools.timeline_cmd import read_timeline
+
+    child = tmp_path / "child"
+    write_fork(straight, child, 8, change=scaled_loss_at(14, 1.5))
+    drawn = []
+    monkeypatch.setattr(timeline_compare, "plot_comparison", lambda *args, **kwargs: drawn.append(kwargs))
+    assert run_cli("diff", straight, child, "--plot", tmp_path / "d.png")[0] == 1
+    assert drawn == [{"child": "b"}]  # diff tells the plot which run forked from which
+    a, b = (read_timeline(str(run), with_plot=True) for run in (straight, child))
+    assert a.config.run.name == b.config.run.name
+    fig = timeline_compare.comparison_figure(a, b, child="b")
+    try:
+        panels = {ax.get_label(): ax for ax in fig.axes if ax.get_label()}
+        assert list(panels) == ["loss", "difference", "accuracy", "lr", "kl", "mixture"]
+        tps = a.schedule.tokens_per_step
+        for ax in panels.values():
+            (fork,) = [line for line in ax.get_lines() if line.get_gid() == "fork"]
+            assert list(fork.get_xdata()) == [8 * tps, 8 * tps]
+        legend = [text.get_text() for text in panels["loss"].get_legend().get_texts()]
+        assert f"child forked from {straight.name} at step 8" in legend
+        assert f"A: {straight.name}" in legend and "B: child" in legend
+        assert (
+            panels["loss"].get_title().splitlines()[0] == f"{straight.name} (A, solid) vs child (B, dashed)"
+        )
+        losses = {e.step: e.loss for e in events_of(straight) if isinstance(e, StepCommitted)}
+        (raw,) = [line for line in panels["difference"].get_lines() if line.get_label() == "B - A per step"]
+        assert list(raw.get_xdata()) == [k * tps for k in range(9, 21)]  # the steps both runs logged
+        assert list(raw.get_ydata()) == [
+            losses[14] * 1.5 - losses[14] if k == 14 else 0.0 for k in range(9, 21)
+        ]
+        smoothed = [line for line in panels["difference"].get_lines() if line.get_gid() == "difference"]
+        assert sorted(x for line in smoothed for x in line.get_xdata()) == [k * tps for k in range(9, 21)]
+    finally:
+        _pyplot().close(fig)
+    same = timeline_compare.run_names({"a": a, "b": a})
+    assert same["a"] != same["b"]  # one run twice is still two names
 
 
 def test_a_stopped_run_ends_early(straight, stopped):

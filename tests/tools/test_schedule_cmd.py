@@ -150,6 +150,56 @@ def test_plot_is_written(rewind_cli, tmp_path):
     assert out_file.stat().st_size > 20_000  # a real figure, not an empty canvas
 
 
+def test_plot_is_written_to_exactly_the_path_given_and_reported_so(rewind_cli, tmp_path):
+    """Without a suffix matplotlib would add one (PATH.png) while the command reports PATH."""
+    out_file = tmp_path / "schedule"
+    code, _, err = rewind_cli("schedule", TINY, "--plot", out_file)
+    assert code == 0, err
+    assert out_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and list(tmp_path.iterdir()) == [out_file]
+    assert err.splitlines()[-1] == f"plot written to {out_file}"
+    code, _, err = rewind_cli("schedule", TINY, "--plot", tmp_path)  # a directory: refused before any work
+    assert code == 2 and "is a directory" in err and err.count("\n") == 1
+
+
+def schedule_texts(config, *overrides: str):
+    """The schedule's figure, its readable text, and the labels of the weights panel."""
+    from rewind.states.plan import plan
+    from rewind.tools.plots import schedule_figure
+    from rewind.tools.schedule_cmd import render_timeline
+
+    schedule = Schedule(load_config(str(config), list(overrides)))
+    events = list(plan(schedule))
+    fig = schedule_figure(schedule, events)
+    (weights,) = [ax for ax in fig.axes if ax.get_label() == "weights"]
+    return fig, render_timeline(schedule, events, str(config)), weights
+
+
+def test_the_plot_says_the_fades_as_the_text_does(rewind_cli):
+    from rewind.tools.plots import _pyplot
+
+    fig, text, weights = schedule_texts(EXAMPLES / "progressive.toml")  # hard switches
+    assert "fades: none (hard switches at the boundaries)" in text.splitlines()
+    assert weights.get_title().endswith("; fades: none")
+    _pyplot().close(fig)
+    fig, text, weights = schedule_texts(TINY, "training.fade.curve=cosine")
+    assert "fade windows (cosine):" in text.splitlines()
+    assert weights.get_title().endswith("; fades: cosine, overlap 0.5")
+    _pyplot().close(fig)
+
+
+def test_growth_labels_and_stage_labels_do_not_cover_each_other():
+    """progressive.toml: a stack joins as each stage begins, so both labels stand at the same boundary."""
+    from rewind.tools.plots import _pyplot
+
+    fig, _, weights = schedule_texts(EXAMPLES / "progressive.toml")
+    renderer = fig.canvas.get_renderer()
+    stages = [t.get_window_extent(renderer) for t in weights.texts if t.get_gid() == "stage label"]
+    growths = [t.get_window_extent(renderer) for t in weights.texts if t.get_text().startswith("+stack")]
+    assert len(stages) == 4 and len(growths) == 3
+    assert not any(s.overlaps(g) for s in stages for g in growths)
+    _pyplot().close(fig)
+
+
 # Stage 1 of tiny.toml has KL weight 0.2; with no reference until stage 2 and fades over whole stages,
 # the check has two warnings about it.
 SUSPICIOUS = ("--set", "training.fade.overlap=1.0", "--set", "optimization.kl.reference_update_stages=[2]")

@@ -34,9 +34,9 @@ from rewind.states.history import effective
 from rewind.states.schedule import Schedule
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import LogNotFoundError, read_seq_events
-from rewind.tools.timeline_buckets import bucket_edges, bucket_mean, rolling_mean
+from rewind.tools.timeline_buckets import StepColumns, bucket_edges, bucket_mean, rolling_mean
 from rewind.tools.timeline_cmd import read_timeline, stage_rows
-from rewind.tools.timeline_plot import StepColumns, plot_timeline
+from rewind.tools.timeline_plot import plot_timeline
 from rewind.tools.timeline_scan import LOSS_WINDOW_FRACTION, LOSS_WINDOW_MAX, Timeline
 from tests.engine.test_loop import TINY, config_of, events_of, one_line, run_cli
 from tests.tools.test_state_cmd import FORK_LR, forked_run, stopped_run, superseded_run

@@ -15,8 +15,7 @@ from rewind.states.history import effective
 from rewind.states.strategies import simulate_run
 from rewind.stores.runs import read_seq_events
 from rewind.tools.plots import MAX_POINTS
-from rewind.tools.timeline_buckets import PointSampler, StepBuckets, bucket_edges, bucket_mean, rolling_mean
-from rewind.tools.timeline_plot import StepColumns
+from rewind.tools.timeline_buckets import PointSampler, StepBuckets, StepColumns, bucket_edges, bucket_mean
 from rewind.tools.timeline_scan import LOSS_WINDOW_FRACTION, LOSS_WINDOW_MAX, Timeline
 from tests.states.test_diffstream import generated_run
 from tests.tools.stream_synthetic import long_config, write_run
@@ -122,21 +121,39 @@ def _moved(steps: list[StepCommitted]) -> np.ndarray:
     return moved
 
 
+def mean_within(values: np.ndarray, window: int, segments: list[int]) -> np.ndarray:
+    """The centred moving average of the finite values, by definition: over the positions within
+    window // 2 of each one that lie in its segment."""
+    means = np.full(len(values), math.nan)
+    for i in range(len(values)):
+        near = range(max(i - window // 2, 0), min(i + window // 2 + 1, len(values)))
+        kept = [values[j] for j in near if segments[j] == segments[i] and math.isfinite(values[j])]
+        if kept:
+            means[i] = sum(kept) / len(kept)
+    return means
+
+
 def test_short_runs_plot_exactly_as_from_the_whole_arrays():
+    """Up to 2 x MAX_POINTS steps each bucket is one step: the columns are the steps' own figures, the
+    smoothed ones averaged within a segment, which a change of stage or a cut (a growth) begins."""
     steps = steps_of(3_000)  # more than MAX_POINTS, fewer than the buckets hold
     buckets = StepBuckets()
     for e in steps:
         buckets.add(e)
     assert buckets.width == 1
-    columns = StepColumns(buckets, tokens_per_step=16)
+    cut = steps[1_500].tokens  # after step 1,501, inside stage 1 (steps 1,001..2,000)
+    columns = StepColumns(buckets, tokens_per_step=16, cuts=[cut])
     loss = np.array([e.loss for e in steps])
     kl = np.array([e.kl if math.isfinite(e.kl) else math.nan for e in steps])
     edges = bucket_edges(len(steps))
     assert columns.reduced and np.array_equal(columns.tokens, np.array([e.tokens for e in steps])[edges])
     assert np.array_equal(columns.low, np.fmin.reduceat(loss, edges), equal_nan=True)
     assert np.array_equal(columns.high, np.fmax.reduceat(loss, edges), equal_nan=True)
-    assert np.array_equal(columns.smooth, rolling_mean(loss, round(3_000 / 40))[edges], equal_nan=True)
-    assert np.array_equal(columns.kl, rolling_mean(kl, round(3_000 / 40))[edges], equal_nan=True)
+    segments = [(e.stage, e.tokens > cut) for e in steps]
+    assert len(set(segments)) == 4 and len(set(columns.segment.tolist())) == 4
+    window = round(3_000 / 40)
+    assert np.allclose(columns.smooth, mean_within(loss, window, segments)[edges], rtol=1e-12, equal_nan=True)
+    assert np.allclose(columns.kl, mean_within(kl, window, segments)[edges], rtol=1e-12, equal_nan=True)
     assert buckets.dataset_names == ["a", "b", "c"]
     assert np.allclose(columns.datasets, bucket_mean(_moved(steps), edges), rtol=1e-12)
 

@@ -1,0 +1,137 @@
+"""What `rewind timeline --plot` draws, read back from the Figure's artists (not pixels): the smoothed loss
+averages within a stage and between growths only, a run that scores running text gets a bits-per-byte
+panel, and figures measured at stage ends are points where they were measured. The runs are written
+record by record from an example's own plan, without training, so these take a moment."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import pytest
+
+from rewind.states.events import Evaluated, RunStarted, StepCommitted
+from rewind.states.fold import fold
+from rewind.states.plan import plan
+from rewind.states.schedule import Schedule
+from rewind.tools.configfile import load_config
+from rewind.tools.plots import _pyplot, stage_colour
+from rewind.tools.timeline_plot import timeline_figure
+from rewind.tools.timeline_scan import Timeline
+from tests.engine.test_loop import EXAMPLES
+
+PROGRESSIVE, TEXT = EXAMPLES / "progressive.toml", EXAMPLES / "text.toml"
+
+
+def written_timeline(config_path, loss_of, evaluation_of) -> Timeline:
+    """A finished run of an example as its log reads: the planned control events (stage entries,
+    growths, refreshes, fades) where they fall, step k's loss `loss_of(k, stage)`, and before training
+    and at each stage's end an Evaluated whose fields are `evaluation_of(boundary)`."""
+    config = load_config(str(config_path), [])
+    schedule = Schedule(config)
+    tps = schedule.tokens_per_step
+    started = RunStarted(step=0, tokens=0, config=config, config_hash="h")
+    planned: dict[int, list] = {}
+    for e in plan(schedule):
+        planned.setdefault(e.step, []).append(e)
+    ends = {schedule.stage_entry_step(s + 1): s for s in range(schedule.num_stages - 1)}
+    ends[schedule.num_steps] = schedule.num_stages - 1
+    records = [started, Evaluated(step=0, tokens=0, boundary=-1, **evaluation_of(-1))]
+    for k in range(schedule.num_steps + 1):
+        if k in ends:  # the evaluation closing a stage comes before the next stage's entry
+            records.append(Evaluated(step=k, tokens=k * tps, boundary=ends[k], **evaluation_of(ends[k])))
+        records += planned.get(k, [])
+        if k < schedule.num_steps:
+            p = schedule.step_plan(k)
+            loss = loss_of(k, p.stage)
+            records.append(
+                StepCommitted(
+                    step=k + 1, tokens=(k + 1) * tps, stage=p.stage, lr=p.lr, beta=p.beta, loss=loss
+                )
+            )
+    timeline = Timeline("written", with_plot=True)
+    for seq, event in enumerate(records):
+        timeline.add(seq, event, superseded=False)
+    state = fold([started])
+    end = schedule.num_steps
+    return timeline.finish(msgspec.structs.replace(state, step=end, tokens=end * tps, finished=True))
+
+
+@pytest.fixture
+def figures():
+    """Figures drawn in a test, closed after it."""
+    drawn = []
+    yield lambda timeline: drawn.append(timeline_figure(timeline)) or drawn[-1]
+    for fig in drawn:
+        _pyplot().close(fig)
+
+
+def panels(fig) -> dict:
+    return {ax.get_label(): ax for ax in fig.axes if ax.get_label()}
+
+
+def measured(ax) -> dict:
+    """The figures drawn where they were measured, by name."""
+    return {line.get_label(): line for line in ax.get_lines() if line.get_gid() == "measured"}
+
+
+def no_text(_boundary: int) -> dict:
+    return {"scores": {}}
+
+
+def test_the_smoothed_loss_stays_inside_its_stage_across_growths(figures):
+    """Progressive growth: each stage's loss is flat, and the next one starts far higher (a new task on a
+    grown model). Smoothed across the boundary, stage 2's curve would climb toward stage 3's loss over
+    its last steps, a rise before the growth that never happened; within the stage it is flat."""
+    timeline = written_timeline(PROGRESSIVE, lambda k, stage: 2.0 + 2 * stage + 0.01 * math.sin(k), no_text)
+    fig = figures(timeline)
+    tps = timeline.schedule.tokens_per_step
+    smoothed = [line for line in panels(fig)["loss"].get_lines() if line.get_gid() == "smoothed"]
+    covered = []
+    for line in smoothed:
+        x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
+        stages = {timeline.schedule.step_plan(int(t) // tps - 1).stage for t in x}
+        assert len(stages) == 1  # no piece reaches across a stage boundary
+        (stage,) = stages
+        assert line.get_color() == stage_colour(stage)
+        assert np.all(np.abs(y - (2.0 + 2 * stage)) <= 0.01)  # flat: only its own stage's losses
+        covered += list(x)
+    assert sorted(covered) == [(k + 1) * tps for k in range(timeline.schedule.num_steps)]  # every step once
+    assert len(smoothed) == timeline.schedule.num_stages
+
+
+def test_a_text_run_gets_a_bits_per_byte_panel_with_its_figures_where_measured(figures):
+    def evaluation(boundary: int) -> dict:
+        return {"scores": {"sort": 0.1 * (boundary + 2)}, "bits_per_byte": {"stdlib": 6.0 - boundary}}
+
+    timeline = written_timeline(TEXT, lambda k, stage: 5.0 - k / 200, evaluation)
+    fig = figures(timeline)
+    evaluations = timeline.evaluations
+    bits = panels(fig)["bits per byte"]
+    (line,) = measured(bits).values()
+    assert line.get_label() == "stdlib" and line.get_linestyle() == "None" and line.get_marker() != "None"
+    assert list(line.get_xdata()) == [e.tokens for e in evaluations]
+    assert list(line.get_ydata()) == [6.0 - e.boundary for e in evaluations]
+    assert [t.get_text() for t in bits.texts] == [f"{6.0 - evaluations[-1].boundary:.3f}"]  # the last figure
+    assert list(panels(fig)) == ["loss", "bits per byte", "accuracy", "lr", "kl", "mixture"]
+    # A run that scores no text has no such panel.
+    plain = figures(written_timeline(PROGRESSIVE, lambda k, stage: 2.0, no_text))
+    assert "bits per byte" not in panels(plain)
+
+
+def test_accuracy_is_drawn_as_points_where_it_was_measured(figures):
+    tasks = ("grammar", "reverse", "sort", "add")
+
+    def evaluation(boundary: int) -> dict:
+        return {"scores": {task: (i + 1) / 10 + boundary / 100 for i, task in enumerate(tasks[1:])}}
+
+    timeline = written_timeline(PROGRESSIVE, lambda k, stage: 2.0, evaluation)
+    lines = measured(panels(figures(timeline))["accuracy"])
+    assert set(lines) == set(tasks[1:])
+    tokens = [e.tokens for e in timeline.evaluations]
+    assert tokens == [0, *(timeline.schedule.tokens_of(s) for s in (200, 400, 600, 800))]  # start, stage ends
+    for task, line in lines.items():
+        assert line.get_linestyle() == "None" and line.get_marker() != "None"  # nothing drawn between
+        assert list(line.get_xdata()) == tokens
+        assert list(line.get_ydata()) == [e.scores[task] for e in timeline.evaluations]
