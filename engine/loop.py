@@ -26,6 +26,7 @@ from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
 from rewind.engine.placement import launched_world_size
 from rewind.engine.ranks import any_rank, check_same_state, is_writer
+from rewind.engine.rundata import check_unchanged
 from rewind.engine.step import nonfinite_quantity, train_step
 from rewind.engine.trunkcache import write_cache
 from rewind.states.events import (
@@ -148,6 +149,9 @@ def record(run: Run, state: State, event: Event) -> State:
 
 
 def checkpoint(run: Run, state: State, reason: CheckpointReason) -> State:
+    # The data the steps read is still what the run opened: else it stops here, the steps since the
+    # last commit are never committed, and no checkpoint vouches for them.
+    check_unchanged(run.parts.datasets.place, state.step)
     run.journal.commit()  # everything before the checkpoint is durable before its files exist (journal)
     check_same_state(state)  # a sharded run's ranks still agree on what the checkpoint belongs to
     committed = write_checkpoint(run.parts, state, reason, log_seq=run.journal.durable_seq())

@@ -1,11 +1,16 @@
 """What the processes of a sharded run tell each other: sums of what a step measured, a stop request,
 rank 0's events (as msgspec bytes, never a pickle), and the failure that stops them all. Each is a
 no-op in one process, so the single-process path computes exactly what it always did.
+
+A rank that dies (killed, or gone on an error of its own) cannot tell the others: their next
+collective fails instead, deep in the loop, the step or the model. `lost_peer` recognises that failure,
+so that a survivor says so in one line (rewind.tools.cli) rather than in a traceback.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 
 import msgspec
 import torch
@@ -102,3 +107,35 @@ def _broadcast_bytes(payload: bytes, *, source: int) -> bytes:
         buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     dist.broadcast(buffer, src=source)
     return buffer.cpu().numpy().tobytes()
+
+
+# What a collective raises once a peer process is gone: NCCL's DistBackendError, gloo's plain
+# RuntimeError naming its transport (a read or write on the pair's socket: reset, closed, broken pipe).
+_PEER_LOST_MARKS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def lost_peer(exc: BaseException) -> str:
+    """One line for the user when `exc`, or an exception it was raised while handling (the group's
+    teardown fails the same way), is a collective that failed because another rank of this sharded run
+    is gone; "" for anything else."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if isinstance(current, dist.DistError) or (
+            isinstance(current, RuntimeError) and any(mark in text for mark in _PEER_LOST_MARKS)
+        ):
+            return _lost_line()
+        current = current.__cause__ or current.__context__
+    return ""
+
+
+def _lost_line() -> str:
+    rank, world = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    # Two processes: the peer is the other one. More: the error names a socket, not a rank.
+    peer = f"rank {1 - rank}" if world == 2 and rank in (0, 1) else f"another of its {world} ranks"
+    return (
+        f"rank {rank}: {peer} stopped (killed, or ended by an error of its own) and the run cannot go on "
+        "without it; run the same command again: the run resumes from its last checkpoint"
+    )

@@ -9,6 +9,11 @@ At a start (`start_place`) the tokenizer is read from `[tokenizer] path`, traine
 so everything after (resume, sample, export) reads the run's own copy. Every later process builds its
 `DataPlace` from the run directory and the folded state (`place_of`): the run's tokenizer, and the
 validation carving the run started with (its features).
+
+The data is checked against the record when a process opens the run (`check_data`: sizes and
+fingerprints), and again before each checkpoint while it trains (`check_unchanged`: each token file it
+reads against what it opened), so that a file rewritten under a training run stops it before a
+checkpoint vouches for steps that may have read the new tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import msgspec
 
 from rewind.engine.datasets import DatasetError
 from rewind.engine.documents import DocumentError, expand_inputs, iter_documents
+from rewind.engine.ranks import Failure, first_failure
 from rewind.engine.registry import DatasetRegistry
 from rewind.engine.tokenizer import ByteTokenizer, TextTokenizer, TokenizerError, load_tokenizer, train_bpe
 from rewind.engine.userdata import DataPlace, dataset_identity
@@ -242,6 +248,24 @@ def check_data(config: Config, state: State, place: DataPlace, *, full: bool = F
         if prepared is not None and not full:  # (full: verify_data checks them whole)
             changes += [f"dataset {name!r}: {line}" for line in check_prepared(prepared, full=False)]
     return changes
+
+
+def check_unchanged(place: DataPlace, step: int) -> None:
+    """Before the checkpoint of step `step`: every token file the run reads is still the file it opened
+    (its size, times and identity, and the blocks its fingerprint samples: rewind.engine.tokens), else
+    DataChanged with one line naming the dataset, and the checkpoint is not taken. The ranks of a
+    sharded run agree (the lowest failing rank's line), so that all stop or none."""
+    changes = [f"dataset {name!r}: {problem}" for name, stream in place.streams if (problem := stream.change())]
+    failure = None
+    if changes:
+        more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        failure = Failure(
+            f"{changes[0]}{more}; training stopped without the checkpoint of step {step}: put back the data the "
+            "run recorded and run the same command again (it resumes from the last checkpoint)",
+            1,
+        )
+    if (agreed := first_failure(failure)) is not None:
+        raise DataChanged([agreed.message])
 
 
 def _prepared_dir_of(name: str, source, place: DataPlace) -> str | None:

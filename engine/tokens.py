@@ -1,9 +1,17 @@
 """Token streams and how their rows are split into train and validation.
 
-A token stream is a flat array of token ids: a local file memory-mapped read-only (`np.memmap`, no copy
-of the selected rows until they are gathered), or a file on any fsspec filesystem, read window by window
+A token stream is a flat array of token ids: a local file memory-mapped read-only (no copy of the
+selected rows until they are gathered), or a file on any fsspec filesystem, read window by window
 with ranged reads. Streams are cut into non-overlapping windows of block_size + 1 tokens; a trailing
 partial window is dropped.
+
+A file can change under a run that reads it (rewritten, replaced, truncated). Reading a mapped page
+past the end of a truncated file kills the process with SIGBUS, which Python cannot catch safely, so
+the file's size is checked before every gather (one fstat; a truncation that lands between that check
+and the gather, microseconds, is not covered) and `max_token` reads with plain reads. `change()` tells
+whether the file still is what was opened (its stat, and a hash of the fingerprint's sampled blocks):
+the loop asks before each checkpoint (rewind.engine.rundata.check_unchanged), so that no checkpoint of
+a run is taken on data it did not record.
 
 `RowSplit` says which rows of a source are validation and which train:
 - "tail": the last floor(n * fraction) rows (what rewind did before runs had the "data_identity" feature);
@@ -16,11 +24,16 @@ partial window is dropped.
 
 from __future__ import annotations
 
-from pathlib import Path
+import hashlib
+import mmap
+import os
+import stat
+import weakref
 
 import numpy as np
 
 from rewind.engine.permutation import permute, round_keys
+from rewind.stores.datafiles import FINGERPRINT_BLOCK, NUM_FINGERPRINT_BLOCKS, fingerprint_offsets
 from rewind.stores.fsio import filesystem
 
 # The key of validation carving: part of the definition of the "random" split. Changing it moves every
@@ -49,12 +62,31 @@ class TokenStream:
         """The largest id in the stream (reads all of it)."""
         raise NotImplementedError
 
+    def change(self) -> str:
+        """How the file differs from what was opened, as far as a cheap look tells ("" = not at all)."""
+        raise NotImplementedError
+
+
+# Read by `max_token` at a time: 16 MiB.
+_SCAN_BYTES = 1 << 24
+
 
 class LocalTokenStream(TokenStream):
     def __init__(self, path: str, dtype: str):
         self.path, self.dtype = path, np.dtype(dtype)
-        self._array = _memmap(path, self.dtype)
-        self.num_tokens = len(self._array)
+        self._fd, opened = _open_regular(path)
+        weakref.finalize(self, os.close, self._fd)
+        self._num_bytes = opened.st_size
+        _check_size(path, self._num_bytes, self.dtype)
+        self.num_tokens = self._num_bytes // self.dtype.itemsize
+        # What `change` compares with: the file as opened, and its sampled blocks.
+        self._opened = _stat_key(opened)
+        self._sample = self._sample_digest()
+        if self._num_bytes:  # (mmap refuses an empty file; "too small" is reported later)
+            mapped = mmap.mmap(self._fd, self._num_bytes, access=mmap.ACCESS_READ)
+            self._array = np.frombuffer(mapped, dtype=self.dtype)
+        else:
+            self._array = np.zeros(0, dtype=self.dtype)
         self._views: dict[int, np.ndarray] = {}  # width -> the file as rows of that width (no copy)
 
     def windows(self, rows: np.ndarray, width: int) -> np.ndarray:
@@ -62,10 +94,46 @@ class LocalTokenStream(TokenStream):
         if view is None:
             num_windows = self.num_tokens // width
             view = self._views[width] = self._array[: num_windows * width].reshape(num_windows, width)
+        if os.fstat(self._fd).st_size < self._num_bytes:  # a mapped page past the end: SIGBUS
+            raise TokenFileError(self._truncated())
         return view[rows].astype(np.int64)  # fancy indexing copies only the selected windows
 
     def max_token(self) -> int:
-        return int(self._array.max()) if self.num_tokens else -1
+        largest = -1
+        for start in range(0, self._num_bytes, _SCAN_BYTES):
+            wanted = min(_SCAN_BYTES, self._num_bytes - start)
+            piece = os.pread(self._fd, wanted, start)
+            if len(piece) != wanted:
+                raise TokenFileError(self._truncated())
+            largest = max(largest, int(np.frombuffer(piece, dtype=self.dtype).max()))
+        return largest
+
+    def change(self) -> str:
+        try:
+            now = _stat_key(os.stat(self.path))
+        except OSError as exc:
+            return f"{self.path}: {exc.strerror or exc} (it was there when the run opened it)"
+        if now != self._opened:
+            size = f"{now[0]:,} bytes, {self._opened[0]:,} when opened"
+            size = "the same size" if now[0] == self._opened[0] else size
+            return f"{self.path}: changed since the run opened it ({size}, modified or replaced)"
+        if self._sample_digest() != self._sample:
+            return f"{self.path}: its contents changed since the run opened it (same size and times)"
+        return ""
+
+    def _sample_digest(self) -> str:
+        """A hash of the blocks the data fingerprint samples (rewind.stores.datafiles), read from the
+        opened file: at most NUM_FINGERPRINT_BLOCKS x FINGERPRINT_BLOCK bytes."""
+        size = self._num_bytes
+        block = FINGERPRINT_BLOCK if size > NUM_FINGERPRINT_BLOCKS * FINGERPRINT_BLOCK else size
+        digest = hashlib.sha256()
+        for offset in fingerprint_offsets(size):
+            digest.update(os.pread(self._fd, block, offset))
+        return digest.hexdigest()
+
+    def _truncated(self) -> str:
+        now = os.fstat(self._fd).st_size
+        return f"{self.path}: cut to {now:,} bytes while the run read it ({self._num_bytes:,} when opened)"
 
 
 class RemoteTokenStream(TokenStream):
@@ -82,6 +150,7 @@ class RemoteTokenStream(TokenStream):
             raise TokenFileError(f"{url}: file not found") from None
         _check_size(url, num_bytes, self.dtype)
         self.num_tokens = num_bytes // self.dtype.itemsize
+        self._opened = self._key()
 
     def windows(self, rows: np.ndarray, width: int) -> np.ndarray:
         span = width * self.dtype.itemsize
@@ -89,8 +158,24 @@ class RemoteTokenStream(TokenStream):
         blobs = self._fs.cat_ranges([self._where] * len(starts), starts, [s + span for s in starts])
         out = np.empty((len(starts), width), dtype=np.int64)
         for i, blob in enumerate(blobs):
+            if isinstance(blob, BaseException) or len(blob) != span:
+                raise TokenFileError(f"{self.path}: a window could not be read whole (the file changed?)")
             out[i] = np.frombuffer(blob, dtype=self.dtype)
         return out
+
+    def change(self) -> str:
+        try:
+            now = self._key()
+        except FileNotFoundError:
+            return f"{self.path}: gone (it was there when the run opened it)"
+        if now == self._opened:
+            return ""
+        return f"{self.path}: changed since the run opened it (modified or replaced)"
+
+    def _key(self) -> str:
+        """The filesystem's own key of the file's properties (fsspec `ukey`: an object's ETag, a local
+        file's size and times)."""
+        return str(self._fs.ukey(self._where))
 
     def max_token(self) -> int:
         with self._fs.open(self._where, "rb") as handle:
@@ -107,19 +192,27 @@ def _check_size(path: str, num_bytes: int, dtype: np.dtype) -> None:
         raise TokenFileError(f"{path}: size {num_bytes} bytes is not a multiple of {dtype.itemsize} ({dtype.name})")
 
 
-def _memmap(path: str, dtype: np.dtype) -> np.ndarray:
+def _stat_key(info: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file rewritten or replaced: size, modification time, device and inode."""
+    return info.st_size, info.st_mtime_ns, info.st_dev, info.st_ino
+
+
+def _open_regular(path: str) -> tuple[int, os.stat_result]:
+    """(fd, its stat) of the regular file at `path`; TokenFileError for anything else (a FIFO would
+    block the reader, a device never ends)."""
     try:
-        num_bytes = Path(path).stat().st_size
-        _check_size(path, num_bytes, dtype)
-        if num_bytes == 0:
-            return np.zeros(0, dtype=dtype)  # mmap refuses empty files; "too small" is reported later
-        return np.memmap(path, dtype=dtype, mode="r")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise TokenFileError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise TokenFileError(f"{path}: is a directory without a manifest.json (not prepared by `rewind data prepare`)") from None
     except OSError as exc:
         raise TokenFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode):
+        return fd, info
+    os.close(fd)
+    if stat.S_ISDIR(info.st_mode):
+        raise TokenFileError(f"{path}: is a directory without a manifest.json (not prepared by `rewind data prepare`)")
+    raise TokenFileError(f"{path}: not a regular file")
 
 
 def open_stream(path: str, dtype: str) -> TokenStream:

@@ -32,7 +32,7 @@ import numpy as np
 from rewind.engine.datasets import DatasetError, PairDataset, WindowedDataset, pack_pairs
 from rewind.engine.documents import DocumentError, expand_inputs, iter_pairs
 from rewind.engine.tokenizer import ByteTokenizer, TextTokenizer
-from rewind.engine.tokens import RowSplit, TokenFileError, open_stream
+from rewind.engine.tokens import RowSplit, TokenFileError, TokenStream, open_stream
 from rewind.states.config import DataSource
 from rewind.states.data_checks import STDLIB_PLACEHOLDER
 from rewind.states.data_identity import DataIdentity, SourceFile
@@ -63,7 +63,8 @@ class DataPlace:
     that lives as long as this object); `reuse_dirs`: data directories whose documents already tokenised
     are read, never written (a fork reads its parent's); `default_split`: what DataSource.split "" means
     for this run; `full_identity`: hash every file whole when computing identities (a run's start,
-    verify --data)."""
+    verify --data); `streams`: the token files opened through it, by dataset (what
+    rewind.engine.rundata.check_unchanged looks at before each checkpoint)."""
 
     tokenizer: TextTokenizer = field(default_factory=ByteTokenizer)
     data_dir: str | None = None
@@ -71,6 +72,7 @@ class DataPlace:
     default_split: str = "random"
     full_identity: bool = False
     reuse_dirs: tuple[str, ...] = ()
+    streams: list[tuple[str, TokenStream]] = field(default_factory=list)
     _scratch: _Scratch = field(default_factory=_Scratch)
     _byte_table: np.ndarray | None = None
 
@@ -97,6 +99,12 @@ class DataPlace:
             raise DatasetError(f"dataset {name[:80]!r}: {problem}; a dataset's name must be a plain name")
         making = [source.kind, source.path, source.validation_path, source.text_field, self.tokenizer.identity]
         return f"{name}-{hashlib.sha256(msgspec.json.encode(making)).hexdigest()[:12]}"
+
+    def open_stream(self, name: str, path: str, dtype: str) -> TokenStream:
+        """The token file at `path`, read by dataset `name` (and kept in `streams`)."""
+        stream = open_stream(path, dtype)
+        self.streams.append((name, stream))
+        return stream
 
     def is_reused(self, directory: str) -> bool:
         return any(os.path.dirname(directory) == reused for reused in self.reuse_dirs)
@@ -132,9 +140,11 @@ def _open(name: str, source: DataSource, block_size: int, vocab_size: int, place
         path = place.resolve(source.path)
         if is_prepared(path):
             return _open_prepared(name, path, block_size, vocab_size, place, source)
-        validation = open_stream(place.resolve(source.validation_path), source.dtype) if source.validation_path else None
+        validation = None
+        if source.validation_path:
+            validation = place.open_stream(name, place.resolve(source.validation_path), source.dtype)
         return WindowedDataset(
-            name, open_stream(path, source.dtype), block_size, vocab_size,
+            name, place.open_stream(name, path, source.dtype), block_size, vocab_size,
             split=_split_mode(source, place), fraction=source.validation_fraction, validation=validation,
         )
     # Documents: tokenised once into the run's data directory, then read like a prepared directory.
@@ -165,13 +175,15 @@ def _open_prepared(name, directory, block_size, vocab_size, place: DataPlace, so
             "(set [tokenizer] path to the tokenizer.json in that directory)"
         )
     location = filesystem(directory)
-    streams = {split: open_stream(location.join(f.file).url, manifest.dtype) for split, f in manifest.splits.items()}
+    streams = {
+        split: place.open_stream(name, location.join(f.file).url, manifest.dtype) for split, f in manifest.splits.items()
+    }
     if source.validation_path and source.kind == "tokens":  # (documents' validation_path is in the manifest)
         if "validation" in streams:
             raise DatasetError(
                 f"dataset {name!r}: {directory} has a validation split of its own; drop validation_path"
             )
-        streams["validation"] = open_stream(place.resolve(source.validation_path), manifest.dtype)
+        streams["validation"] = place.open_stream(name, place.resolve(source.validation_path), manifest.dtype)
     return WindowedDataset(
         name, streams["train"], block_size, vocab_size,
         split=_split_mode(source, place), fraction=source.validation_fraction, validation=streams.get("validation"),

@@ -110,10 +110,22 @@ def _run(args: argparse.Namespace) -> int:
         _say(f"rewind: {describe_os_error(exc, args)}")
         return 1
     except Exception as exc:
+        if lost := _lost_peer(exc):
+            print(f"rewind: {lost}", file=sys.stderr)  # from whichever rank survived, rank 0 or not
+            return 1
         if not _is_damage(exc):
             raise
         _say(f"rewind: {exc}")
         return 1
+
+
+def _lost_peer(exc: Exception) -> str:
+    """Under torchrun, the line for a collective that failed because another rank is gone ("" otherwise)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ""
+    from rewind.engine.ranks import lost_peer
+
+    return lost_peer(exc)
 
 
 # Damaged or unreadable run data (a CRC mismatch mid-log, a newer schema, a checkpoint whose hash does
@@ -126,6 +138,9 @@ _DAMAGE = {
     ("rewind.states.history", "HistoryError"),
     ("rewind.stores.metrics", "MetricsError"),  # the metrics projection cannot be written or read
     ("rewind.stores.datamanifest", "ManifestError"),  # a prepared data directory that does not read
+    ("rewind.stores.confine", "NotConfined"),  # a name in the run that leads out of it
+    ("rewind.engine.rundata", "DataChanged"),  # a data file changed under a training run
+    ("rewind.engine.tokens", "TokenFileError"),  # a token file cut short while it was read
 }
 
 

@@ -201,3 +201,53 @@ def test_a_grown_model_with_a_cached_frozen_trunk_lora_and_an_nf4_stack_trains_s
     assert _worst_relative({k: a[k] for k in a if k <= 50}, {k: b[k] for k in b if k <= 50}) < LOSS_RTOL
     verified = _run([sys.executable, "-m", "rewind.tools.cli", "verify", str(runs[2])], tmp_path)
     assert verified.returncode == 0 and "verify: clean" in verified.stdout, verified.stdout + verified.stderr
+
+
+def _rank_pid(launcher: int, rank: int, deadline: float) -> int:
+    """The pid of the launcher's child with RANK=`rank` in its environment."""
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/environ", "rb") as environ:
+                    env = environ.read().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == launcher and f"RANK={rank}".encode() in env:
+                return int(entry)
+        time.sleep(0.05)
+    raise AssertionError(f"no rank {rank} under launcher {launcher}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_mid_run_leaves_the_other_one_line_and_a_run_that_resumes(tmp_path, victim):
+    """SIGKILL of one rank: the survivor (rank 0 or not) says which rank stopped and that the run resumes
+    from its last checkpoint, in one line and no traceback of rewind's, and exits 1; what was recorded
+    verifies clean."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        _train(run_dir, 2, *_sets(("training.tokens=[64000,6400,6400]",))), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path,
+    )
+    deadline = time.monotonic() + 240
+    checkpoints = run_dir / "checkpoints"
+    while time.monotonic() < deadline and process.poll() is None:
+        if checkpoints.is_dir() and any(p.name[:1].isdigit() for p in checkpoints.iterdir()):
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, process.communicate()[1]  # still training
+    os.kill(_rank_pid(process.pid, victim, deadline), signal.SIGKILL)
+    _, err = process.communicate(timeout=240)
+    assert process.returncode != 0
+    survivor = 1 - victim
+    ours = [line for line in err.splitlines() if "rewind:" in line]
+    assert len(ours) == 1 and ours[0].startswith(f"rewind: rank {survivor}: rank {victim} stopped"), err
+    assert "resumes from its last checkpoint" in ours[0]
+    assert not re.search(r'File ".*/(engine|states|stores|tools|kernels)/', err), err  # no traceback of ours
+    assert "exitcode  : 1 (pid" in err  # the survivor's own exit, reported by torchrun
+    done = _run([sys.executable, "-m", "rewind.tools.cli", "verify", str(run_dir)], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -1,6 +1,7 @@
 """What the processes of a sharded run tell each other (rewind.engine.ranks), checked in two real
-processes under torchrun (gloo): sums, a stop request, rank 0's events, the lowest rank's failure, and
-the state check before a checkpoint. One launch runs every check; each rank writes what it saw."""
+processes under torchrun (gloo): sums, a stop request, rank 0's events, the lowest rank's failure, the
+state check before a checkpoint, and what a rank whose peer is gone is told. One launch runs every
+check; each rank writes what it saw."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from rewind.engine import ranks
 
@@ -18,7 +20,8 @@ pytestmark = pytest.mark.distributed
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
+    import torch
     import torch.distributed as dist
     from rewind.engine import ranks
     from rewind.states.events import CheckpointCommitted
@@ -45,10 +48,19 @@ SCRIPT = textwrap.dedent(
         seen["different_state"] = "not caught"
     except ranks.RanksDisagree as exc:
         seen["different_state"] = str(exc)
+    dist.barrier()
+    if rank == 1:  # gone without a word, as a killed rank is
+        with open(sys.argv[1] + f".{rank}.json", "w") as out:
+            json.dump(seen, out)
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(1))
+        seen["lost"] = "the collective went on"
+    except Exception as exc:
+        seen["lost"] = ranks.lost_peer(exc)
     with open(sys.argv[1] + f".{rank}.json", "w") as out:
         json.dump(seen, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    os._exit(0)  # (the group cannot be torn down without its peer)
     """
 )
 
@@ -93,6 +105,28 @@ def test_ranks_that_folded_different_states_refuse_to_checkpoint(seen):
     assert all(s["same_state_ok"] for s in seen)
     for s in seen:
         assert "folded different states at step 3" in s["different_state"]
+
+
+def test_a_rank_whose_peer_is_gone_is_told_so_in_one_line(seen):
+    assert seen[0]["lost"].startswith("rank 0: rank 1 stopped (killed, or ended by an error of its own)")
+    assert "resumes from its last checkpoint" in seen[0]["lost"]
+
+
+def test_only_a_collective_that_lost_its_peer_is_taken_for_a_lost_peer(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:48263: Connection reset by peer"
+    )
+    assert ranks.lost_peer(gloo).startswith("rank 1: rank 0 stopped")
+    teardown = ValueError("raised while the collective's failure was handled")
+    teardown.__context__ = gloo
+    assert ranks.lost_peer(teardown).startswith("rank 1: rank 0 stopped")
+    assert ranks.lost_peer(torch.distributed.DistBackendError("NCCL communicator was aborted"))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert "another of its 4 ranks stopped" in ranks.lost_peer(gloo)
+    assert ranks.lost_peer(RuntimeError("index out of range in self")) == ""
+    assert ranks.lost_peer(ranks.RanksDisagree("the processes of the run folded different states")) == ""
 
 
 def test_in_one_process_every_exchange_is_the_identity():

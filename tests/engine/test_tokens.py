@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from unittest import mock
 
@@ -247,3 +248,81 @@ def test_epochs_started_names_the_epochs_a_step_begins(before, after, n, want):
             if position and position % n == 0:
                 slow.append((name, position // n))
     assert got == slow
+
+
+# --- a file that changes under its reader --------------------------------------------------------------
+
+
+def _opened(tmp_path, num_tokens: int = 17 * 40) -> tuple[tokens.LocalTokenStream, object]:
+    path = tmp_path / "tokens.bin"
+    np.arange(num_tokens, dtype=np.uint16).tofile(path)
+    return open_stream(str(path), "uint16"), path
+
+
+def _rewrite_in_place(path, keep_times: bool) -> None:
+    info = os.stat(path)
+    with open(path, "r+b") as handle:  # the same inode, the same size, other tokens
+        handle.write(np.full(8, 7, dtype=np.uint16).tobytes())
+    if keep_times:
+        os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_times", [False, True], ids=["rewritten", "rewritten-times-restored"])
+def test_a_token_file_rewritten_in_place_is_a_change(tmp_path, keep_times):
+    stream, path = _opened(tmp_path)
+    assert stream.change() == ""
+    _rewrite_in_place(path, keep_times)
+    assert str(path) in stream.change() and "changed since the run opened it" in stream.change()
+
+
+def test_a_token_file_replaced_or_removed_is_a_change(tmp_path):
+    stream, path = _opened(tmp_path)
+    replacement = tmp_path / "new.bin"
+    np.arange(17 * 40, dtype=np.uint16).tofile(replacement)  # the same bytes, another file
+    os.replace(replacement, path)
+    assert "changed since the run opened it" in stream.change()
+    os.unlink(path)
+    assert "No such file" in stream.change()
+
+
+def test_a_large_token_file_edited_between_the_sampled_blocks_is_seen_by_its_times(tmp_path):
+    from rewind.stores.datafiles import FINGERPRINT_BLOCK, NUM_FINGERPRINT_BLOCKS
+
+    num_tokens = 4 * NUM_FINGERPRINT_BLOCKS * FINGERPRINT_BLOCK // 2  # 4x what the fingerprint samples
+    stream, path = _opened(tmp_path, num_tokens)
+    with open(path, "r+b") as handle:
+        handle.seek(FINGERPRINT_BLOCK + 100)  # between the first two sampled blocks
+        handle.write(b"\xff\xff")
+    assert "changed since the run opened it" in stream.change()
+
+
+@pytest.mark.parametrize("cut_to", [0, 17 * 2 * 10 + 1])
+def test_a_token_file_cut_short_under_its_reader_is_one_error_naming_it_not_a_sigbus(tmp_path, cut_to):
+    stream, path = _opened(tmp_path)
+    assert stream.windows(np.array([39]), 17).shape == (1, 17)  # mapped, pages read
+    os.truncate(path, cut_to)
+    with pytest.raises(TokenFileError, match=rf"tokens\.bin: cut to {cut_to:,} bytes while the run read it"):
+        stream.windows(np.array([39]), 17)  # its page is past the end: read through the map, a SIGBUS
+    with pytest.raises(TokenFileError, match="cut to"):
+        stream.max_token()
+    assert "changed since the run opened it" in stream.change()
+
+
+def test_a_token_file_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path):
+    fifo = tmp_path / "fifo.bin"
+    os.mkfifo(fifo)
+    with pytest.raises(TokenFileError, match=r"fifo\.bin: not a regular file"):
+        open_stream(str(fifo), "uint16")  # (opening it for reading would wait for a writer forever)
+    with pytest.raises(TokenFileError, match="not a regular file"):
+        open_stream("/dev/zero", "uint16")
+
+
+def test_a_remote_token_file_rewritten_or_cut_is_a_change_and_an_error(memory_file):
+    fs, path = memory_file
+    fs.pipe(path, np.arange(17 * 10, dtype=np.uint16).tobytes())
+    stream = open_stream(f"memory://{path}", "uint16")
+    assert stream.change() == ""
+    fs.pipe(path, np.arange(17 * 2, dtype=np.uint16).tobytes())
+    assert "changed since the run opened it" in stream.change()
+    with pytest.raises(TokenFileError, match="could not be read whole"):
+        stream.windows(np.array([9]), 17)
