@@ -129,12 +129,13 @@ def _copy_checkpoint(parent: CheckpointStore, child: CheckpointStore, ref) -> No
 
 
 def open_fork(
-    parent_dir: str, at_step: int, config_of_child, child_dir: str, *, metrics: bool = True
+    parent_dir: str, at_step: int, config_of_child, child_dir: str, *, metrics: bool = True, num_threads: int = 0
 ) -> tuple[Run, State, ForkPoint]:
     """Create the child run and return it ready to drive (log open and locked in run.journal).
 
     `config_of_child(parent_config) -> Config` makes the child's config from the parent's config in
-    force at the fork point (e.g. by applying --set overrides); it may raise ConfigError."""
+    force at the fork point (e.g. by applying --set overrides); it may raise ConfigError. The child
+    records the parent's CPU thread count there, or `num_threads` (> 0: the user's --threads)."""
     records = read_seq_events(parent_dir)
     if not records or not isinstance(records[0][1], RunStarted):
         raise RunError(f"{parent_dir}: the event log is empty or does not start with RunStarted", 1)
@@ -177,7 +178,8 @@ def open_fork(
         config_hash=child_hash,
         rewind_version=REWIND_VERSION,
         parent=origin,
-        num_threads=point.state.num_threads,  # the parent's: an unchanged fork must compute the same bits
+        # The parent's: an unchanged fork must compute the same bits (unless the user chose speed).
+        num_threads=num_threads or point.state.num_threads,
         cpu_capability=point.state.cpu_capability,
         device=point.state.device,  # where the parent computed: a fork under compute.device = "auto" goes on there
         world_size=point.state.world_size,

@@ -1,5 +1,6 @@
 """Where a run computes: the device, the precision, the processes the model is sharded over, and the
-CPU settings a resume adopts from the run's record (thread count, CPU kernels: float sums depend on both).
+CPU settings a resume adopts from the run's record (thread count, CPU kernels: float sums depend on both;
+a resume may be told another thread count, and records it).
 
 One process (the CPU promise, bit for bit) or N processes under torchrun: every rank builds the same
 live objects from the same folded state, then `place` moves the model to the device and, when the run
@@ -80,16 +81,30 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def adopt_threads(num_threads: int) -> str:
-    """Compute with the run's recorded CPU thread count (resume, fork, replay). Returns a note for the
-    user when that differs from this process's default, else ""."""
+def adopt_threads(recorded: int, requested: int = 0) -> str:
+    """Compute with the CPU thread count a run recorded (resume, fork, replay, sample), or with
+    `requested` (> 0: the user's --threads). Returns a note for the user, "" when there is nothing to say.
+
+    The count is part of the bits: with another count torch splits some float sums at other places
+    (measured with torch 2.13 on the CPU: LayerNorm's weight and bias gradients at every size, a plain
+    sum over more than ~65k elements; the tiny example's RMSNorm model is the same either way). So the
+    run's count is kept unless the user asks for another, and then the bits may differ from a run that
+    never stopped."""
     before = torch.get_num_threads()
-    if num_threads > MAX_THREADS:  # folds refuse such a log (stores.trust); never hand it to OpenMP
-        return f"the run records {num_threads} CPU threads, beyond any machine: computing with {before} instead"
-    if num_threads <= 0 or num_threads == before:
+    if requested > 0:
+        torch.set_num_threads(requested)
+        if 0 < recorded != requested:
+            return (
+                f"computing with {requested} CPU thread(s) as asked (--threads), the run computed with "
+                f"{recorded}: from here on its bits may differ from a run that never stopped"
+            )
         return ""
-    torch.set_num_threads(num_threads)
-    return f"computing with {num_threads} CPU thread(s) as the run was started (this process had {before}): bit for bit"
+    if recorded > MAX_THREADS:  # folds refuse such a log (stores.trust); never hand it to OpenMP
+        return f"the run records {recorded} CPU threads, beyond any machine: computing with {before} instead"
+    if recorded <= 0 or recorded == before:
+        return ""
+    torch.set_num_threads(recorded)
+    return f"computing with {recorded} CPU thread(s) as the run did (this process had {before}): bit for bit"
 
 
 def adopt_cpu_capability(recorded: str) -> None:

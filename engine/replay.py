@@ -39,6 +39,7 @@ from rewind.engine.checkpointing import checkpoint_groups, tensor_hashes
 from rewind.engine.effects import apply_effect
 from rewind.engine.loop import execute_step
 from rewind.engine.parts import Parts, RunError, build_parts, open_datasets
+from rewind.engine.placement import adopt_threads
 from rewind.engine.rundata import (
     DATA_ERRORS,
     DataChanged,
@@ -167,6 +168,7 @@ def replay(
             f"logged ({last_step})"
         )
     state = window.state
+    adopt_threads(state.num_threads)  # each segment's count, as it computed (a resume may have chosen another)
     config = config_in_force(records[: window.index])
     try:
         place = place_of(run_dir, state)
@@ -218,6 +220,7 @@ def replay(
             raise ReplayError(str(exc), exc.exit_code) from None
         state = apply(state, logged)
         _note_site(report, state)  # a RunResumed may go on elsewhere, or in another number of processes
+        adopt_threads(state.num_threads)
     return report
 
 

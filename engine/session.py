@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -107,9 +108,21 @@ def metrics_for(run_dir: str, enabled: bool) -> MetricsProjection | None:
     return MetricsProjection(run_dir) if enabled and filesystem(run_dir).is_local else None
 
 
-def open_run(config: Config, run_dir: str, *, fork: bool = False, metrics: bool = True) -> tuple[Run, State, str]:
+def open_run(
+    config: Config,
+    run_dir: str,
+    *,
+    fork: bool = False,
+    metrics: bool = True,
+    threads: int = 0,
+    note: Callable[[str], None] = lambda line: None,
+) -> tuple[Run, State, str]:
     """Returns (run, state, how) with how in {"started", "resumed", "finished"}. The log stays open
     (and locked) in run.journal; the caller closes it.
+
+    CPU threads: a new run computes with this process's count, a resume with the run's; `threads` > 0
+    (the user's --threads) with that many instead. Either is recorded (RunStarted / RunResumed), and
+    what the user should know about it (a count adopted, bits that may differ) goes to `note`.
 
     In two phases, so that a start or resume that fails leaves the directory as it was: the log is
     read (no lock, nothing written), every check made and the live objects built; only then is the
@@ -117,7 +130,7 @@ def open_run(config: Config, run_dir: str, *, fork: bool = False, metrics: bool 
     check_directory(run_dir)
     failure: BaseException | None = None
     try:
-        opening = _plan(config, run_dir, fork=fork)
+        opening = _plan(config, run_dir, fork=fork, threads=threads, note=note)
     except DataChanged as exc:
         failure = RunError(f"{run_dir}: {exc}; the run's data changed under it (`rewind verify --data {run_dir}`)", 1)
     except DATA_ERRORS as exc:
@@ -219,15 +232,15 @@ class OrphansSetAside(UserWarning):
         self.names = names
 
 
-def _plan(config: Config, run_dir: str, *, fork: bool) -> _Opening:
+def _plan(config: Config, run_dir: str, *, fork: bool, threads: int, note: Callable[[str], None]) -> _Opening:
     try:
         log = EventLog.open(run_dir)  # read-only: no lock, nothing written
     except LogNotFoundError:
-        return _plan_start(config, run_dir)
+        return _plan_start(config, run_dir, threads)
     with log:
         if not log.next_seq:  # a start that died before its first record
-            return _plan_start(config, run_dir)
-        return _plan_resume(config, run_dir, log, fork=fork)
+            return _plan_start(config, run_dir, threads)
+        return _plan_resume(config, run_dir, log, fork=fork, threads=threads, note=note)
 
 
 def _check_unchanged(run_dir: str, log: EventLog, end_seq: int) -> None:
@@ -236,13 +249,14 @@ def _check_unchanged(run_dir: str, log: EventLog, end_seq: int) -> None:
         raise RunError(f"{run_dir}: another process wrote to the run while it was being opened; try again", 1)
 
 
-def _plan_start(config: Config, run_dir: str) -> _Opening:
+def _plan_start(config: Config, run_dir: str, threads: int) -> _Opening:
     schedule = Schedule(config)
     if schedule.num_steps == 0:
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
     forget_adopted_device()
+    adopt_threads(0, threads)  # the user's --threads, if given: recorded below
     placement = placement_for(config)
     check_compute(config, placement)
     prepare_device(config)
@@ -268,7 +282,9 @@ def _plan_start(config: Config, run_dir: str) -> _Opening:
     return _Opening(run_dir, "started", parts, end_seq=-1, events=(started,))
 
 
-def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool) -> _Opening:
+def _plan_resume(
+    config: Config, run_dir: str, log: EventLog, *, fork: bool, threads: int, note: Callable[[str], None]
+) -> _Opening:
     # From the newest snapshot that agrees with the log and with its checkpoint's manifest.
     store = CheckpointStore(run_dir)
     folded = fold_log(log, run_dir, store)
@@ -305,6 +321,8 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool) -> 
     if changes:
         raise DataChanged(changes)
     adopt_cpu_capability(current.cpu_capability)  # before the first tensor is computed
+    if message := adopt_threads(point.state.num_threads, threads):  # the count it goes on from, or --threads
+        note(message)
     adopt_device(current.device)  # compute.device = "auto" goes on where the run computed
     placement = placement_for(going_on)
     check_compute(going_on, placement)
@@ -321,6 +339,7 @@ def _plan_resume(config: Config, run_dir: str, log: EventLog, *, fork: bool) -> 
         config_hash=point.state.config_hash,
         device=device_record(placement.device),
         world_size=placement.world_size,
+        num_threads=torch.get_num_threads(),
     )
     events: tuple[Event, ...] = (resumed,)
     try:  # every check before the first record

@@ -52,7 +52,8 @@ RUN_FEATURES: tuple[str, ...] = (
 # 4: StackAppended's growth decisions and ActivationsCached (additions again: model growth).
 # 5: the data on record (RunStarted/ConfigChanged .data, .tokenizer, RunStarted.pretrained) and EpochStarted.
 # 6: where a run computes (RunStarted/RunResumed .device and .world_size; additions).
-SCHEMA_VERSION = 6
+# 7: RunResumed.num_threads (an addition: a resume may compute with another thread count than the run's).
+SCHEMA_VERSION = 7
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -75,7 +76,8 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="RunStarted"):
     rewind_version: str = "0"
     parent: ForkOrigin | None = None
     # CPU threads the run computes with (0 = not recorded). A CPU sum is split across threads, so its
-    # bits depend on the count: resume, fork and replay use this one, wherever they run.
+    # bits depend on the count: resume, fork and replay use this one (or a later RunResumed's), wherever
+    # they run.
     num_threads: int = 0
     # The CPU kernels torch dispatched to ("AVX2", "AVX512", ...; "" = not recorded): kernels of another
     # capability sum in another order, so resume, fork and replay ask torch for this one where the CPU has it.
@@ -229,6 +231,9 @@ class RunResumed(Event, frozen=True, kw_only=True, tag="RunResumed"):
     # the world size (its bits then differ from the run that never stopped, within the documented tolerance).
     device: str = ""
     world_size: int = 0
+    # The CPU threads it computes with: the run's, unless the user asked for another count (--threads;
+    # bits may then differ, see RunStarted.num_threads). 0 = not recorded: the count it resumed with.
+    num_threads: int = 0
 
 
 class ConfigChanged(Event, frozen=True, kw_only=True, tag="ConfigChanged"):

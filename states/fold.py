@@ -337,6 +337,7 @@ def _resumed(state: State, event: RunResumed) -> State:
         next_seq=max(first, last + 1),
         device=event.device,
         world_size=event.world_size,
+        num_threads=event.num_threads or anchor.num_threads,
     )
 
 

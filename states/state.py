@@ -170,7 +170,9 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     stopped_reason: str = ""
     resumes: list[Superseded] = []
     parent_run: str = ""
-    num_threads: int = 0  # CPU threads the run computes with (RunStarted's; 0 = not recorded)
+    # CPU threads the current segment computes with (RunStarted's, then a RunResumed's that records one;
+    # 0 = not recorded).
+    num_threads: int = 0
     cpu_capability: str = ""  # the CPU kernels it computes with (RunStarted's; "" = not recorded)
     # Where the current segment computes (RunStarted's, then the last RunResumed's): "" = the CPU, not
     # recorded; world_size 0 = one process, not recorded.

@@ -215,7 +215,7 @@ class RecordChecker:
             case RunResumed():
                 problem = _name_problem(
                     event.checkpoint, event.step if event.checkpoint else None, empty_ok=True
-                ) or placement_problem(event.device, event.world_size)
+                ) or placement_problem(event.device, event.world_size) or threads_problem(event.num_threads)
                 if problem or event.seed is None:
                     return problem
                 return self._seed_problem(event, event.seed)

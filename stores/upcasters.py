@@ -78,8 +78,15 @@ def v5_to_v6(raw: dict) -> dict:
     return raw
 
 
+def v6_to_v7(raw: dict) -> dict:
+    """Schema 6 -> 7 added RunResumed.num_threads (default 0): a resume that did not record it computed
+    with the count the run had, which is what 0 means."""
+    return raw
+
+
 UPCASTERS[1] = v1_to_v2
 UPCASTERS[2] = v2_to_v3
 UPCASTERS[3] = v3_to_v4
 UPCASTERS[4] = v4_to_v5
 UPCASTERS[5] = v5_to_v6
+UPCASTERS[6] = v6_to_v7

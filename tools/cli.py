@@ -161,6 +161,9 @@ def _is_damage(exc: Exception) -> bool:
 
 
 def entry() -> None:
+    from rewind.tools.cpu_threads import prepare_threads
+
+    prepare_threads()  # before anything imports torch: its OpenMP runtime reads the settings once
     code = main()
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A rank under torchrun: its process group is already torn down (engine.placement), and what is

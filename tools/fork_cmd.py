@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rewind.tools.configfile import add_set_option
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.train_cmd import add_threads_option
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="stop cleanly after this many steps of this process, counted from the fork point (resumable)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_threads_option(p)
     p.set_defaults(run=run)
 
 
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         return resolve_data_paths(config_from_dict(raw, source=f"{args.run_dir} config with --set"), Path.cwd())
 
     try:
-        run, state, point = open_fork(args.run_dir, args.at_step, config_of_child, args.new_run)
+        run, state, point = open_fork(args.run_dir, args.at_step, config_of_child, args.new_run, num_threads=args.threads)
     except LogNotFoundError:
         raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
     except RunError as exc:
@@ -71,6 +73,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"  (no intact checkpoint at step {args.at_step}; {point.step} is the last one before it)", file=sys.stderr)
     for line in config_differences(point.config, run.parts.config):
         print(f"  config: {line}", file=sys.stderr)
-    if note := adopt_threads(state.num_threads):
+    if note := adopt_threads(point.state.num_threads, args.threads):
         print(f"  {note}", file=sys.stderr)
     return drive_and_report(run, state, args.new_run, max_steps=args.max_steps, progress=not args.no_progress)

@@ -42,11 +42,37 @@ MAX_STEPS_HELP = (
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=_steps, default=None, help=MAX_STEPS_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_threads_option(p)
+
+
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        type=_thread_count,
+        default=0,
+        metavar="N",
+        help="compute with N CPU threads, recorded (default: a new run, the cores this process may use; a resume "
+        "or fork, the count on record; with another count its bits may differ from a run that never stopped)",
+    )
+
+
+def _thread_count(text: str) -> int:
+    from rewind.stores.trust import MAX_THREADS
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a whole number in 1..{MAX_THREADS}")
+    return value
 
 
 def run_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    return _train(config, args.run_dir, fork=args.fork, max_steps=args.max_steps, progress=not args.no_progress)
+    return _train(
+        config, args.run_dir, fork=args.fork, max_steps=args.max_steps, progress=not args.no_progress, threads=args.threads
+    )
 
 
 def run_resume(args: argparse.Namespace) -> int:
@@ -55,7 +81,9 @@ def run_resume(args: argparse.Namespace) -> int:
 
     with open_log(args.run_dir) as (log, _):  # the config in force, from the tail after a snapshot
         config = fold_log(log, args.run_dir).config
-    return _train(config, args.run_dir, fork=False, max_steps=args.max_steps, progress=not args.no_progress)
+    return _train(
+        config, args.run_dir, fork=False, max_steps=args.max_steps, progress=not args.no_progress, threads=args.threads
+    )
 
 
 class ProgressBar:
@@ -101,7 +129,7 @@ class ProgressBar:
             self.bar.close()
 
 
-def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool) -> int:
+def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool, threads: int) -> int:
     """One process's part of training: the whole of it, or under torchrun one rank's (rank 0 alone writes
     the run and speaks; see rewind.engine.placement)."""
     from rewind.engine.placement import PlacementError, join_process_group, leave_process_group
@@ -111,19 +139,20 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
     except PlacementError as exc:
         raise CommandError(str(exc), 2) from None
     try:
-        return _train_here(config, run_dir, fork=fork, max_steps=max_steps, progress=progress)
+        return _train_here(config, run_dir, fork=fork, max_steps=max_steps, progress=progress, threads=threads)
     finally:
         leave_process_group()
 
 
-def _train_here(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool) -> int:
+def _train_here(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool, threads: int) -> int:
     from rewind.engine.ranks import is_writer
-    from rewind.engine.session import RunError, adopt_threads, open_run
+    from rewind.engine.session import RunError, open_run
     from rewind.stores.eventlog import LogLockedError
 
     speaks = is_writer()
+    notes: list[str] = []  # said after the line that says where the run resumes
     try:
-        run, state, how = open_run(config, run_dir, fork=fork)
+        run, state, how = open_run(config, run_dir, fork=fork, threads=threads, note=notes.append)
     except RunError as exc:
         raise CommandError(str(exc), exc.exit_code) from None
     except LogLockedError as exc:
@@ -144,7 +173,7 @@ def _train_here(config, run_dir: str, *, fork: bool, max_steps: int | None, prog
         ref = state.last_checkpoint
         origin = f"checkpoint {ref.checkpoint}" if ref else "the start (no checkpoint yet)"
         print(f"resuming {run_dir} at step {state.step} from {origin}", file=sys.stderr)
-        if note := adopt_threads(state.num_threads):
+        for note in notes:
             print(f"  {note}", file=sys.stderr)
     return drive_and_report(run, state, run_dir, max_steps=max_steps, progress=progress and speaks, speaks=speaks)
 

@@ -57,6 +57,7 @@ GOLDEN_RUNS = {
     4: GOLDEN_DIR / "run-v4-f2",
     5: GOLDEN_DIR / "run-v5-f2",
     6: GOLDEN_DIR / "run-v6-f2",
+    7: GOLDEN_DIR / "run-v7-f2",
 }  # 1, 2: frame format 1
 # By frame format: format 2 marks the end of each commit group (stores/codec.py).
 GOLDEN_FRAME_RUNS = {1: GOLDEN_DIR / "run-v2", 2: GOLDEN_DIR / "run-v3-f2"}
@@ -206,6 +207,7 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
             config_hash=HASH,
             seed=seed,
             **({"device": "cuda:NVIDIA H100 80GB HBM3", "world_size": 1} if version >= 6 else {}),
+            **({"num_threads": 3} if version >= 7 else {}),
         ),
         ConfigChanged(
             step=120,
