@@ -19,7 +19,9 @@ def test_a_restart_that_did_not_resume_and_step_is_an_error(straight, tmp_path):
 
 def test_a_failing_process_is_an_error_with_what_it_said():
     with pytest.raises(RuntimeError, match="exited 3: said so"):
-        bench_startup.timed([sys.executable, "-c", "import sys; print('said so', file=sys.stderr); sys.exit(3)"])
+        bench_startup.timed(
+            [sys.executable, "-c", "import sys; print('said so', file=sys.stderr); sys.exit(3)"]
+        )
 
 
 @pytest.mark.slow
@@ -30,7 +32,26 @@ def test_the_quick_bench_times_a_restart_against_both_baselines(rewind_cli):
     assert result["repeats"] == 1 and result["ratio_goal"] == 1.5
     (torch_s,), (floor_s,), (resume_s,) = result["import_torch_s"], result["floor_s"], result["resume_s"]
     assert min(torch_s, floor_s, resume_s) > 0
-    assert result["ratios"] == [result["ratio_min"]] == [result["ratio_max"]]
-    assert result["ratio_min"] == pytest.approx(resume_s / torch_s, abs=0.01)
-    assert result["floor_ratio_min"] == pytest.approx(floor_s / torch_s, abs=0.01)
-    assert result["resume_over_floor_min"] == pytest.approx(resume_s / floor_s, abs=0.01)
+    for name, over, under in [
+        ("ratios", resume_s, torch_s),
+        ("floor_ratios", floor_s, torch_s),
+        ("over_floor_ratios", resume_s, floor_s),
+    ]:
+        assert result[name] == [pytest.approx(over / under, abs=0.01)], name
+        assert result[f"{name}_range"] == result[name] * 2, name
+        low, high = result[f"{name}_cpu_range"]
+        assert 0 < low == high, name
+
+
+def test_cpu_time_is_the_child_s_own():
+    # A child that sleeps takes wall time and next to no CPU; one that computes takes both.
+    sleeper = bench_startup.timed([sys.executable, "-c", "import time; time.sleep(1)"])
+    worker = bench_startup.timed(
+        [
+            sys.executable,
+            "-c",
+            "import time\nend = time.process_time() + 1\nwhile time.process_time() < end: pass",
+        ]
+    )
+    assert sleeper.wall_s >= 1 and sleeper.cpu_s < 0.5
+    assert worker.cpu_s >= 1

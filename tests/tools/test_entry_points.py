@@ -30,5 +30,7 @@ def test_the_subpackages_import_beside_the_main_module_which_runs_nothing_when_i
         "import rewind.__main__, rewind.states.fold, rewind.stores.eventlog, rewind.engine.session, "
         "rewind.kernels.losses, rewind.tools.cli"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
