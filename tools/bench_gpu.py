@@ -65,7 +65,6 @@ def run_gpu_check(out: str, *, dry_run: bool, parts: list[str], as_json: bool = 
     out_dir = Path(out)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UsageError(f"--out {out}: exists and is not an empty directory (a check writes a new one)")
-    out_dir.mkdir(parents=True, exist_ok=True)
     began, date = time.monotonic(), datetime.now(UTC).isoformat(timespec="seconds")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a part's log is whole up to the moment it is killed
     if dry_run:
@@ -76,6 +75,7 @@ def run_gpu_check(out: str, *, dry_run: bool, parts: list[str], as_json: bool = 
         # Runs compared bit for bit across processes need one thread count; one is also far the fastest
         # on a busy machine (OpenMP threads that wait for a core spin).
         env.setdefault("OMP_NUM_THREADS", "1")
+    out_dir.mkdir(parents=True, exist_ok=True)  # once torch is known to start
     commit, dirty = _git_state()
     report = GpuReport(
         schema=SCHEMA_VERSION,

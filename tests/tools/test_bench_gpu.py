@@ -274,3 +274,16 @@ def test_the_help_of_bench_gpu_imports_no_torch(tmp_path):
 def test_the_cuda_budgets_fit_in_eight_minutes():
     assert set(BUDGETS_S["cuda"]) == set(PART_NAMES)
     assert PROBE_TIMEOUT_S + sum(BUDGETS_S["cuda"].values()) < 8 * 60
+
+
+def test_a_torch_that_does_not_start_is_one_line_and_writes_nothing(tmp_path):
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no torch here')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "fake")}
+    out = tmp_path / "check"
+    command = [sys.executable, "-m", "rewind.tools.cli", "bench", "gpu", "--out", str(out), "--dry-run"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == "rewind: bench gpu: torch does not start: ImportError: no torch here\n"
+    assert not out.exists()
