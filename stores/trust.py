@@ -104,11 +104,13 @@ def placement_problem(device: str, world_size: int) -> str:
 
 def state_problem(state: State, config: Config) -> str:
     """Why a cached state (a snapshot) cannot be used ("" if it can): the same rules as the records."""
+    cache = state.activation_cache
     return (
         config_problem(config)
         or threads_problem(state.num_threads)
         or capability_problem(state.cpu_capability)
         or placement_problem(state.device, state.world_size)
+        or (cache_path_problem(cache.path, cache.version, cache.first_step) if cache is not None else "")
     )
 
 

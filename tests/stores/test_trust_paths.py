@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import posixpath
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -79,3 +80,16 @@ def test_a_forks_parent_is_a_printable_path_and_a_checkpoint_name():
     assert "control characters" in RecordChecker().problem(_started(TINY, shown))
     named = ForkOrigin(run="runs/parent", step=8, checkpoint="../../x", config_hash="x")
     assert "is not a checkpoint name" in RecordChecker().problem(_started(TINY, named))
+
+
+def test_a_snapshot_whose_cache_path_leaves_the_run_is_not_used():
+    """A snapshot is a cache of the fold: one naming a cache no record could name is passed over (the
+    log is folded instead, and its records are checked)."""
+    from rewind.states.state import CacheRef, State
+    from rewind.stores.trust import state_problem
+
+    config = loads_config(TINY)
+    ref = CacheRef(version=1, first_step=10, num_steps=10, num_rows=80, path=cache_path(1, 10, "0123456789ab"))
+    assert state_problem(State(activation_cache=ref), config) == ""
+    forged = msgspec.structs.replace(ref, path="../other/cache/trunk-1.zarr")
+    assert "is not one rewind writes" in state_problem(State(activation_cache=forged), config)
