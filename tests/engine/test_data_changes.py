@@ -105,8 +105,19 @@ def test_a_token_file_rewritten_under_a_run_stops_it_before_the_next_checkpoint(
 def test_a_token_file_cut_short_under_a_training_process_is_one_line_not_a_sigbus(tmp_path):
     config, data = _setup(tmp_path / "data", num_steps=5000)
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "rewind.tools.cli", "train", str(config), "--run-dir", str(run), "--no-progress"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    command = [
+        sys.executable,
+        "-m",
+        "rewind.tools.cli",
+        "train",
+        str(config),
+        "--run-dir",
+        str(run),
+        "--no-progress",
+    ]
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path
+    )
     deadline = time.monotonic() + 240
     checkpoints = run / "checkpoints"
     while time.monotonic() < deadline and process.poll() is None:

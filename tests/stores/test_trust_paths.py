@@ -24,7 +24,9 @@ TINY = (EXAMPLES / "tiny.toml").read_text()
 
 
 def _cached(path: str, version: int = 1, step: int = 10) -> ActivationsCached:
-    return ActivationsCached(step=step, tokens=step * 256, version=version, num_steps=10, num_rows=80, path=path)
+    return ActivationsCached(
+        step=step, tokens=step * 256, version=version, num_steps=10, num_rows=80, path=path
+    )
 
 
 @pytest.mark.parametrize(
@@ -74,7 +76,9 @@ def test_a_logged_dataset_name_must_be_a_plain_name(name):
 
 
 def test_a_forks_parent_is_a_printable_path_and_a_checkpoint_name():
-    good = ForkOrigin(run=os.path.join("runs", "parent"), step=8, checkpoint="00000008-0123abcd", config_hash="x")
+    good = ForkOrigin(
+        run=os.path.join("runs", "parent"), step=8, checkpoint="00000008-0123abcd", config_hash="x"
+    )
     assert RecordChecker().problem(_started(TINY, good)) == ""
     shown = ForkOrigin(run="runs/\x1b[2Jparent", step=8, checkpoint="00000008-0123abcd", config_hash="x")
     assert "control characters" in RecordChecker().problem(_started(TINY, shown))
@@ -89,7 +93,9 @@ def test_a_snapshot_whose_cache_path_leaves_the_run_is_not_used():
     from rewind.stores.trust import state_problem
 
     config = loads_config(TINY)
-    ref = CacheRef(version=1, first_step=10, num_steps=10, num_rows=80, path=cache_path(1, 10, "0123456789ab"))
+    ref = CacheRef(
+        version=1, first_step=10, num_steps=10, num_rows=80, path=cache_path(1, 10, "0123456789ab")
+    )
     assert state_problem(State(activation_cache=ref), config) == ""
     forged = msgspec.structs.replace(ref, path="../other/cache/trunk-1.zarr")
     assert "is not one rewind writes" in state_problem(State(activation_cache=forged), config)

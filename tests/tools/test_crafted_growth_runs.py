@@ -69,7 +69,9 @@ def test_a_forged_cache_path_is_refused_by_resume_and_verify(runs, run, how):
         code, out, err = run_cli("verify", run)
     assert code == 1 and err == ""
     problems = [line for line in out.splitlines() if line.startswith("PROBLEM")]
-    assert any("activation cache path" in line and "is not one rewind writes" in line for line in problems), out
+    assert any("activation cache path" in line and "is not one rewind writes" in line for line in problems), (
+        out
+    )
     with opened_paths() as seen_too:
         code, out, err = run_cli(*grown_args(run))
     assert code == 1, out + err
