@@ -20,6 +20,7 @@ from torch import nn
 from rewind.engine import layout as layouts
 from rewind.engine.datasets import DatasetError
 from rewind.engine.model import GPT
+from rewind.engine.optimizer import AdamW
 from rewind.engine.placement import is_sharded, place
 from rewind.engine.pretrained import Pretrained, PretrainedError, apply_pretrained, load_pretrained
 from rewind.engine.registry import DatasetRegistry
@@ -50,7 +51,7 @@ class Parts:
     run_dir: str
     schedule: Schedule
     model: GPT
-    optimizer: torch.optim.Optimizer
+    optimizer: AdamW
     datasets: DatasetRegistry
     store: CheckpointStore
     reference: nn.Module | None = None

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rewind.engine.optimizer import AdamW
 from rewind.engine.placement import full_tensor, like_parameter
 
 _STATE = "state."
@@ -68,7 +69,7 @@ def load_model_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) ->
 
 
 def optimizer_tensors(
-    optimizer: torch.optim.Optimizer, param_names: Mapping[nn.Parameter, str]
+    optimizer: AdamW | torch.optim.Optimizer, param_names: Mapping[nn.Parameter, str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, meta): state tensors as `state.<param>.<field>`, tensor-valued hyper-parameters as
     `group.<index>.<key>`; meta holds the class, each group's parameter names and other hyper-parameters,
@@ -108,7 +109,7 @@ def optimizer_tensors(
 
 
 def load_optimizer_tensors(
-    optimizer: torch.optim.Optimizer,
+    optimizer: AdamW | torch.optim.Optimizer,
     param_names: Mapping[nn.Parameter, str],
     tensors: Mapping[str, torch.Tensor],
     meta: Mapping[str, Any],

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from rewind.engine.objectives import objective_batch
+from rewind.engine.optimizer import AdamW
 from rewind.engine.placement import full_tensor, in_sharded_run, is_sharded, placement_for
 from rewind.engine.ranks import sum_over_ranks
 from rewind.engine.rng import derive_seed
@@ -48,7 +49,7 @@ def nonfinite_quantity(loss: float, kl: float, grad_norm: float) -> str:
     return ""
 
 
-def build_optimizer(model: nn.Module, config: Config) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, config: Config) -> AdamW:
     opt = config.optimization
     decay, no_decay = [], []
     for name, parameter in model.named_parameters():
@@ -60,11 +61,12 @@ def build_optimizer(model: nn.Module, config: Config) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": opt.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach=False: the single-tensor path's arithmetic is the same on every run and every resume.
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, foreach=False)
+    # torch's single-tensor AdamW arithmetic (the same on every run and every resume), without torch's
+    # Optimizer base and the torch._dynamo import it costs a restart (rewind.engine.optimizer).
+    return AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
 
 
-def apply_hyperparameters(optimizer: torch.optim.Optimizer, config: Config) -> None:
+def apply_hyperparameters(optimizer: AdamW, config: Config) -> None:
     """Set what the config decides about the optimizer's groups (betas, eps, weight decay; the LR is set
     before every step). Called after restoring a checkpoint's optimizer state too: the checkpoint
     gives the moments, the config in force gives the settings, so a run forked with another weight
@@ -165,7 +167,7 @@ def _global_norm(parameters: list[torch.Tensor], clip: float, sharded: bool) -> 
 
 def train_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: AdamW,
     tokens: torch.Tensor,
     loss_mask: torch.Tensor,
     *,
