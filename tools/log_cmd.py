@@ -71,8 +71,9 @@ def describe(seq: int, event: Event) -> str:
         where = {k: data[k] for k in ("device", "world_size") if data.get(k)}
         data = {"config_hash": data["config_hash"][:12], "name": data["config"]["run"]["name"], "parent": data["parent"], **where}
     if name == "RunResumed":
-        # Where it computes, when recorded (a release before schema 6 recorded nothing: one CPU process).
-        for key in ("device", "world_size"):
+        # Where and with how many CPU threads it computes, when recorded (a release before schema 6
+        # recorded nothing: one CPU process; before schema 7, no thread count: the run's).
+        for key in ("device", "world_size", "num_threads"):
             if not data.get(key):
                 data.pop(key, None)
     if name == "RunResumed" and data.pop("seed", None) is not None:
