@@ -8,6 +8,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,3 +122,14 @@ def test_a_thread_count_out_of_range_is_a_usage_error(rewind_cli, tmp_path, coun
     code, _, err = rewind_cli("train", *TINY_LAYERNORM, "--run-dir", tmp_path / "run", "--threads", count)
     assert code == 2 and err.count("\n") == 1 and "--threads" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_record_with_an_absurd_thread_count_is_refused():
+    """Never handed to OpenMP (it crashes on such counts): a log that holds one does not fold."""
+    from rewind.stores.trust import RecordChecker
+
+    resumed = RunResumed(
+        step=0, tokens=0, checkpoint="", superseded_first_seq=1, superseded_last_seq=0, num_threads=100_000
+    )
+    assert "num_threads 100000 is out of range" in RecordChecker().problem(resumed)
+    assert RecordChecker().problem(msgspec.structs.replace(resumed, num_threads=4)) == ""
