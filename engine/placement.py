@@ -19,8 +19,10 @@ single process. The process group is created once per process (`join_process_gro
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -248,9 +250,8 @@ def _shard(model: nn.Module, config: Config) -> None:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+    fsdp = _imported("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def in_sharded_run() -> bool:
@@ -261,19 +262,28 @@ def in_sharded_run() -> bool:
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a shard (a collective: every rank calls it, in the same order), else itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    dtensor = _imported("torch.distributed.tensor")
+    return tensor.full_tensor() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
 
 
 def like_parameter(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
     """A whole optimizer moment given the sharding of its parameter (each rank keeps its own slice, no
     communication); a scalar (AdamW's step) or an unsharded parameter's moment as it is."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    dtensor = _imported("torch.distributed.tensor")
+    if dtensor is None or not isinstance(parameter, dtensor.DTensor) or isinstance(value, dtensor.DTensor):
+        return value
+    if value.shape != parameter.shape:
+        return value
+    return dtensor.distribute_tensor(
+        value.to(parameter.device), parameter.device_mesh, parameter.placements, src_data_rank=None
+    )
 
-    if isinstance(parameter, DTensor) and not isinstance(value, DTensor) and value.shape == parameter.shape:
-        return distribute_tensor(value.to(parameter.device), parameter.device_mesh, parameter.placements, src_data_rank=None)
-    return value
+
+def _imported(name: str) -> ModuleType | None:
+    """The module `name` if this process has imported it. FSDP2's classes live in modules a one-process
+    run never needs (importing torch.distributed.tensor alone costs half an `import torch`): where the
+    module was never imported, nothing can be an instance of its classes."""
+    return sys.modules.get(name)
 
 
 def model_device(model: nn.Module) -> torch.device:
