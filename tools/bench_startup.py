@@ -7,12 +7,11 @@ record: measured, under 1% of the whole). The whole process is timed, so the fig
 first step from above. The baseline is a new process that imports torch, which no restart avoids; the
 goal is <= 1.5.
 
-A second baseline says what any torch trainer pays before rewind does anything: a new process that
-imports torch and builds one `torch.optim` optimizer, whose constructor imports torch._dynamo (torch
-2.x's `torch._disable_dynamo`; it costs about as much as torch itself, and imports triton where it is
-installed). Restart / floor (`over_floor_ratios`) is rewind's own part.
+rewind builds its optimizer without `torch.optim.Optimizer` (engine/optimizer.py: whose methods import
+torch._dynamo, about as much again as torch) and never imports FSDP2's modules in a one-process run, so
+what a restart adds to `import torch` is its own work.
 
-Each repeat times the three processes one after the other, so a shared machine's load moves them
+Each repeat times the two processes one after the other, so a shared machine's load moves them
 together, and the bench reports each ratio's range. Wall time is what a user waits for and what the
 goal is about; each process's CPU time (user + system) is reported too, as the same ratios: a machine
 whose other jobs keep every core busy stretches wall times by whatever share they leave, CPU times far
@@ -37,7 +36,6 @@ RATIO_GOAL = 1.5
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny.toml"
 PREPARED_STEPS = 10  # a run stopped by --max-steps checkpoints where it stops
 IMPORT_TORCH = "import torch"
-OPTIMIZER = "import torch; torch.optim.AdamW([torch.zeros(1, requires_grad=True)])"
 
 
 @dataclass(frozen=True)
@@ -97,30 +95,25 @@ def _ratios(name: str, over: list[Timing], under: list[Timing]) -> dict:
 
 
 def run_startup_bench(quick: bool = False) -> dict:
-    """Restart, `import torch` and the optimizer floor, in new processes, once (quick) or five times."""
+    """Restart and `import torch`, in new processes, once (quick) or five times."""
     if not EXAMPLE.is_file():
         raise FileNotFoundError(
             2, "bench startup needs the checkout's examples (not installed)", str(EXAMPLE)
         )
     repeats = 1 if quick else 5
-    torch_t, floor_t, resume_t = [], [], []
+    torch_t, resume_t = [], []
     with tempfile.TemporaryDirectory(prefix="rewind-bench-startup-") as scratch:
         prepared = Path(scratch) / "prepared"
         prepare(prepared)
         for k in range(repeats):
             torch_t.append(timed([sys.executable, "-c", IMPORT_TORCH]))
-            floor_t.append(timed([sys.executable, "-c", OPTIMIZER]))
             resume_t.append(restart(prepared, Path(scratch) / f"restart-{k}"))
     return {
         "example": f"examples/{EXAMPLE.name}: resume at step {PREPARED_STEPS}, --max-steps 1",
         "baseline": f'python -c "{IMPORT_TORCH}"',
-        "floor": f'python -c "{OPTIMIZER}"',
         "repeats": repeats,
         "import_torch_s": [round(t.wall_s, 3) for t in torch_t],
-        "floor_s": [round(t.wall_s, 3) for t in floor_t],
         "resume_s": [round(t.wall_s, 3) for t in resume_t],
         "ratio_goal": RATIO_GOAL,
         **_ratios("ratios", resume_t, torch_t),  # the goal's figure: restart / import torch
-        **_ratios("floor_ratios", floor_t, torch_t),  # what torch.optim adds to import torch
-        **_ratios("over_floor_ratios", resume_t, floor_t),  # rewind's own part
     }
