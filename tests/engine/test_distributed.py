@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from rewind.states.events import RunResumed, RunStarted, StepCommitted
 from rewind.states.history import effective
 from rewind.stores.runs import read_records
+from rewind.tools.bench_gpu_part import process_tree
 from tests.engine.test_loop import TINY
 
 pytestmark = pytest.mark.distributed
@@ -75,20 +76,7 @@ def _kill_tree(pid: int) -> None:
     """SIGKILL the launcher and every process under it. (The ranks are the launcher's children in their
     own process groups: a SIGKILLed launcher cannot pass the signal on, and a job scheduler kills them
     all, as this does.)"""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    tree, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        tree.append(current)
-        pending.extend(children.get(current, []))
+    tree = process_tree(pid)
     for member in tree:
         with contextlib.suppress(ProcessLookupError):  # gone already
             os.kill(member, signal.SIGKILL)
