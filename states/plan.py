@@ -14,6 +14,7 @@ change, which is what makes a million-step dry-run take well under a second.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -163,8 +164,9 @@ def boundary_ending_at(schedule: Schedule, done: int) -> int | None:
     """The stage boundary (n - 1 = the end of the run) whose last step is step `done`, if any."""
     if done >= schedule.num_steps:
         return schedule.num_stages - 1
-    ended = [i for i in range(schedule.num_stages - 1) if schedule.entry_steps[i + 1] == done]
-    return ended[-1] if ended else None
+    # The last stage entered at step `done` (entry_steps ascend): its boundary with the stage before.
+    entered = bisect.bisect_right(schedule.entry_steps, done, lo=1) - 1
+    return entered - 1 if entered >= 1 and schedule.entry_steps[entered] == done else None
 
 
 def checkpoint_reason(schedule: Schedule, done: int, boundary: int | None) -> CheckpointReason | None:
@@ -194,18 +196,38 @@ def control_intent(state: State, schedule: Schedule, step: int) -> ControlIntent
     # the reset clears, and a resume from it performs the reset again.
     if state.pending_optimizer_resets:
         return ResetOptimizer(state.pending_optimizer_resets[0], schedule.config.optimization.reset_restarts_lr)
-    for ramp in schedule.fades:
-        started = ramp.boundary in state.fades_started
-        if not started and schedule.fade_start_step(ramp) <= step:
-            return StartFade(ramp.boundary)
-        if started and ramp.boundary not in state.fades_ended and schedule.fade_end_step(ramp) <= step:
-            return EndFade(ramp.boundary)
+    fade = fade_due(state, schedule, step)
+    if fade is not None:
+        return fade
     upcoming = state.num_stages_entered
     if upcoming < schedule.num_stages and (step >= schedule.num_steps or schedule.entry_steps[upcoming] <= step):
         return EnterStage(upcoming)
     if step >= schedule.num_steps:
         return FinishRun()
     return cache_due(state, schedule, step)
+
+
+def fade_due(state: State, schedule: Schedule, step: int) -> StartFade | EndFade | None:
+    """The first fade, in the schedule's order, that is due to start (not started, its start step come)
+    or to end (started, not ended, its end step come) before the step with index `step`."""
+    due = bisect.bisect_right(schedule.fade_start_steps, step)  # fades whose start has come
+    if due == 0:
+        return None
+    started, ended, order = state.fades_started, state.fades_ended, schedule.fade_boundaries
+    s, e = len(started), len(ended)
+    if started == order[:s] and ended == order[:e]:
+        # As a run under one config has them: fades started and ended in the schedule's order, so the
+        # first one not ended (e) is the next to end and the first one not started (s) the next to start.
+        if e < s and e < bisect.bisect_right(schedule.fade_end_steps, step):
+            return EndFade(order[e])
+        return StartFade(order[s]) if s < due else None
+    # Another config's fades on record (a ConfigChanged, a fork's seed): look at each one due.
+    for ramp, end_step in zip(schedule.fades[:due], schedule.fade_end_steps, strict=False):
+        if ramp.boundary not in started:
+            return StartFade(ramp.boundary)
+        if ramp.boundary not in ended and end_step <= step:
+            return EndFade(ramp.boundary)
+    return None
 
 
 def growth_due(state: State, schedule: Schedule, step: int) -> GrowModel | None:

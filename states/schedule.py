@@ -8,11 +8,17 @@ Fades: boundary j sits at B_j = T_0 + ... + T_j with half-width h_j = o_j * min(
 at most two stages have weight at any position and the primary stage (argmax, ties to the lower index)
 never moves backwards. That is what lets `transition_steps` find every change by bisection instead of
 walking a million steps.
+
+Only stages o - 1, o and o + 1 can have weight at x, o the stage whose budget holds x (B_o-1 <= x < B_o):
+stage i ends by B_i + h_i <= B_i+1 and starts at B_i-1 - h_i-1 >= B_i-2, and rounding to doubles keeps
+both bounds (every B_j is exact). So a query looks at three stages, not n, and building the schedule is
+O(n log N), not O(n^2 log N): a run's cost in stages stays linear up to the bound the config check sets.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -65,15 +71,22 @@ def allocate_rows(weights: tuple[float, ...] | list[float], num_rows: int) -> tu
     exact = [w * num_rows for w in weights]
     counts = [math.floor(e) for e in exact]
     leftover = num_rows - sum(counts)
-    # Sort by fractional part descending, then index descending (ties go to the higher stage index).
-    order = sorted(range(len(weights)), key=lambda i: (exact[i] - counts[i], i), reverse=True)
-    for i in order[:leftover]:
-        counts[i] += 1
+    if leftover > 0:
+        # By fractional part descending, then index descending (ties go to the higher stage index). Only
+        # the stages with a fractional part are sorted (at most three of a schedule's); the others all
+        # come after them, by index descending.
+        whole = [i for i in range(len(weights) - 1, -1, -1) if exact[i] == counts[i]]
+        parts = sorted(
+            (i for i in range(len(weights)) if exact[i] != counts[i]), key=lambda i: (exact[i] - counts[i], i)
+        )
+        for i in [*reversed(parts), *whole][:leftover]:
+            counts[i] += 1
     return tuple(counts)
 
 
 class Schedule:
-    """Pure, precomputed view of a config's schedule. Cheap to build; every query is O(num_stages)."""
+    """Pure, precomputed view of a config's schedule. Built in O(num_stages log num_steps); a query
+    about one position is O(log num_stages), one returning a weight or row per stage O(num_stages)."""
 
     def __init__(self, config: Config, features: Collection[str] | None = None):
         """`features`: the behaviours of the run this schedule is for (RunStarted.features); None for a
@@ -89,9 +102,8 @@ class Schedule:
         self.steepness = t.fade.steepness
         self.betas: tuple[float, ...] = tuple(config.optimization.kl.betas) or (0.0,) * self.num_stages
         self.reference_update_stages = frozenset(config.optimization.kl.reference_update_stages)
-        self.boundaries: tuple[int, ...] = tuple(
-            sum(self.budgets[: j + 1]) for j in range(self.num_stages)
-        )  # B_j; the last one is the total
+        # B_j = T_0 + ... + T_j; the last one is the total.
+        self.boundaries: tuple[int, ...] = tuple(itertools.accumulate(self.budgets))
         overlaps = t.fade.per_boundary_overlap or [t.fade.overlap] * max(self.num_stages - 1, 0)
         self.ramps: tuple[Ramp, ...] = tuple(
             Ramp(
@@ -102,6 +114,11 @@ class Schedule:
             for j in range(self.num_stages - 1)
         )
         self.fades: tuple[Ramp, ...] = tuple(r for r in self.ramps if r.width > 0)
+        # Both non-decreasing (a fade ends before the next one starts, see the module doc): which fades
+        # are due at a step is a bisection (rewind.states.plan.fade_due).
+        self.fade_boundaries: list[int] = [r.boundary for r in self.fades]
+        self.fade_start_steps: tuple[int, ...] = tuple(self.fade_start_step(r) for r in self.fades)
+        self.fade_end_steps: tuple[int, ...] = tuple(self.fade_end_step(r) for r in self.fades)
         # entry_steps[i]: first step whose primary stage is >= i (num_steps if the run ends first).
         self.entry_steps: tuple[int, ...] = (0, *(self.stage_entry_step(i) for i in range(1, self.num_stages)))
         # growth_steps[i]: the step before which config.growth[i] joins (rewind.states.growth.join_step).
@@ -140,20 +157,28 @@ class Schedule:
     def _ramp_value(self, ramp: Ramp, x: float) -> float:
         return curve_value(self.curve, (x - ramp.start) / ramp.width, self.steepness)
 
-    def weights_at(self, x: float) -> tuple[float, ...]:
-        raw = [self.raw_weight(i, x) for i in range(self.num_stages)]
-        total = sum(raw)
+    def weighted_stages_at(self, x: float) -> tuple[range, tuple[float, ...]]:
+        """(stages, their weights) at x: the stages that can have weight there (see the module doc), in
+        order; every other stage's weight is exactly 0."""
+        owner = bisect.bisect_right(self.boundaries, x)
+        stages = range(max(owner - 1, 0), min(owner + 2, self.num_stages))
+        raw = [self.raw_weight(i, x) for i in stages]
+        total = sum(raw)  # the sum over all stages: adding their zeros changes no bit
         if total <= 0.0:
             # Past the end (or in a degenerate gap): the stage owning x, else the last, gets it all.
-            owner = bisect.bisect_right(self.boundaries, x)
             owner = owner if owner < self.num_stages else self.num_stages - 1
-            return tuple(1.0 if i == owner else 0.0 for i in range(self.num_stages))
-        return tuple(w / total for w in raw)
+            return range(owner, owner + 1), (1.0,)
+        return stages, tuple(w / total for w in raw)
+
+    def weights_at(self, x: float) -> tuple[float, ...]:
+        stages, weights = self.weighted_stages_at(x)
+        out = [0.0] * self.num_stages
+        out[stages.start : stages.stop] = weights
+        return tuple(out)
 
     def primary_at(self, x: float) -> int:
-        weights = self.weights_at(x)
-        best = max(weights)
-        return weights.index(best)  # the lowest index among ties
+        stages, weights = self.weighted_stages_at(x)
+        return stages[weights.index(max(weights))]  # the lowest index among ties
 
     # --- per step --------------------------------------------------------------------------------
     def weights(self, step: int) -> tuple[float, ...]:

@@ -42,6 +42,9 @@ OWN_INT_RULES = frozenset({"run.seed"})
 # Token positions: the schedule places tokens as floats (fade ramps, steps of a position), exact only
 # below 2**53 (9.0e15 tokens, far past any run), so no budget, nor their sum, nor a step may pass it.
 MAX_TOKENS = 1 << 53
+# Stages: far more than any curriculum has, few enough that what grows with them stays small (each step
+# records a row count per stage; a dry-run or fold of the whole schedule takes well under a second).
+MAX_STAGES = 1000
 
 
 def unrecordable_ints(value, path: str = "") -> list[str]:
@@ -110,6 +113,8 @@ def check_config(config: Config) -> list[str]:
 
     if n == 0:
         add("training.tokens: expected at least one stage budget, got an empty list")
+    elif n > MAX_STAGES:
+        add(f"training.tokens: at most {MAX_STAGES:,} stages (one budget each), got {n:,}")
     for i, budget in enumerate(t.tokens):
         if budget <= 0:
             add(f"training.tokens[{i}]: stage budget must be positive, got {budget}")

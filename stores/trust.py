@@ -33,7 +33,7 @@ from rewind.states.events import (
 )
 from rewind.states.schedule import Schedule
 from rewind.states.state import ForkSeed, State
-from rewind.states.validation import check_config
+from rewind.states.validation import MAX_STAGES, check_config
 from rewind.stores.cachenames import cache_path_problem
 from rewind.stores.codec import LogError
 from rewind.stores.confine import plain_name_problem
@@ -228,6 +228,8 @@ class RecordChecker:
         num_steps = seed.num_steps or (Schedule(self.config).num_steps if self.config is not None else None)
         if num_steps is not None and event.step > num_steps:
             return f"the fork seed's step {event.step} is past the run's end (step {num_steps})"
+        if seed.num_stages > MAX_STAGES or max(map(len, _stage_lists(seed))) > MAX_STAGES:
+            return f"the fork seed holds more than {MAX_STAGES:,} stages (the most a config may have)"
         if any(value < 0 for value in seed.cursors.values()):
             return "the fork seed's data cursors must be >= 0"
         # Every sample drawn is at least one token of those the steps consumed.
@@ -244,3 +246,14 @@ class RecordChecker:
         ):
             return f"the fork seed's reference: {problem}"
         return ""
+
+
+def _stage_lists(seed: ForkSeed) -> tuple[list[int], ...]:
+    """The seed's lists of stages and boundaries: each has at most one entry per stage."""
+    return (
+        seed.reference_update_stages,
+        seed.fades_started,
+        seed.fades_ended,
+        seed.pending_refreshes,
+        seed.pending_optimizer_resets,
+    )

@@ -130,9 +130,44 @@ def _walk_every_step(schedule) -> int:
     return num_events
 
 
+def _stages_config(num_stages: int):
+    from rewind.states.config import loads_config
+
+    # 16 steps a stage, every boundary faded: a transition every few steps.
+    return loads_config(
+        f"""
+[architecture]
+block_size = 1
+[training]
+batch_size = 4
+tokens = [{", ".join(["64"] * num_stages)}]
+datasets = [{", ".join(['[{name="grammar"}]'] * num_stages)}]
+[training.fade]
+overlap = 0.5
+""",
+        source="bench",
+    )
+
+
+def _build_and_plan_s(num_stages: int) -> float:
+    """Seconds to build a schedule of `num_stages` stages and plan the whole run (what `rewind schedule`
+    and the fold of RunStarted do), the fastest of three."""
+    from rewind.states.plan import plan
+    from rewind.states.schedule import Schedule
+
+    config = _stages_config(num_stages)
+    times = []
+    for _ in range(3):  # the fastest of three: the machine's noise is larger than a small run
+        t0 = time.perf_counter()
+        list(plan(Schedule(config)))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def bench_schedule(quick: bool = False) -> dict:
     from rewind.states.plan import plan
     from rewind.states.schedule import Schedule
+    from rewind.states.validation import MAX_STAGES
 
     big = 100_000 if quick else 1_000_000
     small = 10_000 if quick else 100_000
@@ -150,6 +185,11 @@ def bench_schedule(quick: bool = False) -> dict:
     walk_small_s = time.perf_counter() - t0
     if walked != planned:
         raise RuntimeError(f"plan and per-step walk disagree: {planned} vs {walked} events")
+    # Linear in stages: time per stage at the most a config may have over that at a tenth of it (~1;
+    # a schedule quadratic in its stages gives ~10).
+    many = MAX_STAGES // 2 if quick else MAX_STAGES
+    stages_s = _build_and_plan_s(many)
+    few_s = _build_and_plan_s(many // 10)
     return {
         "num_steps": schedule.num_steps,
         "num_events": len(events),
@@ -158,4 +198,8 @@ def bench_schedule(quick: bool = False) -> dict:
         "plan_small_s": plan_small_s,
         "walk_small_s": walk_small_s,
         "ratio": plan_small_s / walk_small_s,
+        "num_stages": many,
+        "stages_s": stages_s,
+        "stages_baseline": f"the same run per stage with {many // 10} stages",
+        "stages_ratio": (stages_s / many) / (few_s / (many // 10)),
     }
