@@ -29,8 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_checkpoint_option(p)
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     p.add_argument(
-        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="K",
-        help=f"new tokens at most (default {DEFAULT_MAX_TOKENS}; fewer when the model ends the text)",
+        "--max-tokens", type=int, default=None, metavar="K",
+        help=f"new tokens at most, up to the model's context (block_size); default {DEFAULT_MAX_TOKENS} or the "
+        "context if shorter; fewer when the model ends the text",
     )
     p.add_argument(
         "--temperature", type=float, default=1.0, metavar="T", help="0 = greedy (argmax); default 1.0"
@@ -130,12 +131,24 @@ def refuse_masked(config, what: str) -> None:
         )
 
 
+def new_token_limit(asked: int | None, block_size: int) -> int:
+    """How many new tokens to draw at most: what was asked, within the model's context (a continuation
+    longer than block_size would no longer see its own start, and a typo of 10**9 would run for days)."""
+    if asked is None:
+        return min(DEFAULT_MAX_TOKENS, block_size)
+    if asked > block_size:
+        raise UsageError(
+            f"--max-tokens {asked}: at most the model's context, {block_size} tokens (architecture.block_size)"
+        )
+    return asked
+
+
 def run(args: argparse.Namespace) -> int:
-    from rewind.engine.sampling import SamplingError, generate
+    from rewind.engine.sampling import NonFiniteLogits, SamplingError, generate
 
     if args.prompt == "":
         raise UsageError("--prompt '': an empty prompt; give some text to continue")
-    if args.max_tokens < 0:
+    if args.max_tokens is not None and args.max_tokens < 0:
         raise UsageError(f"--max-tokens {args.max_tokens}: must be >= 0")
     if not 0.0 <= args.temperature < math.inf:  # NaN fails too
         raise UsageError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
@@ -143,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
     loaded = model_at(args.run_dir, args.at_step)
     refuse_masked(loaded.config, "sample")
+    max_tokens = new_token_limit(args.max_tokens, loaded.config.architecture.block_size)
     tokenizer = run_tokenizer(args.run_dir, loaded.state.tokenizer)
     prompt_ids = tokenizer.encode(args.prompt)
     vocab_size = loaded.config.architecture.vocab_size
@@ -156,12 +170,14 @@ def run(args: argparse.Namespace) -> int:
         tokens = generate(
             loaded.model,
             prompt_ids,
-            max_new_tokens=args.max_tokens,
+            max_new_tokens=max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
             eos_id=tokenizer.eos_id,
         )
+    except NonFiniteLogits as exc:
+        raise CommandError(f"{args.run_dir}: checkpoint {loaded.checkpoint}: {exc}", 1) from None
     except SamplingError as exc:
         raise UsageError(str(exc)) from None
     completion = tokenizer.decode(tokens)
@@ -176,8 +192,8 @@ def run(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "temperature": args.temperature,
             "top_p": args.top_p,
-            "max_tokens": args.max_tokens,
-            "stopped": "max_tokens" if len(tokens) == args.max_tokens else "eos",
+            "max_tokens": max_tokens,
+            "stopped": "max_tokens" if len(tokens) == max_tokens else "eos",
         }))
     else:
         print(completion)

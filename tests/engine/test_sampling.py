@@ -93,12 +93,49 @@ def test_generation_stops_before_eos(model):
 
 def test_the_context_is_cropped_to_block_size(model):
     long_prompt = [(7 * i + 3) % 256 for i in range(BLOCK_SIZE + 9)]
-    greedy = sample(model, prompt=long_prompt, temperature=0.0, max_new_tokens=20)
-    assert greedy == argmax_chain(model, long_prompt, 20)
+    greedy = sample(model, prompt=long_prompt, temperature=0.0, max_new_tokens=BLOCK_SIZE)
+    assert greedy == argmax_chain(model, long_prompt, BLOCK_SIZE)
     # Only the last block_size tokens count: the model never sees the rest.
-    assert greedy == sample(model, prompt=long_prompt[-BLOCK_SIZE:], temperature=0.0, max_new_tokens=20)
+    assert greedy == sample(model, prompt=long_prompt[-BLOCK_SIZE:], temperature=0.0, max_new_tokens=BLOCK_SIZE)
     # A prompt shorter than the block runs past it.
-    assert len(sample(model, prompt=PROMPT, max_new_tokens=2 * BLOCK_SIZE)) == 2 * BLOCK_SIZE
+    assert len(sample(model, prompt=PROMPT, max_new_tokens=BLOCK_SIZE)) == BLOCK_SIZE
+
+
+def test_at_most_the_models_context_is_drawn(model, monkeypatch):
+    forward, calls = GPT.forward, []
+
+    def counted(self, *args, **kwargs):  # (before the bound, this request ran for days)
+        calls.append(1)
+        assert len(calls) <= BLOCK_SIZE, "generation ran past the model's context"
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", counted)
+    with pytest.raises(SamplingError, match=f"max_new_tokens 1000000000: at most the model's context, {BLOCK_SIZE}"):
+        sample(model, max_new_tokens=10**9)
+    assert calls == []
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 1e-300}, {"temperature": 1e-46}, {"top_p": 1e-300}])
+def test_settings_below_float32s_range_are_greedy(model, settings):
+    """1e-300 is 0 in float32: logits / T were infinite and the nucleus empty, so torch.multinomial
+    met NaN. Now the temperature's limit (the most likely tokens, evenly) and the top token are drawn."""
+    assert sample(model, seed=3, **settings) == sample(model, temperature=0.0)
+
+
+def test_the_limit_of_a_tiny_temperature_shares_tied_maxima_evenly():
+    from rewind.engine.sampling import next_token
+
+    logits = torch.tensor([1.0, 3.0, 3.0, -2.0])
+    drawn = {next_token(logits, temperature=1e-300, top_p=1.0, seed=0, position=p) for p in range(64)}
+    assert drawn == {1, 2}
+
+
+def test_logits_that_are_not_finite_are_one_line():
+    from rewind.engine.sampling import NonFiniteLogits, next_token
+
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(NonFiniteLogits, match="logits at position 7 are not finite"):
+            next_token(torch.tensor([0.0, value]), temperature=1.0, top_p=0.9, seed=0, position=7)
 
 
 def test_the_model_is_left_in_the_mode_it_was_in(model):

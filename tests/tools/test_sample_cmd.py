@@ -132,7 +132,7 @@ def test_the_seed_decides_the_draw(run):
         return json.loads(out)["tokens"]
 
     first = draw(1)
-    assert len(first) == 64 and draw(1) == first
+    assert len(first) == 24 and draw(1) == first  # by default 64 tokens, or the context (24) if shorter
     assert draw(2) != first
 
 
@@ -149,6 +149,44 @@ def test_the_seed_decides_the_draw(run):
 )
 def test_bad_requests_are_one_line_and_exit_2(run, args, message):
     assert message in one_line_error(*cli("sample", run, *args), exit_code=2)
+
+
+def test_more_new_tokens_than_the_models_context_are_refused_in_one_line(run, monkeypatch):
+    from rewind.engine.model import GPT
+
+    forward, calls = GPT.forward, []
+
+    def counted(self, *args, **kwargs):  # (before the bound, this request ran for days)
+        calls.append(1)
+        assert len(calls) <= 24, "generation ran past the model's context"
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", counted)
+    line = one_line_error(*cli("sample", run, "--prompt", PROMPT, "--max-tokens", "1000000000"), exit_code=2)
+    assert calls == []
+    assert "--max-tokens 1000000000: at most the model's context, 24 tokens (architecture.block_size)" in line
+    code, out, err = cli("sample", run, "--prompt", PROMPT, "--max-tokens", "24", "--temperature", "0", "--json")
+    assert code == 0 and len(json.loads(out)["tokens"]) == 24 == json.loads(out)["max_tokens"], err
+
+
+@pytest.mark.parametrize("setting", [["--top-p", "1e-300"], ["--temperature", "1e-300"]])
+def test_settings_below_float32s_range_draw_the_most_likely_token(run, setting):
+    """Both once reached torch.multinomial with NaN probabilities (a traceback): each is greedy now."""
+    args = ["sample", run, "--prompt", PROMPT, "--max-tokens", "8", "--json"]
+    code, out, err = cli(*args, *setting)
+    assert code == 0 and "Traceback" not in err, err
+    assert json.loads(out)["tokens"] == json.loads(cli(*args, "--temperature", "0")[1])["tokens"]
+
+
+def test_a_model_whose_logits_are_not_finite_is_one_line_and_exit_1(run, tmp_path, monkeypatch):
+    import torch
+
+    from rewind.engine.model import GPT
+
+    forward = GPT.forward
+    monkeypatch.setattr(GPT, "forward", lambda self, *a, **k: forward(self, *a, **k) * torch.nan)
+    line = one_line_error(*cli("sample", run, "--prompt", PROMPT), exit_code=1)
+    assert "the model's logits at position 10 are not finite" in line and committed(run)[5] in line
 
 
 def test_a_missing_run_or_missing_checkpoint_files_are_one_line(run, tmp_path):
