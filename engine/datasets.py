@@ -23,12 +23,13 @@ import numpy as np
 import torch
 
 from rewind.engine import tasks
-from rewind.engine.tokens import RowSplit, TokenStream
+from rewind.engine.tokens import RowSplit, TokenFileError, TokenStream
 from rewind.states.config import BUILTIN_DATASETS
 
 SPLITS = tasks.SPLITS
-# Files up to this many tokens are scanned for out-of-vocabulary ids when opened (a few tens of ms);
-# larger ones are checked window by window as rows are read.
+# Files up to this many tokens are scanned for out-of-vocabulary ids whenever they are opened (a few tens
+# of ms); larger ones only when a run starts on them (`check_all`: before RunStarted, about 0.2 s per
+# 2**27 tokens), and otherwise window by window as rows are read (a resume does not pay for a corpus).
 EAGER_VOCAB_CHECK_TOKENS = 1 << 26
 
 if tasks.TASK_NAMES != BUILTIN_DATASETS:
@@ -38,6 +39,12 @@ if tasks.TASK_NAMES != BUILTIN_DATASETS:
 
 class DatasetError(Exception):
     """A dataset cannot be opened or read: missing, unreadable, too small, or inconsistent with the config."""
+
+
+class TokenIdError(DatasetError, TokenFileError):
+    """A token id past the model's vocabulary, met in the rows a step reads (a file too large to scan
+    whenever it is opened, in a run that did not scan it when it started). A TokenFileError too, so that
+    it stops any command in one line, exit 1 (rewind.tools.cli), as a token file cut short does."""
 
 
 class Dataset(ABC):
@@ -114,7 +121,9 @@ class BuiltinDataset(Dataset):
 
 class WindowedDataset(Dataset):
     """A token stream cut into non-overlapping windows of block_size + 1; the loss covers every target.
-    With a validation stream of its own (`validation`), every window of `train` is a train row."""
+    With a validation stream of its own (`validation`), every window of `train` is a train row. Every id
+    is checked against vocab_size when opened (`check_all`, or a file of at most EAGER_VOCAB_CHECK_TOKENS),
+    else as each window is read: an id found then is a TokenIdError (one line, exit 1)."""
 
     def __init__(
         self,
@@ -126,6 +135,7 @@ class WindowedDataset(Dataset):
         split: str,
         fraction: float,
         validation: TokenStream | None = None,
+        check_all: bool = False,
     ):
         self.name, self.block_size, self.vocab_size = name, block_size, vocab_size
         self.path = train.path
@@ -142,20 +152,20 @@ class WindowedDataset(Dataset):
                 f"dataset {name!r}: {self.path}: too small: {sizes}, leaving {self.rows.num_train} for train "
                 f"and {self.rows.num_validation} for validation"
             )
-        # Vocab check: whole streams now when it is affordable, otherwise each window as it is read.
+        # Vocab check: whole streams now when asked or affordable, otherwise each window as it is read.
         self._check_lazily = False
         for stream in {id(s): s for s in self._streams.values()}.values():
             if int(np.iinfo(stream.dtype).max) >= vocab_size:
-                if stream.num_tokens <= EAGER_VOCAB_CHECK_TOKENS:
-                    self._check_vocab(stream.path, stream.max_token())
+                if check_all or stream.num_tokens <= EAGER_VOCAB_CHECK_TOKENS:
+                    if problem := self._vocab_problem(stream.path, stream.max_token()):
+                        raise DatasetError(problem)
                 else:
                     self._check_lazily = True
 
-    def _check_vocab(self, path: str, largest: int) -> None:
-        if largest >= self.vocab_size:
-            raise DatasetError(
-                f"dataset {self.name!r}: {path}: token id {largest} is outside architecture.vocab_size {self.vocab_size}"
-            )
+    def _vocab_problem(self, path: str, largest: int) -> str:
+        if largest < self.vocab_size:
+            return ""
+        return f"dataset {self.name!r}: {path}: token id {largest} is outside architecture.vocab_size {self.vocab_size}"
 
     def num_samples(self, split: str) -> int:
         if split not in SPLITS:
@@ -165,8 +175,8 @@ class WindowedDataset(Dataset):
     def _rows(self, split: str, indices: np.ndarray) -> np.ndarray:
         stream = self._streams[split]
         rows = stream.windows(self.rows.rows(split, indices), self._width)
-        if self._check_lazily and rows.size:
-            self._check_vocab(stream.path, int(rows.max()))
+        if self._check_lazily and rows.size and (problem := self._vocab_problem(stream.path, int(rows.max()))):
+            raise TokenIdError(problem)
         return rows
 
     def sample(self, split: str, index: int) -> tuple[np.ndarray, np.ndarray]:

@@ -146,6 +146,7 @@ def _open(name: str, source: DataSource, block_size: int, vocab_size: int, place
         return WindowedDataset(
             name, place.open_stream(name, path, source.dtype), block_size, vocab_size,
             split=_split_mode(source, place), fraction=source.validation_fraction, validation=validation,
+            check_all=place.full_identity,  # a start: every id checked before RunStarted
         )
     # Documents: tokenised once into the run's data directory, then read like a prepared directory.
     from rewind.engine.dataprep import prepare
@@ -187,6 +188,7 @@ def _open_prepared(name, directory, block_size, vocab_size, place: DataPlace, so
     return WindowedDataset(
         name, streams["train"], block_size, vocab_size,
         split=_split_mode(source, place), fraction=source.validation_fraction, validation=streams.get("validation"),
+        check_all=place.full_identity,  # a start: every id checked before RunStarted
     )
 
 
