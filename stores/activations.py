@@ -73,6 +73,9 @@ MANIFEST = "complete.json"
 RECORDS_DIR = "done"
 CRC_SIZE = 4  # zarr's crc32c codec appends the checksum, little-endian, after the chunk's bytes
 MAX_RECORD_BYTES = 1 << 12
+# zarr.json as rewind writes it is under 2 KB, 5 levels deep; zarr parses it whole with json.loads.
+MAX_META_BYTES = 1 << 16
+MAX_META_DEPTH = 16
 # Queued completion records are made real (chunks synced, then the records written) every this many
 # chunks or bytes: what a kill can cost is recomputing that much.
 GROUP_CHUNKS = 64
@@ -204,13 +207,12 @@ class ActivationCache:
         location = filesystem(url)
         if not location.join(ARRAY_META).exists():
             raise CacheError(f"{location.url}: no activation cache there")
-        if location.is_local:  # zarr reads whatever is there: checked first
-            os.close(_open_regular(location.join(ARRAY_META).path))
+        _check_array_meta(location)  # zarr reads whatever is there: checked first
         import zarr
 
         try:
             array = zarr.open_array(_store(location), mode="r+", zarr_format=3)
-        except (ValueError, TypeError, KeyError, OSError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:  # (zarr's, for what it cannot parse)
             raise CacheError(f"{location.url}: not a readable zarr v3 array: {exc}") from None
         cache = cls(location, _spec_of(location, array), array)
         cache.missing_chunks()  # loads the records
@@ -481,6 +483,29 @@ def _spec_of(location: Location, array: zarr.Array) -> CacheSpec:
     if found != expected or metadata.encode_chunk_key((0, 0, 0)) != "c.0.0.0":
         raise CacheError(f"{location.url}: the array does not have the layout its cache spec says")
     return spec
+
+
+def _check_array_meta(location: Location) -> None:
+    """CacheError unless zarr.json is a regular file (locally: not a link either), small and shallow
+    enough that zarr's own reading of it (json.loads of the whole file) cannot run out of memory or
+    recursion."""
+    meta = location.join(ARRAY_META)
+    try:
+        if location.is_local:
+            os.close(_open_regular(meta.path))
+        found = fsio.read_json(meta, MAX_META_BYTES)
+    except (OSError, msgspec.DecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise CacheError(f"{location.url}: not a readable zarr v3 array: {ARRAY_META}: {reason}") from None
+    if not isinstance(found, dict):
+        raise CacheError(f"{location.url}: not a readable zarr v3 array: {ARRAY_META} is not a JSON object")
+    levels, depth = [found], 0
+    while levels:
+        depth += 1
+        if depth > MAX_META_DEPTH:
+            raise CacheError(f"{location.url}: not a readable zarr v3 array: {ARRAY_META} nests deeper than {MAX_META_DEPTH} levels")
+        levels = [v for node in levels if isinstance(node, dict | list)
+                  for v in (node.values() if isinstance(node, dict) else node)]
 
 
 def _store(location: Location) -> zarr.storage.StoreLike:

@@ -5,6 +5,10 @@ of `NUM_FINGERPRINT_BLOCKS` blocks of `FINGERPRINT_BLOCK` bytes at evenly spaced
 the last block included), so it reads at most 1 MiB of any file. It notices a file replaced, truncated,
 extended or re-tokenised; an edit that keeps the size and touches none of the sampled blocks is what
 `rewind verify --data` (the full sha256) is for.
+
+A local file is read only if it is a regular file (rewind.stores.fsio.open_regular): a token file
+replaced by a FIFO would block a resume's fingerprint forever, one linked to /dev/zero would never let
+`rewind verify --data` finish hashing.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import hashlib
 import os
 
 from rewind.states.data_identity import SourceFile
-from rewind.stores.fsio import filesystem
+from rewind.stores.fsio import filesystem, open_regular
 
 NUM_FINGERPRINT_BLOCKS = 16
 FINGERPRINT_BLOCK = 64 * 1024
@@ -40,18 +44,25 @@ def _read_blocks(handle, size: int) -> hashlib._Hash:
 
 def file_identity(path: str | os.PathLike[str], *, full: bool = False) -> SourceFile:
     """(size, fingerprint, and with `full` the sha256 of every byte) of the file at `path` (a local path
-    or an fsspec URL). FileNotFoundError / OSError leave as they are, for the caller to put in one line."""
+    or an fsspec URL). FileNotFoundError / OSError (RefusedFile: not a regular file) leave as they are,
+    for the caller to put in one line."""
     location = filesystem(str(path))
     fs, where = location.fs, location.path
-    size = int(fs.size(where))
-    with fs.open(where, "rb") as handle:
+    if location.is_local:
+        fd, info = open_regular(where)
+        size, handle = info.st_size, os.fdopen(fd, "rb")
+    else:
+        size, handle = int(fs.size(where)), fs.open(where, "rb")
+    with handle:
         fingerprint = _read_blocks(handle, size).hexdigest()
         content = ""
         if full:
             handle.seek(0)
             digest = hashlib.sha256()
-            while chunk := handle.read(_HASH_CHUNK):
+            left = size  # the bytes the size names: a file that keeps growing is not followed
+            while left and (chunk := handle.read(min(_HASH_CHUNK, left))):
                 digest.update(chunk)
+                left -= len(chunk)
             content = digest.hexdigest()
     return SourceFile(path=str(path), size=size, fingerprint=fingerprint, sha256=content)
 

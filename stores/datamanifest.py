@@ -11,6 +11,10 @@ A prepared directory is complete or absent: `PreparedWriter` fills a temporary s
 fsyncs every file and the directory, and only then renames it to DIR, so a crash mid-way never leaves
 a DIR that looks complete (at worst a `.DIR.tmp-*` sibling, which nothing reads). The manifest's own
 sha256 (`manifest_hash`) is what a run records as the dataset's `prepared` identity.
+
+A prepared directory is user data (another machine's, a download): its files are read only if they are
+regular files, the manifest and tokenizer copy whole up to a cap each (MAX_MANIFEST_BYTES,
+MAX_TOKENIZER_BYTES), token files in bounded pieces; what is refused is a ManifestError of one line.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from rewind.states.data_identity import SourceFile
 from rewind.stores.fsio import (
     FilesystemUnavailable,
     Location,
+    decode_json,
     filesystem,
     fsync_dir,
+    open_regular,
     sync_fd,
     write_new_file,
 )
@@ -43,6 +49,11 @@ TOKENIZER_FILE = "tokenizer.json"
 SPLIT_FILES = {"train": "train.bin", "validation": "validation.bin"}
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _HASH_CHUNK = 8 * 1024 * 1024
+# The most a manifest may hold: about 250 bytes per source file, so a few hundred thousand inputs.
+MAX_MANIFEST_BYTES = 64 << 20
+# The most a tokenizer.json may hold, here and wherever rewind reads one: the largest public ones (262k
+# ids with their merges) are a few tens of MB.
+MAX_TOKENIZER_BYTES = 256 << 20
 
 
 class ManifestError(Exception):
@@ -110,7 +121,7 @@ def manifest_bytes(directory: str | os.PathLike[str]) -> bytes:
     """DIR/manifest.json as it is on disk (ManifestError when it cannot be read)."""
     location = _location(directory)
     try:
-        return location.join(MANIFEST_FILE).read_bytes()
+        return location.join(MANIFEST_FILE).read_bounded(MAX_MANIFEST_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         raise ManifestError(f"{directory}: not a prepared data directory (no {MANIFEST_FILE})") from None
     except OSError as exc:
@@ -121,7 +132,7 @@ def decode_manifest(data: bytes, where: str) -> DataManifest:
     """Parse manifest bytes, refusing a newer format and anything whose file names are not the
     expected ones (a manifest is user data: it must never name a path outside its directory)."""
     try:
-        raw = msgspec.json.decode(data)
+        raw = decode_json(data)
     except msgspec.DecodeError as exc:
         raise ManifestError(f"{where}: {MANIFEST_FILE} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
@@ -132,8 +143,8 @@ def decode_manifest(data: bytes, where: str) -> DataManifest:
             f"{where}: prepared by a newer rewind (format {version}; this one reads up to {FORMAT}): upgrade rewind"
         )
     try:
-        manifest = msgspec.json.decode(data, type=DataManifest)
-    except msgspec.ValidationError as exc:
+        manifest = decode_json(data, DataManifest)
+    except msgspec.DecodeError as exc:
         raise ManifestError(f"{where}: {MANIFEST_FILE} is malformed: {exc}") from None
     if manifest.format != FORMAT:
         raise ManifestError(f"{where}: {MANIFEST_FILE} has unknown format {manifest.format}")
@@ -165,12 +176,27 @@ def is_prepared(directory: str | os.PathLike[str]) -> bool:
         return False
 
 
-def _file_sha256(location: Location) -> str:
+def _file_sha256(location: Location, size: int) -> str:
+    """sha256 of the file's first `size` bytes (its whole, when it is the size the manifest says)."""
     digest = hashlib.sha256()
-    with location.fs.open(location.path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
+    if location.is_local:
+        handle = os.fdopen(open_regular(location.path)[0], "rb")
+    else:
+        handle = location.fs.open(location.path, "rb")
+    with handle:
+        while size and (chunk := handle.read(min(_HASH_CHUNK, size))):
             digest.update(chunk)
+            size -= len(chunk)
     return digest.hexdigest()
+
+
+def _regular_size(location: Location) -> int:
+    """The size of a token file, which locally must be a regular file (RefusedFile otherwise)."""
+    if not location.is_local:
+        return location.size()
+    fd, info = open_regular(location.path)
+    os.close(fd)
+    return info.st_size
 
 
 def check_prepared(directory: str | os.PathLike[str], *, full: bool = False) -> list[str]:
@@ -191,10 +217,10 @@ def check_prepared(directory: str | os.PathLike[str], *, full: bool = False) -> 
                             f"{token_file.num_tokens} tokens of {manifest.dtype}")
             continue
         try:
-            size = file.size()
+            size = _regular_size(file)
             if size != token_file.size:
                 problems.append(f"{where}/{token_file.file}: {size} bytes, the manifest says {token_file.size}")
-            elif full and (actual := _file_sha256(file)) != token_file.sha256:
+            elif full and (actual := _file_sha256(file, size)) != token_file.sha256:
                 problems.append(f"{where}/{token_file.file}: contents changed (sha256 {actual[:12]}, "
                                 f"manifest {token_file.sha256[:12]})")
         except FileNotFoundError:
@@ -204,7 +230,7 @@ def check_prepared(directory: str | os.PathLike[str], *, full: bool = False) -> 
     tokenizer = location.join(TOKENIZER_FILE)
     if manifest.tokenizer:
         try:
-            actual = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+            actual = hashlib.sha256(tokenizer.read_bounded(MAX_TOKENIZER_BYTES)).hexdigest()
             if actual != manifest.tokenizer:
                 problems.append(f"{where}/{TOKENIZER_FILE}: sha256 {actual[:12]}, the manifest says "
                                 f"{manifest.tokenizer[:12]}")
