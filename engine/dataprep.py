@@ -44,6 +44,7 @@ from rewind.stores.datamanifest import (
     dtype_for,
     read_manifest,
 )
+from rewind.stores.fsio import decode_json
 
 # Characters per encode_batch call, and how many calls run at once. Measured on the standard library's
 # .py files (13 MB) with an 8192-id BPE on 2 cores, as a fraction of one encode_batch call over all of
@@ -378,9 +379,7 @@ def reusable_trained(
 
 def _without_learned(tokenizer: Tokenizer) -> dict:
     """A tokenizer.json without what training learns (merges, and the vocabulary past the 257 fixed ids)."""
-    import json
-
-    data = json.loads(tokenizer.to_json())
+    data = decode_json(tokenizer.to_json())
     model = data.get("model") or {}
     fixed = sorted((token, i) for token, i in (model.get("vocab") or {}).items() if i < 257)
     return {**data, "model": {**{k: v for k, v in model.items() if k not in ("vocab", "merges")}, "vocab": fixed}}

@@ -28,7 +28,14 @@ from rewind.engine.datasets import DatasetError
 from rewind.engine.documents import DocumentError, expand_inputs, iter_documents
 from rewind.engine.ranks import Failure, first_failure
 from rewind.engine.registry import DatasetRegistry
-from rewind.engine.tokenizer import ByteTokenizer, TextTokenizer, TokenizerError, load_tokenizer, train_bpe
+from rewind.engine.tokenizer import (
+    ByteTokenizer,
+    TextTokenizer,
+    TokenizerError,
+    load_tokenizer,
+    read_tokenizer_bytes,
+    train_bpe,
+)
 from rewind.engine.userdata import DataPlace, dataset_identity
 from rewind.states.config import Config
 from rewind.states.data_checks import TEXT_KINDS
@@ -147,8 +154,7 @@ def pretrained_tokenizer(path: str) -> tuple[str, str | None] | None:
     candidate = os.path.join(path, TOKENIZER_FILE)
     if os.path.isdir(path):
         if os.path.isfile(candidate):
-            with open(candidate, "rb") as handle:
-                return bytes_identity(handle.read()), candidate
+            return bytes_identity(read_tokenizer_bytes(candidate)), candidate
         return None
     from rewind.engine.pretrained import tokenizer_of_export
 
@@ -224,9 +230,12 @@ def check_data(config: Config, state: State, place: DataPlace, *, full: bool = F
     if section.path:
         path = place.resolve(section.path)
         try:
-            current = bytes_identity(filesystem(path).fs.cat_file(filesystem(path).path))
+            current = bytes_identity(read_tokenizer_bytes(path))
         except FileNotFoundError:
             current = "(missing)"
+        except TokenizerError as exc:
+            changes.append(f"tokenizer.path: {exc}")  # (not a regular file, or too large: nothing to compare)
+            current = state.tokenizer
         if current != state.tokenizer:
             changes.append(f"tokenizer.path: {path} changed since the run started "
                            f"({current[:12]}, recorded {state.tokenizer[:12] or 'bytes'})")
@@ -292,7 +301,7 @@ def copy_run_data(place: DataPlace, config: Config, parent_dir: str, child_dir: 
     os.makedirs(target, exist_ok=True)
     source_tokenizer = filesystem(tokenizer_path(parent_dir))
     if source_tokenizer.exists():
-        filesystem(tokenizer_path(child_dir)).write_atomic(source_tokenizer.fs.cat_file(source_tokenizer.path))
+        filesystem(tokenizer_path(child_dir)).write_atomic(read_tokenizer_bytes(source_tokenizer.url))
     for name, source in config.data.items():
         prepared = place.prepared_dir(name, source)
         if source.kind in TEXT_KINDS and not source.prompt_field and os.path.isdir(prepared):

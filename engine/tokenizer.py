@@ -9,6 +9,13 @@ is not applied, padding and truncation a tokenizer.json may carry are switched o
 cut documents silently), and special tokens written in the text (a literal "<|endoftext|>" in a
 scraped page) are encoded as the text they are, so that only `separator()` ends a document.
 
+A tokenizer.json is untrusted input: it is read only as a regular file of at most MAX_TOKENIZER_BYTES
+(`read_tokenizer_bytes`), its normalizer's growth is bounded before any text is normalized and every
+encode is kept within it (rewind.engine.tokenizer_guard: a file of a few KB could otherwise make one
+character into more than memory holds, and the Rust side aborts the process), a WordLevel/WordPiece
+model whose unknown token is missing is refused when loaded, and whatever the Rust side still raises
+while encoding is a TokenizerError of one line.
+
 `train_bpe` trains a byte-level BPE tokenizer that is a pure function of its inputs: see its docstring
 for what makes the `tokenizers` trainer deterministic.
 """
@@ -17,14 +24,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 from collections.abc import Iterable
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
-from rewind.stores.fsio import FilesystemUnavailable, filesystem
+from rewind.engine.tokenizer_guard import GrowthError, NormalizerGuard, decoder_growth, model_problem
+from rewind.stores.datamanifest import MAX_TOKENIZER_BYTES
+from rewind.stores.fsio import FilesystemUnavailable, decode_json, filesystem
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -104,9 +113,17 @@ class Tokenizer:
 
         try:
             inner = HFTokenizer.from_str(json_text)
-        except Exception as exc:  # tokenizers raises plain Exception with serde's message
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise TokenizerError(f"{source}: not a tokenizer.json ({reason})") from None
+        except BaseException as exc:  # tokenizers raises plain Exception with serde's message
+            raise TokenizerError(f"{source}: not a tokenizer.json ({_first_line(_from_rust(exc))})") from None
+        try:
+            normalizer = inner.normalizer
+            state = None if normalizer is None else decode_json(normalizer.__getstate__())
+            self._guard = NormalizerGuard(state, normalizer)
+            decoder_growth(None if inner.decoder is None else decode_json(inner.decoder.__getstate__()))
+        except (GrowthError, msgspec.DecodeError) as exc:
+            raise TokenizerError(f"{source}: refused: {exc}") from None
+        if problem := model_problem(inner.model):
+            raise TokenizerError(f"{source}: refused: {problem}")
         inner.no_truncation()
         inner.no_padding()
         inner.encode_special_tokens = True  # a special written in a document is text, not a separator
@@ -129,12 +146,26 @@ class Tokenizer:
         return self._inner
 
     def encode(self, text: str) -> list[int]:
-        return self._inner.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """The parallel path: the Rust side splits the batch across its threads (without the GIL) and
-        skips character offsets, which nothing here needs."""
-        return [encoding.ids for encoding in self._inner.encode_batch_fast(texts, add_special_tokens=False)]
+        skips character offsets, which nothing here needs. Split where the normalizer's output would
+        pass the guard's limit; TokenizerError (one line) for a text it refuses or an encoding error."""
+        try:
+            groups = self._guard.plan(texts)
+        except GrowthError as exc:
+            raise TokenizerError(f"{self.source}: {exc}") from None
+        except BaseException as exc:  # (a step measured on its own)
+            raise TokenizerError(f"{self.source}: cannot normalize a document: {_first_line(_from_rust(exc))}") from None
+        ids: list[list[int]] = []
+        for group in groups:
+            try:
+                encodings = self._inner.encode_batch_fast(texts[group], add_special_tokens=False)
+            except BaseException as exc:  # a model that cannot encode a word, a panic in the Rust code
+                raise TokenizerError(f"{self.source}: cannot encode a document: {_first_line(_from_rust(exc))}") from None
+            ids += [encoding.ids for encoding in encodings]
+        return ids
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._inner.decode(list(ids), skip_special_tokens=False)
@@ -148,7 +179,7 @@ class Tokenizer:
         of the token decoded on its own, which is approximate where a token is part of a character."""
         sizes = np.zeros(self.vocab_size, dtype=np.int64)
         added = self._inner.get_added_tokens_decoder()
-        byte_level = _is_byte_level(self._json)
+        byte_level = _is_byte_level(self._inner.decoder)
         table = unicode_to_byte()
         for token, token_id in self._inner.get_vocab(with_added_tokens=True).items():
             if token_id in added:
@@ -164,31 +195,56 @@ class Tokenizer:
         return self._json
 
 
-def _is_byte_level(json_text: str) -> bool:
+def _from_rust(exc: BaseException) -> BaseException:
+    """`exc` when it is what `tokenizers` raises for a file or a text it cannot handle: an Exception, or
+    pyo3's PanicException where its Rust code panics (a BaseException, which some tokenizer.json files
+    can make it raise); anything else (KeyboardInterrupt, SystemExit) is raised again as it is."""
+    if isinstance(exc, Exception) or type(exc).__name__ == "PanicException":
+        return exc
+    raise exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+
+
+def _is_byte_level(decoder) -> bool:
     """Whether the tokenizer decodes through the byte-level table (its decoder is ByteLevel, alone or
     in a Sequence), so that vocabulary entries are strings of byte characters."""
     try:
-        decoder = json.loads(json_text).get("decoder") or {}
-    except (ValueError, AttributeError):
+        state = decode_json(decoder.__getstate__()) if decoder is not None else {}
+    except msgspec.DecodeError:
         return False
-    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    if not isinstance(state, dict):
+        return False
+    parts = state.get("decoders", []) if state.get("type") == "Sequence" else [state]
     return any(isinstance(part, dict) and part.get("type") == "ByteLevel" for part in parts)
+
+
+def read_tokenizer_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the tokenizer.json at `path` (local or an fsspec URL): a regular file of at most
+    MAX_TOKENIZER_BYTES. TokenizerError (one line) otherwise; FileNotFoundError when it is absent."""
+    path = str(path)
+    try:
+        location = filesystem(os.path.expanduser(path))
+        if location.is_local and os.path.isdir(location.path):
+            raise TokenizerError(f"{path}: is a directory (give the tokenizer.json inside it)")
+        return location.read_bounded(MAX_TOKENIZER_BYTES)
+    except FileNotFoundError:
+        raise
+    except FilesystemUnavailable as exc:
+        raise TokenizerError(str(exc)) from None
+    except OSError as exc:
+        raise TokenizerError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer in `path` (a tokenizer.json, local or an fsspec URL). TokenizerError: one line."""
     path = str(path)
     try:
-        location = filesystem(os.path.expanduser(path))
-        if location.is_local and os.path.isdir(location.path):
-            raise TokenizerError(f"{path}: is a directory (give the tokenizer.json inside it)")
-        data = location.read_bytes()
+        data = read_tokenizer_bytes(path)
     except FileNotFoundError:
         raise TokenizerError(f"{path}: no such file") from None
-    except FilesystemUnavailable as exc:
-        raise TokenizerError(str(exc)) from None
-    except OSError as exc:
-        raise TokenizerError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

@@ -138,11 +138,12 @@ def run_tokenizer(run_dir: str, recorded: str | None) -> bytes | None:
     an export never ships a tokenizer other than the one the weights learned."""
     import hashlib
 
+    from rewind.stores.datamanifest import MAX_TOKENIZER_BYTES
     from rewind.stores.fsio import filesystem
 
     location = filesystem(run_dir).join(*RUN_TOKENIZER)
-    try:
-        data = location.read_bytes() if location.exists() else None
+    try:  # (a regular file of at most MAX_TOKENIZER_BYTES: a FIFO or /dev/zero is refused, not read)
+        data = location.read_bounded(MAX_TOKENIZER_BYTES) if location.exists() else None
     except OSError as exc:
         raise CommandError(f"{location.url}: cannot read the run's tokenizer ({exc.strerror or exc})", 1) from None
     found = hashlib.sha256(data).hexdigest() if data is not None else ""
