@@ -8,21 +8,35 @@ Kinds:
 
 Paths are local or fsspec URLs (`s3://bucket/corpus/*.jsonl`). Every error a user can cause is a
 `DocumentError` of one line naming the file (and for jsonl the line, for parquet the row).
+
+Input files are untrusted: a local one is read only if it is a regular file (a FIFO would block the
+read, /dev/zero never ends), and no document is read past MAX_DOCUMENT_BYTES (a text file, a jsonl
+line, after any decompression), so a file without line ends or a compressed bomb cannot take all the
+memory before it is refused; a jsonl line that is not UTF-8 or nests too deeply is refused like any
+malformed one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import lzma
 import os
+import zlib
 from collections.abc import Iterable, Iterator
 from typing import IO
 
 import msgspec
+from fsspec.compression import compr
+from fsspec.utils import infer_compression
 
-from rewind.stores.fsio import FilesystemUnavailable, Location, filesystem
+from rewind.stores.fsio import FilesystemUnavailable, Location, filesystem, open_regular
 
 KINDS = ("text", "jsonl", "parquet")
 _GLOB_CHARS = frozenset("*?[")
 _PARQUET_BATCH_ROWS = 4096
+# The longest document (a text file, a jsonl line) read, in bytes: far past any real one, and what the
+# tokenizer's guard (rewind.engine.tokenizer_guard) lets one encode produce.
+MAX_DOCUMENT_BYTES = 1 << 28
 
 
 class DocumentError(Exception):
@@ -76,21 +90,38 @@ def expand_inputs(pattern_or_path: str, base_dir: str | os.PathLike[str] | None 
     return [location.path if location.is_local else location.url]
 
 
-def _open(path: str) -> IO[bytes]:
+@contextlib.contextmanager
+def _open(path: str) -> Iterator[IO[bytes]]:
+    """The file's bytes, decompressed when its name says so (.gz, .zst, ...)."""
     location = _locate(path)
     try:
-        return location.fs.open(location.path, "rb", compression="infer")
+        if location.is_local:
+            raw: IO[bytes] = os.fdopen(open_regular(location.path)[0], "rb")
+        else:
+            raw = location.fs.open(location.path, "rb")
     except FileNotFoundError:
         raise DocumentError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise DocumentError(f"{path}: is a directory") from None
     except OSError as exc:
         raise DocumentError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        with raw:
+            compression = infer_compression(location.path)
+            if compression is None:
+                yield raw
+            else:
+                with compr[compression](raw, mode="rb") as handle:
+                    yield handle
+    except (OSError, EOFError, zlib.error, lzma.LZMAError) as exc:  # a damaged compressed stream, a read error
+        raise DocumentError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _read_text(path: str) -> str:
     with _open(path) as handle:
-        data = handle.read()
+        data = handle.read(MAX_DOCUMENT_BYTES + 1)
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise DocumentError(f"{path}: a document longer than {MAX_DOCUMENT_BYTES:,} bytes (split it into files)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -100,11 +131,19 @@ def _read_text(path: str) -> str:
 def _jsonl_records(path: str, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
     decoder = msgspec.json.Decoder()
     with _open(path) as handle:
-        for line_number, line in enumerate(handle, start=1):
+        line_number = 0
+        while line := handle.readline(MAX_DOCUMENT_BYTES + 1):
+            line_number += 1
+            if len(line) > MAX_DOCUMENT_BYTES:
+                raise DocumentError(f"{path}:{line_number}: a line longer than {MAX_DOCUMENT_BYTES:,} bytes")
             if not line.strip():
                 continue  # blank lines (a trailing newline, spacing) hold no document
             try:
                 record = decoder.decode(line)
+            except UnicodeDecodeError as exc:
+                raise DocumentError(f"{path}:{line_number}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+            except RecursionError:
+                raise DocumentError(f"{path}:{line_number}: not valid JSON: nested too deeply") from None
             except msgspec.DecodeError as exc:
                 raise DocumentError(f"{path}:{line_number}: not valid JSON: {exc}") from None
             if not isinstance(record, dict):
