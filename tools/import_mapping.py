@@ -14,7 +14,7 @@ from typing import Any
 from rewind.states.validation import BUILTIN_DATASETS
 from rewind.tools.errors import UsageError
 from rewind.tools.import_schedule import lr_schedule, trainer_of
-from rewind.tools.import_yaml import MISSING, Notes, YamlConfig
+from rewind.tools.import_yaml import MISSING, Notes, YamlConfig, short_repr
 
 NO_TRAINING_MEANING = "no training meaning"
 NO_COUNTERPART = {
@@ -45,6 +45,8 @@ STYLE_NOTES = {"PMD": "", "PADDED": "; rewind packs JSONL documents into rows, i
 # The original's logging defaults (its trainer configs), for keys a YAML leaves out.
 LOGGING_DEFAULTS = {"report_interval": 32, "checkpoint_interval": 1024, "validation_interval": 512}
 FADE_CURVES = ("linear", "cosine", "sigmoid")
+# The largest sampling rate read (rates are divided by their sum; a larger integer is not even a float).
+_MAX_RATE = 1e300
 
 
 def translate(cfg: YamlConfig, run_name: str, notes: Notes) -> dict[str, Any]:
@@ -169,7 +171,7 @@ def _datasets(cfg: YamlConfig, num_stages: int, notes: Notes) -> tuple[list, dic
             key = f"{name}-{suffix}" if suffix else name
             if origin.setdefault(key, (name, suffix, style)) != (name, suffix, style):
                 raise UsageError(
-                    f"{cfg.source}: {path}: {key!r} also names a dataset of another name, suffix or style"
+                    f"{cfg.source}: {path}: {short_repr(key)} also names a dataset of another name, suffix or style"
                 )
             if key in BUILTIN_DATASETS:
                 if key not in builtins_said:
@@ -210,7 +212,7 @@ def _sampling(cfg: YamlConfig, path: str, entry: Any, notes: Notes) -> tuple[str
         raise cfg.fail(f"{path}.suffix", "a string", suffix)
     if not isinstance(style, str):
         raise cfg.fail(f"{path}.style", "PMD or PADDED", style)
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0:
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0 or rate > _MAX_RATE:
         raise cfg.fail(f"{path}.rate", "a positive number", rate)
     return name, suffix, style, float(rate)
 

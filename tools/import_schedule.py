@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from rewind.tools.errors import UsageError
-from rewind.tools.import_yaml import Notes, YamlConfig
+from rewind.tools.import_yaml import Notes, YamlConfig, short_repr
 
 # Defaults of the original's ABCD trainer config (ABCDConfig), for keys a YAML leaves out.
 ABCD_DEFAULTS = {"warmup_pct": 0.01, "decay_pct": 0.01, "constant_pct": 0.30}
@@ -71,7 +71,7 @@ def lr_schedule(cfg: YamlConfig, job: str | None, num_stages: int, notes: Notes)
             why = f"optimization/schedule: {asked}"
         else:
             raise UsageError(
-                f"{cfg.source}: optimization/schedule: {asked!r} is not a schedule the importer knows "
+                f"{cfg.source}: optimization/schedule: {short_repr(asked)} is not a schedule the importer knows "
                 f"({', '.join(KNOWN_SCHEDULES)})"
             )
         resets = asked == "wsd_reset" and bool(reset)

@@ -3,11 +3,19 @@ slash paths ("training/fade/overlap"), each remembered, so that every key nobody
 afterwards as having no counterpart.
 
 A value of the wrong type is the user's error: `UsageError` with one line naming the file and the
-YAML path. The YAML itself is parsed with `yaml.safe_load` only (plain data, no Python objects).
+YAML path, the value shown cut short. The YAML itself is parsed with a `yaml.SafeLoader` (plain data, no
+Python objects) that also refuses, in one line with its place in the file, what only a hostile file
+needs: nesting deeper than MAX_DEPTH levels (PyYAML composes recursively), an integer too long for
+Python to read, and aliases that expand the document past MAX_NODES nodes. Anchors and aliases
+themselves are accepted (ABCD configs reuse a value or a mapping with `&name` / `*name` / `<<: *name`):
+an alias to a mapping that holds aliases that... ("billion laughs") stays a few hundred bytes on disk
+and in memory but expands exponentially wherever it is walked or printed, so it is the expanded size,
+counted once per anchor, that is bounded; a recursive alias (a node inside itself) is refused.
 """
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +29,87 @@ MISSING: Any = object()
 # The sections whose keys the importer reads one by one; a key under any other top-level name is
 # named as a whole (`request`, `tokenizer`, an unknown section), not leaf by leaf.
 READ_SECTIONS = ("architecture", "optimization", "training", "eval", "logging")
+# A real config is a few hundred nodes, 5 levels deep.
+MAX_DEPTH = 64
+MAX_NODES = 100_000
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader with the bounds of the module doc, each a ComposerError/ConstructorError at its mark."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        if self._depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None:
+            _check_expansion(node)
+        return node
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # past the interpreter's 4,300 digits
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value):,} characters, too long to read", node.start_mark
+            ) from None
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """ComposerError when the document, every alias expanded, has more than MAX_NODES nodes, or when an
+    alias is inside the node it names. Each node's expanded size is computed once (iteratively: depth
+    is bounded, but a wide document need not be)."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = _children(node)
+        if children_done:
+            on_path.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
+            if sizes[id(node)] > MAX_NODES:
+                raise yaml.composer.ComposerError(
+                    None, None, f"aliases expand the document past {MAX_NODES:,} values", node.start_mark
+                )
+            continue
+        if id(node) in on_path:
+            raise yaml.composer.ComposerError(None, None, "an alias inside the node it names", node.start_mark)
+        on_path.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in sizes)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
 
 
 def read_yaml(path: str) -> dict[str, Any]:
     """The YAML mapping in `path`; UsageError for a missing file, bad YAML, or a non-mapping."""
     text = read_config_text(Path(path), path, kind="YAML")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader: plain data only
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
@@ -64,7 +146,7 @@ class YamlConfig:
         self.used.add(path)
 
     def fail(self, path: str, expected: str, value: Any) -> UsageError:
-        return UsageError(f"{self.source}: {path}: expected {expected}, got {_show(value)}")
+        return UsageError(f"{self.source}: {path}: expected {expected}, got {short_repr(value)}")
 
     def get(self, path: str, kind: str, default: Any = MISSING) -> Any:
         """The value at `path` converted to `kind` (int, float, bool, str, ints, floats, strs), or
@@ -86,14 +168,11 @@ class YamlConfig:
             return value
         if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
             return value
-        if kind == "float" and not isinstance(value, bool):
-            if isinstance(value, int | float):
+        if kind == "float" and not isinstance(value, bool) and isinstance(value, int | float | str):
+            try:
                 return float(value)
-            if isinstance(value, str):
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
+            except (ValueError, OverflowError):  # not a number, or an integer past a float's range
+                pass
         raise self.fail(path, _NAMES[kind], value)
 
     def unread(self) -> list[str]:
@@ -123,8 +202,13 @@ def _kind(value: Any) -> str:
     return {list: "a list", str: "a string"}.get(type(value), type(value).__name__)
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 60, 60, 40, 3
+
+
+def short_repr(value: Any) -> str:
+    """A value in a message: never printed whole (reprlib stops at a few items, levels and characters)."""
+    text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
