@@ -9,17 +9,22 @@ a grown export's stacks renamed in their order), in float32, and the weights' id
 the weight file's bytes (of the shards' bytes in the order of their names, for a sharded directory),
 the bytes the tensors were read from, so what is on record is what was loaded. `apply_pretrained` puts
 them into a freshly built plain model. Only safetensors and JSON are read, never a pickle.
+
+What a user points [pretrained] at is untrusted: every file is read only if it is a regular file (a FIFO
+would block, /dev/zero never ends), JSON up to MAX_JSON_BYTES and through msgspec (nesting too deep is
+malformed, not a RecursionError), and a weight file only once its header (at most MAX_HEADER_BYTES,
+safetensors' own limit) says where every tensor lies and the file's size is exactly what that header
+describes, so nothing is allocated for a size the file does not have.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
+import struct
 
 import msgspec
-import safetensors
 import safetensors.torch
 import torch
 
@@ -27,6 +32,7 @@ from rewind.engine import hf_llama
 from rewind.engine.model import NORM_EPS
 from rewind.states.config import ArchitectureSection, Config, ObjectiveSection
 from rewind.states.state import ModelLayout
+from rewind.stores.fsio import decode_json, filesystem, open_regular
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -37,6 +43,10 @@ TOKENIZER_KEY = "rewind.tokenizer"  # sha256 of the tokenizer the ids belong to 
 # What a rewind export must agree on with the run (block_size apart: a shorter context is fine).
 _SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "norm", "mlp", "rope_base")
 _MAX_NAMES_SHOWN = 3
+# config.json and the shard index: a few KB and a few hundred KB in real models.
+MAX_JSON_BYTES = 16 << 20
+# A safetensors header (safetensors refuses a longer one itself).
+MAX_HEADER_BYTES = 100_000_000
 
 
 class PretrainedError(Exception):
@@ -140,8 +150,8 @@ def _read_weights(paths: list[str], where: str) -> tuple[dict[str, torch.Tensor]
     tensors: dict[str, torch.Tensor] = {}
     for file in paths:
         try:
-            with open(file, "rb") as handle:
-                data = handle.read()
+            _, size = safetensors_header(file)
+            data = filesystem(file).read_bounded(size)
         except OSError as exc:
             raise PretrainedError(f"pretrained: cannot read {file} ({exc.strerror or exc})") from None
         digest.update(data)
@@ -154,20 +164,60 @@ def _read_weights(paths: list[str], where: str) -> tuple[dict[str, torch.Tensor]
     return tensors, digest.hexdigest()
 
 
+def safetensors_header(path: str) -> tuple[dict, int]:
+    """(header, size) of the safetensors file at `path`, read from its first bytes alone: PretrainedError
+    unless the header is a JSON object of tensors whose data lies back to back after it, ending exactly
+    at the end of the file. OSError (RefusedFile included) when it cannot be read as a regular file."""
+    fd, info = open_regular(path)
+    try:
+        head = os.pread(fd, 8, 0)
+        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+        if not 2 <= length <= min(MAX_HEADER_BYTES, info.st_size - 8):
+            raise PretrainedError(f"pretrained: {path} is not a readable safetensors file (no header of a possible length)")
+        data = os.pread(fd, length, 8)
+    finally:
+        os.close(fd)
+    try:
+        header = decode_json(data, dict[str, dict])
+    except msgspec.DecodeError as exc:
+        raise PretrainedError(f"pretrained: {path} is not a readable safetensors file (its header: {exc})") from None
+    end = 0
+    for name, entry in header.items():
+        offsets = entry.get("data_offsets")
+        if name == "__metadata__":
+            continue
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise PretrainedError(f"pretrained: {path} is not a readable safetensors file (tensor {name[:80]!r} has no place)")
+        end = max(end, offsets[1])
+    if 8 + length + end != info.st_size:
+        raise PretrainedError(
+            f"pretrained: {path}: {info.st_size:,} bytes, but its header describes {8 + length + end:,} (cut short "
+            "or not a safetensors file)"
+        )
+    return header, info.st_size
+
+
+def _read_json(path: str) -> object:
+    """A JSON file of a model directory (config.json, the shard index). OSError, msgspec.DecodeError."""
+    return decode_json(filesystem(path).read_bounded(MAX_JSON_BYTES))
+
+
 # --- a transformers Llama directory -------------------------------------------------------------
 
 
 def _llama_directory(directory: str, config: Config) -> tuple[dict[str, torch.Tensor], str]:
     config_path = os.path.join(directory, CONFIG_NAME)
     try:
-        with open(config_path, "rb") as handle:
-            hf = json.loads(handle.read())
+        hf = _read_json(config_path)
     except FileNotFoundError:
         raise PretrainedError(
             f"pretrained: {directory} has no {CONFIG_NAME}: a transformers model directory or a rewind "
             "export (.safetensors) is expected"
         ) from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise PretrainedError(f"pretrained: cannot read {config_path} ({exc.strerror or exc})") from None
+    except msgspec.DecodeError as exc:
         raise PretrainedError(f"pretrained: cannot read {config_path} ({exc})") from None
     if not isinstance(hf, dict):
         raise PretrainedError(f"pretrained: {config_path} is not a JSON object")
@@ -184,19 +234,18 @@ def _llama_directory(directory: str, config: Config) -> tuple[dict[str, torch.Te
 
 def _weight_files(directory: str) -> list[str]:
     index_path = os.path.join(directory, INDEX_NAME)
-    if os.path.isfile(index_path):
+    if os.path.lexists(index_path):  # (read only if it is a regular file: a FIFO is refused, not skipped)
         try:
-            with open(index_path, "rb") as handle:
-                weight_map = json.loads(handle.read())["weight_map"]
+            weight_map = _read_json(index_path)["weight_map"]  # type: ignore[index]
             shards = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
             raise PretrainedError(f"pretrained: {index_path} is not a shard index ({exc})") from None
         for shard in shards:
             if not isinstance(shard, str) or os.path.basename(shard) != shard:
                 raise PretrainedError(f"pretrained: {index_path} names a shard outside the directory: {shard!r}")
         return [os.path.join(directory, shard) for shard in shards]
     single = os.path.join(directory, WEIGHTS_NAME)
-    if os.path.isfile(single):
+    if os.path.lexists(single):
         return [single]
     pickles = sorted(n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
     if pickles:
@@ -212,8 +261,8 @@ def rope_theta(hf: dict) -> float:
     `rope_theta` (earlier); 10000 when neither is given (LlamaConfig's default)."""
     parameters = hf.get("rope_parameters")
     if isinstance(parameters, dict) and "rope_theta" in parameters:
-        return float(parameters["rope_theta"])
-    return float(hf.get("rope_theta", 10000.0))
+        return _number(parameters["rope_theta"])  # type: ignore[return-value]
+    return _number(hf.get("rope_theta", 10000.0))  # type: ignore[return-value]
 
 
 def _rope_type(hf: dict) -> str:
@@ -229,6 +278,7 @@ def llama_mismatch(hf: dict, config: Config, where: str) -> str | None:
     naming both sides, or None when they are the same model."""
     arch = config.architecture
     archs = hf.get("architectures") or []
+    archs = archs if isinstance(archs, list) else [archs]
     if hf.get("model_type") != hf_llama.MODEL_TYPE and hf_llama.ARCHITECTURE not in archs:
         return (
             f"pretrained: {where} describes model_type {hf.get('model_type')!r} {archs}, not a Llama "
@@ -260,7 +310,7 @@ def llama_mismatch(hf: dict, config: Config, where: str) -> str | None:
     ]
     for key, theirs, field, ours in pairs:
         if theirs != ours:
-            return f"pretrained: {where} has {key} {theirs!r}, {field} is {ours!r}"
+            return f"pretrained: {where} has {key} {_shown(theirs)}, {field} is {ours!r}"
     positions = hf.get("max_position_embeddings", arch.block_size)
     if isinstance(positions, int) and positions < arch.block_size:
         return (
@@ -271,7 +321,20 @@ def llama_mismatch(hf: dict, config: Config, where: str) -> str | None:
 
 
 def _number(value: object) -> object:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+    """A JSON number as a float (to compare 10000 with 10000.0); anything else, or an integer past a
+    float's range, as it is (it then differs from every value a config can hold)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return value
+    return value
+
+
+def _shown(value: object) -> str:
+    """A value from a user's file in a message: its repr, cut short."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else f"an integer of {len(str(abs(value)))} digits"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # --- a rewind export ------------------------------------------------------------------------------
@@ -279,19 +342,20 @@ def _number(value: object) -> object:
 
 def _rewind_export(path: str, config: Config) -> tuple[dict[str, torch.Tensor], str]:
     try:
-        with safetensors.safe_open(path, "pt") as handle:
-            metadata = handle.metadata() or {}
-    except Exception as exc:  # safetensors' own error type for a file that is not one
-        raise PretrainedError(f"pretrained: {path} is not a safetensors file ({exc})") from None
+        metadata = safetensors_header(path)[0].get("__metadata__") or {}
+    except OSError as exc:
+        raise PretrainedError(f"pretrained: cannot read {path} ({exc.strerror or exc})") from None
+    if not all(isinstance(value, str) for value in metadata.values()):
+        raise PretrainedError(f"pretrained: {path} is not a readable safetensors file (metadata that is not text)")
     if metadata.get(FORMAT_KEY) != FORMAT or ARCHITECTURE_KEY not in metadata or LAYOUT_KEY not in metadata:
         raise PretrainedError(
             f"pretrained: {path} carries no rewind architecture in its metadata (not written by `rewind export "
             "--to` of this release); export it again, or give a transformers Llama directory"
         )
     try:
-        theirs = msgspec.json.decode(metadata[ARCHITECTURE_KEY], type=dict)
-        layout = msgspec.json.decode(metadata[LAYOUT_KEY], type=ModelLayout)
-        objective = msgspec.json.decode(metadata.get(OBJECTIVE_KEY, "{}"), type=ObjectiveSection)
+        theirs = decode_json(metadata[ARCHITECTURE_KEY], dict)
+        layout = decode_json(metadata[LAYOUT_KEY], ModelLayout)
+        objective = decode_json(metadata.get(OBJECTIVE_KEY, "{}"), ObjectiveSection)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise PretrainedError(f"pretrained: {path} has unreadable rewind metadata ({exc})") from None
     problem = rewind_mismatch(theirs, objective, config, path)
@@ -344,7 +408,7 @@ def tokenizer_of_export(path: str) -> str | None:
     """The tokenizer sha256 a rewind `--to` file records ("" = UTF-8 bytes; None: it does not say, or the
     file is not one: load_pretrained says what is wrong with it)."""
     try:
-        with safetensors.safe_open(path, framework="pt") as handle:
-            return (handle.metadata() or {}).get(TOKENIZER_KEY)
-    except Exception:  # (any unreadable file: load_pretrained reports it in one line)
+        found = (safetensors_header(path)[0].get("__metadata__") or {}).get(TOKENIZER_KEY)
+    except (OSError, PretrainedError):  # (any unreadable file: load_pretrained reports it in one line)
         return None
+    return found if isinstance(found, str) else None
