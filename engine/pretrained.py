@@ -14,7 +14,9 @@ What a user points [pretrained] at is untrusted: every file is read only if it i
 would block, /dev/zero never ends), JSON up to MAX_JSON_BYTES and through msgspec (nesting too deep is
 malformed, not a RecursionError), and a weight file only once its header (at most MAX_HEADER_BYTES,
 safetensors' own limit) says where every tensor lies and the file's size is exactly what that header
-describes, so nothing is allocated for a size the file does not have.
+describes, so nothing is allocated for a size the file does not have. What the files declare (config.json's
+values, an export's metadata and layout, every tensor's shape in a header) is held to types, bounds and the
+run's model before a tensor is read: rewind.engine.pretrained_checks.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ import torch
 
 from rewind.engine import hf_llama
 from rewind.engine.model import NORM_EPS
+from rewind.engine.pretrained_checks import (
+    export_shapes,
+    header_problem,
+    layout_problem,
+    llama_json_problem,
+    llama_shapes,
+    typed,
+)
 from rewind.states.config import ArchitectureSection, Config, ObjectiveSection
 from rewind.states.state import ModelLayout
 from rewind.stores.fsio import decode_json, filesystem, open_regular
@@ -203,6 +213,18 @@ def _read_json(path: str) -> object:
     return decode_json(filesystem(path).read_bounded(MAX_JSON_BYTES))
 
 
+def _check_headers(files: list[str], expected: dict[str, tuple[int, ...]], *, only_expected: bool) -> None:
+    """Each weight file's header against the shapes the run's model needs, before any tensor is read
+    (rewind.engine.pretrained_checks.header_problem)."""
+    for file in files:
+        try:
+            header, _ = safetensors_header(file)
+        except OSError as exc:
+            raise PretrainedError(f"pretrained: cannot read {file} ({exc.strerror or exc})") from None
+        if problem := header_problem(header, expected, file, only_expected=only_expected):
+            raise PretrainedError(problem)
+
+
 # --- a transformers Llama directory -------------------------------------------------------------
 
 
@@ -221,10 +243,12 @@ def _llama_directory(directory: str, config: Config) -> tuple[dict[str, torch.Te
         raise PretrainedError(f"pretrained: cannot read {config_path} ({exc})") from None
     if not isinstance(hf, dict):
         raise PretrainedError(f"pretrained: {config_path} is not a JSON object")
-    problem = llama_mismatch(hf, config, config_path)
+    problem = llama_json_problem(hf, config_path) or llama_mismatch(hf, config, config_path)
     if problem:
         raise PretrainedError(problem)
-    tensors, identity = _read_weights(_weight_files(directory), directory)
+    files = _weight_files(directory)
+    _check_headers(files, llama_shapes(expected_shapes(config)), only_expected=True)
+    tensors, identity = _read_weights(files, directory)
     try:
         flat = hf_llama.from_llama(tensors, tied=bool(hf.get("tie_word_embeddings", False)))
     except ValueError as exc:
@@ -358,9 +382,15 @@ def _rewind_export(path: str, config: Config) -> tuple[dict[str, torch.Tensor], 
         objective = decode_json(metadata.get(OBJECTIVE_KEY, "{}"), ObjectiveSection)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise PretrainedError(f"pretrained: {path} has unreadable rewind metadata ({exc})") from None
-    problem = rewind_mismatch(theirs, objective, config, path)
+    architecture, problem = typed(theirs, ArchitectureSection, path, "rewind.architecture")
     if problem:
         raise PretrainedError(problem)
+    theirs = msgspec.to_builtins(architecture)
+    num_layers = theirs["num_layers"]
+    problem = rewind_mismatch(theirs, objective, config, path) or layout_problem(layout, num_layers, path)
+    if problem:
+        raise PretrainedError(problem)
+    _check_headers([path], export_shapes(expected_shapes(config), layout), only_expected=False)
     tensors, identity = _read_weights([path], path)
     try:
         return hf_llama.flat_weights(tensors, layout), identity
