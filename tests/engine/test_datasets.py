@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import json
 import os
 import tempfile
@@ -231,15 +230,16 @@ def test_unreadable_file(tmp_path, monkeypatch):
     path = tmp_path / "secret.jsonl"
     path.write_text('{"text": "x"}\n')
 
-    real_open = builtins.open
+    real_open = os.open
 
     def refuse(file, *args, **kwargs):
         if str(file) == str(path):
             raise PermissionError(13, "Permission denied", str(file))
         return real_open(file, *args, **kwargs)
 
-    # chmod 0 does not stop root (CI containers), so refuse the open itself.
-    monkeypatch.setattr(builtins, "open", refuse)
+    # chmod 0 does not stop root (CI containers), so refuse the open itself (user files are opened
+    # through os.open, as regular files only: stores.fsio.open_regular).
+    monkeypatch.setattr(os, "open", refuse)
     source = DataSource(kind="jsonl", path=str(path))
     with pytest.raises(DatasetError, match=r"secret\.jsonl: cannot read: Permission denied"):
         open_dataset("docs", make_config(docs=source))
