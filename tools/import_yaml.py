@@ -105,11 +105,21 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
+def _load_plain(text: str) -> Any:
+    # What yaml.load does, with the bounded SafeLoader named outright (plain data only): no call to a
+    # loader that could be handed an unsafe one.
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str) -> dict[str, Any]:
     """The YAML mapping in `path`; UsageError for a missing file, bad YAML, or a non-mapping."""
     text = read_config_text(Path(path), path, kind="YAML")
     try:
-        data = yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader: plain data only
+        data = _load_plain(text)
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
