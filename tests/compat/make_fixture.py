@@ -86,7 +86,8 @@ def main() -> None:
         crash_after(run, CRASH_AT, config)
         (run / "events" / "LOCK").unlink(missing_ok=True)  # a dead writer's lock: not part of the format
         out.mkdir(parents=True)
-        for part in ("events", "checkpoints", "snapshots"):  # snapshots: a later release must cope with ours
+        # snapshots: a later release must cope with ours; trunks and cache: a grown run's frozen stacks and activations
+        for part in ("events", "checkpoints", "snapshots", "trunks", "cache"):
             if (run / part).exists():
                 shutil.copytree(run / part, out / part, ignore=shutil.ignore_patterns(".tmp-*", "*.tmp-*"))
         expected = {
