@@ -31,7 +31,7 @@ COMMAND_MODULES = [
     "rewind.tools.export_cmd",
     "rewind.tools.sample_cmd",
     "rewind.tools.eval_cmd",
-    "rewind.tools.bench_cmd",
+    "rewind.tools.bench.command",
 ]
 
 

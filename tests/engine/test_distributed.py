@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from rewind.states.events import RunResumed, RunStarted, StepCommitted
 from rewind.states.history import effective
 from rewind.stores.runs import read_records
-from rewind.tools.bench_gpu_part import process_tree
+from rewind.tools.bench.gpu_part import process_tree
 from tests.engine.test_loop import TINY
 
 pytestmark = pytest.mark.distributed

@@ -1,5 +1,5 @@
 """`rewind bench gpu`: its dry run (every part's CPU form, CUDA hidden) writes a report that fits the
-schema (rewind.tools.bench_gpu_schema, the one the writer uses), and the orchestration keeps its word: a
+schema (rewind.tools.bench.gpu_schema, the one the writer uses), and the orchestration keeps its word: a
 part past its budget is killed with everything it started and kept as timed out with what it measured,
 a part that crashes, fails a check or writes figures the schema does not know is said so, the others go
 on; a hung gpu test costs its own limit and the tests after it still run.
@@ -18,10 +18,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rewind.tools.bench_gpu import BUDGETS_S, PROBE_TIMEOUT_S, run_part_process
-from rewind.tools.bench_gpu_part import Recorder
-from rewind.tools.bench_gpu_pytest import run_marked_tests
-from rewind.tools.bench_gpu_schema import PART_NAMES, GpuReport, GpuTestsFigures, decode_report
+from rewind.tools.bench.gpu import BUDGETS_S, PROBE_TIMEOUT_S, run_part_process
+from rewind.tools.bench.gpu_part import Recorder
+from rewind.tools.bench.gpu_pytest import run_marked_tests
+from rewind.tools.bench.gpu_schema import PART_NAMES, GpuReport, GpuTestsFigures, decode_report
 from rewind.tools.cli import main
 
 
@@ -83,7 +83,7 @@ def test_the_dry_run_of_the_progressive_and_fsdp_parts(tmp_path):
 def stand_in(tmp_path: Path, body: str, budget: float = 60.0):
     """Run a Python script as the gpu_tests part; `work` and `Recorder` are defined for it."""
     work = (tmp_path / "parts" / "gpu_tests").resolve()
-    prelude = f"from rewind.tools.bench_gpu_part import Recorder\nfrom pathlib import Path\nwork = Path({str(work)!r})\n"
+    prelude = f"from rewind.tools.bench.gpu_part import Recorder\nfrom pathlib import Path\nwork = Path({str(work)!r})\n"
     command = [sys.executable, "-c", prelude + textwrap.dedent(body)]
     return run_part_process(
         "gpu_tests",

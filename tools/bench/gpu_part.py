@@ -1,14 +1,14 @@
 """One part of `rewind bench gpu`, in a process of its own:
 
-    python -m rewind.tools.bench_gpu_part PART --device cuda|cpu --work DIR
-    python -m rewind.tools.bench_gpu_part probe
+    python -m rewind.tools.bench.gpu_part PART --device cuda|cpu --work DIR
+    python -m rewind.tools.bench.gpu_part probe
 
 A part writes what it has measured to DIR/progress.json after every figure and check (a Recorder), so
 that when its budget runs out and it is killed, what it finished is kept. `probe` prints, as JSON, what
 the machine offers: torch's version, whether CUDA is usable, the device's name.
 
 `--device cpu` is a part's CPU form: the same code at sizes a CPU finishes in seconds, so that the
-check cannot rot between GPU runs (tests/tools/test_bench_gpu.py runs it).
+check cannot rot between GPU runs (tests/tools/bench/test_gpu.py runs it).
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ from pathlib import Path
 
 import msgspec
 
-from rewind.tools.bench_gpu_schema import Check, Goal, Progress
+from rewind.tools.bench.gpu_schema import Check, Goal, Progress
 
 PROGRESS_FILE = "progress.json"
 # The repository root (the package's own directory): where tests/ and examples/ are in a checkout.
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # part -> (module, function(recorder, device, work_dir)); the modules import torch when they run.
 PART_FUNCTIONS = {
-    "gpu_tests": ("rewind.tools.bench_gpu_pytest", "gpu_tests_part"),
-    "kernels": ("rewind.tools.bench_gpu_compute", "kernels_part"),
-    "mfu": ("rewind.tools.bench_gpu_compute", "mfu_part"),
-    "exactness": ("rewind.tools.bench_gpu_runs", "exactness_part"),
-    "progressive": ("rewind.tools.bench_gpu_runs", "progressive_part"),
-    "fsdp": ("rewind.tools.bench_gpu_runs", "fsdp_part"),
+    "gpu_tests": ("rewind.tools.bench.gpu_pytest", "gpu_tests_part"),
+    "kernels": ("rewind.tools.bench.gpu_compute", "kernels_part"),
+    "mfu": ("rewind.tools.bench.gpu_compute", "mfu_part"),
+    "exactness": ("rewind.tools.bench.gpu_runs", "exactness_part"),
+    "progressive": ("rewind.tools.bench.gpu_runs", "progressive_part"),
+    "fsdp": ("rewind.tools.bench.gpu_runs", "fsdp_part"),
 }
 
 
@@ -124,7 +124,7 @@ def probe() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rewind.tools.bench_gpu_part")
+    parser = argparse.ArgumentParser(prog="python -m rewind.tools.bench.gpu_part")
     parser.add_argument("part", choices=(*PART_FUNCTIONS, "probe"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cpu")
     parser.add_argument("--work", type=Path, help="the part's directory (progress.json, its runs)")

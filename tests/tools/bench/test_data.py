@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from rewind.engine.bench_data import stdlib_files
+from rewind.tools.bench.data import stdlib_files
 
 
 def test_bench_data_quick(rewind_cli):

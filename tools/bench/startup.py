@@ -33,7 +33,7 @@ from rewind.states.events import RunResumed
 from rewind.stores.runs import read_records
 
 RATIO_GOAL = 1.5
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny.toml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny.toml"
 PREPARED_STEPS = 10  # a run stopped by --max-steps checkpoints where it stops
 IMPORT_TORCH = "import torch"
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from rewind.engine import bench_overhead, loop
+from rewind.engine import loop
 from rewind.engine.step import train_step
+from rewind.tools.bench import overhead as bench_overhead
 
 
 def test_the_overhead_bench_reports_its_figures_and_restores_the_step():

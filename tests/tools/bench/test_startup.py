@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rewind.tools import bench_startup
+from rewind.tools.bench import startup as bench_startup
 
 
 def test_a_restart_that_did_not_resume_and_step_is_an_error(straight, tmp_path):

@@ -36,13 +36,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 # Targets whose bench lives in one module's `run_*_bench(quick=...)`: (module, function, what it needs).
 _MODULE_BENCHES = {
-    "resume": ("rewind.stores.bench_resume", "run_resume_bench", "the stores"),
-    "overhead": ("rewind.engine.bench_overhead", "run_overhead_bench", "the engine"),
-    "data": ("rewind.engine.bench_data", "run_data_bench", "the engine and tokenizers"),
-    "kernels": ("rewind.kernels.bench", "run_kernels_bench", "torch"),
-    "mfu": ("rewind.engine.bench_mfu", "run_mfu_bench", "the engine"),
-    "threads": ("rewind.engine.bench_threads", "run_threads_bench", "the engine"),
-    "startup": ("rewind.tools.bench_startup", "run_startup_bench", "the stores"),
+    "resume": ("rewind.tools.bench.resume", "run_resume_bench", "the stores"),
+    "overhead": ("rewind.tools.bench.overhead", "run_overhead_bench", "the engine"),
+    "data": ("rewind.tools.bench.data", "run_data_bench", "the engine and tokenizers"),
+    "kernels": ("rewind.tools.bench.kernels", "run_kernels_bench", "torch"),
+    "mfu": ("rewind.tools.bench.mfu", "run_mfu_bench", "the engine"),
+    "threads": ("rewind.tools.bench.threads", "run_threads_bench", "the engine"),
+    "startup": ("rewind.tools.bench.startup", "run_startup_bench", "the stores"),
 }
 
 
@@ -62,13 +62,13 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "schedule":
         result = bench_schedule(quick=args.quick)
     elif args.target == "log":
-        from rewind.stores.bench_log import run_log_bench
+        from rewind.tools.bench.log import run_log_bench
 
         result = run_log_bench(num_events=2_000 if args.quick else 20_000)
     elif args.target == "cache":
         try:  # zarr for the cache, torch and the engine for the training half
-            from rewind.engine.bench_cache import run_trunk_speedup
-            from rewind.stores.bench_cache import run_cache_bench
+            from rewind.tools.bench.cache_store import run_cache_bench
+            from rewind.tools.bench.cache_trunk import run_trunk_speedup
         except ImportError as exc:
             raise UsageError(f"bench cache needs the engine and zarr: {exc}") from None
         result = {**run_cache_bench(quick=args.quick), **run_trunk_speedup(quick=args.quick)}
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_gpu(args: argparse.Namespace) -> int:
-    from rewind.tools.bench_gpu import parse_parts, run_gpu_check  # torch-free: the parts import it
+    from rewind.tools.bench.gpu import parse_parts, run_gpu_check  # torch-free: the parts import it
 
     if args.out is None:
         raise UsageError("bench gpu needs --out DIR (a new directory for gpu.json and summary.txt)")

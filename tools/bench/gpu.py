@@ -1,15 +1,15 @@
 """`rewind bench gpu --out DIR`: every CUDA claim rewind makes, checked by one command in under 8 minutes.
 
-Six parts (rewind.tools.bench_gpu_schema.PART_NAMES), each in a process of its own
-(rewind.tools.bench_gpu_part) with a time budget: a part that runs past it is killed with everything it
+Six parts (rewind.tools.bench.gpu_schema.PART_NAMES), each in a process of its own
+(rewind.tools.bench.gpu_part) with a time budget: a part that runs past it is killed with everything it
 started, recorded as timed out with what it was doing and what it had measured, and the next part
 starts. Nothing here imports torch: a probe process says whether CUDA is usable.
 
 Where there is none (or with --dry-run, which hides it), each part runs its CPU form instead, at sizes
 a CPU finishes in seconds: the orchestration, the parts' code and the JSON are exercised the same way, so
-the check works the day a GPU is at hand (CI runs it: tests/tools/test_bench_gpu.py).
+the check works the day a GPU is at hand (CI runs it: tests/tools/bench/test_gpu.py).
 
-DIR/gpu.json (the schema: bench_gpu_schema.GpuReport) is rewritten after every part, so a check cut off
+DIR/gpu.json (the schema: gpu_schema.GpuReport) is rewritten after every part, so a check cut off
 midway leaves what it finished; DIR/summary.txt is the same in a few lines; DIR/parts/NAME/ holds each
 part's output (log.txt) and its runs.
 """
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import msgspec
 
-from rewind.tools.bench_gpu_part import ROOT, kill_tree, read_progress
-from rewind.tools.bench_gpu_schema import (
+from rewind.tools.bench.gpu_part import ROOT, kill_tree, read_progress
+from rewind.tools.bench.gpu_schema import (
     FIGURES,
     PART_NAMES,
     SCHEMA_VERSION,
@@ -37,7 +37,7 @@ from rewind.tools.bench_gpu_schema import (
     PartReport,
     Progress,
 )
-from rewind.tools.bench_gpu_summary import summary
+from rewind.tools.bench.gpu_summary import summary
 from rewind.tools.errors import CommandError, UsageError
 
 # Seconds per part. CUDA: 445 in all, 475 with the probe's 30, under the 8 minutes the check promises
@@ -120,7 +120,7 @@ def run_gpu_check(out: str, *, dry_run: bool, parts: list[str], as_json: bool = 
 
 
 def _probe(env: dict[str, str]) -> dict:
-    command = [sys.executable, "-m", "rewind.tools.bench_gpu_part", "probe"]
+    command = [sys.executable, "-m", "rewind.tools.bench.gpu_part", "probe"]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -136,7 +136,7 @@ def _probe(env: dict[str, str]) -> dict:
 def _run_part(name: str, device: str, cuda_skipped: str | None, out: Path, env: dict[str, str]) -> PartReport:
     work = (out / "parts" / name).resolve()  # resolved: the part runs in it
     part = [name, "--device", device, "--work", str(work)]
-    command = [sys.executable, "-m", "rewind.tools.bench_gpu_part", *part]
+    command = [sys.executable, "-m", "rewind.tools.bench.gpu_part", *part]
     budget = BUDGETS_S[device][name]
     return run_part_process(
         name, command, budget=budget, device=device, cuda_skipped=cuda_skipped, out_dir=out, env=env

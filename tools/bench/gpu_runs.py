@@ -29,8 +29,8 @@ from pathlib import Path
 import msgspec
 import torch
 
-from rewind.tools.bench_gpu_part import ROOT, kill_tree
-from rewind.tools.bench_gpu_schema import Comparison
+from rewind.tools.bench.gpu_part import ROOT, kill_tree
+from rewind.tools.bench.gpu_schema import Comparison
 
 # The documented tolerance across devices and world sizes (docs/distributed.md): losses within 1e-4
 # relative, final weights within assert_close(rtol=1e-3, atol=1e-4), `rewind diff --rtol 1e-2` silent.

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from rewind.engine import bench_threads
-from rewind.engine.bench_threads import competitors, measure, recorded_threads, timed, train_command
+from rewind.tools.bench import threads as bench_threads
+from rewind.tools.bench.threads import competitors, measure, recorded_threads, timed, train_command
 from rewind.tools.cpu_threads import usable_cores
 
 # A stand-in for the training command: counts the competitors running beside it (its siblings, the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from rewind.stores.bench_cache import run_cache_bench
+from rewind.tools.bench.cache_store import run_cache_bench
 
 
 def test_run_cache_bench_reports_both_ratios_and_their_raw_figures(tmp_path, no_syncs):

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from rewind.engine import bench_mfu
-from rewind.engine.bench_mfu import (
+from rewind.engine.model import GPT
+from rewind.tools.bench import mfu as bench_mfu
+from rewind.tools.bench.mfu import (
     BENCH_ARCHITECTURE,
     CPU_ARCHITECTURE,
     flops_per_token,
@@ -18,7 +19,6 @@ from rewind.engine.bench_mfu import (
     peak_flops,
     run_mfu_bench,
 )
-from rewind.engine.model import GPT
 
 KEYS = {
     "device", "num_parameters", "tokens_per_second", "model_flops_per_token", "achieved_tflops", "peak_tflops",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rewind.stores.bench_resume import TAIL_STEPS, run_resume_bench
+from rewind.tools.bench.resume import TAIL_STEPS, run_resume_bench
 
 
 def test_the_resume_bench_folds_a_tail_of_the_same_size_at_both_sizes(tmp_path):

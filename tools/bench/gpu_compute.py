@@ -1,6 +1,6 @@
 """Parts 2 and 3 of `rewind bench gpu`: the loss kernels, and MFU.
 
-Kernels. `rewind bench kernels`' own measurement (rewind.kernels.bench.measure: median seconds of a
+Kernels. `rewind bench kernels`' own measurement (rewind.tools.bench.kernels.measure: median seconds of a
 forward+backward, peak memory above the inputs) of materialised logits, the Triton kernel and the chunked
 torch loss, at its CUDA size (16384 rows, d_model 2048, V = 32768, bf16, token KL), repeated: the time
 ratios are given as the median and the range over the repeats. Then each fused loss against
@@ -8,7 +8,7 @@ ratios are given as the median and the range over the repeats. Then each fused l
 gradients, held to the bounds tests/kernels holds them to. CPU form: the bench's quick size, one repeat,
 the chunked loss alone timed (Triton's interpreter says nothing about speed), agreement at a small size.
 
-MFU. The ~375M model of `rewind bench mfu` (engine/bench_mfu.py: its architecture, batch, FLOPs per
+MFU. The ~375M model of `rewind bench mfu` (tools/bench/mfu.py: its architecture, batch, FLOPs per
 token and peak table) trained in rewind's bf16-mixed: placed by rewind's own `place` as a one-rank
 FSDP2 group (bf16 parameters for compute, fp32 master weights and reductions), AdamW fused, eager and
 then compiled (`compute.compile`; the first step's time is the compile's). Each step is timed between
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rewind.tools.bench_gpu_schema import Agreement, FusedKernel, MfuRun
+from rewind.tools.bench.gpu_schema import Agreement, FusedKernel, MfuRun
 
 KERNEL_REPEATS = {"cuda": 3, "cpu": 1}
 FUSED = {"cuda": ("triton", "chunked"), "cpu": ("chunked",)}
@@ -44,7 +44,7 @@ CPU_MFU_BATCH = 2
 def kernels_part(rec, device: str, work: Path) -> None:
     if device == "cpu":
         import rewind.kernels.triton_losses  # noqa: F401 (first: it switches Triton's interpreter on)
-    from rewind.kernels import bench
+    from rewind.tools.bench import kernels as bench
 
     num_rows, d_model, num_calls = bench.SIZES[(device, device == "cpu")]
     repeats = KERNEL_REPEATS[device]
@@ -84,7 +84,7 @@ def kernels_part(rec, device: str, work: Path) -> None:
         )
         fused.append(kernel)
         rec.goal(f"{name} memory ratio", kernel.memory_ratio, bench.MEMORY_GOAL, "<=")
-        if device == "cuda":  # on a CPU the ratio is reported, not a goal (bench.py)
+        if device == "cuda":  # on a CPU the ratio is reported, not a goal (kernels.py)
             rec.goal(f"{name} time ratio", kernel.time_ratio, bench.TIME_GOAL, "<=")
     rec.figures(eager_seconds=statistics.median(eager), eager_peak_bytes=peaks["eager"], fused=fused)
 
@@ -111,9 +111,9 @@ def agreement(
 ) -> tuple[Agreement, bool]:
     """A fused loss against the reference on random inputs; and whether every value is within the tests'
     rule for this dtype (|got - want| <= atol + rtol |want|)."""
-    from rewind.kernels import bench
     from rewind.kernels.linear_losses import linear_losses
     from rewind.kernels.losses import reference_losses
+    from rewind.tools.bench import kernels as bench
 
     g = torch.Generator(device=device).manual_seed(AGREEMENT_SEED)
 
@@ -180,9 +180,9 @@ def _norm_relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def mfu_part(rec, device: str, work: Path) -> None:
-    from rewind.engine import bench_mfu
     from rewind.engine.placement import join_process_group, leave_process_group
     from rewind.states.config import ArchitectureSection, ComputeSection
+    from rewind.tools.bench import mfu as bench_mfu
 
     on_cuda = device == "cuda"
     if on_cuda:
@@ -228,11 +228,11 @@ def mfu_part(rec, device: str, work: Path) -> None:
 def _mfu_run(rec, arch, compute, batch_size: int, compiled: bool, peak: float | None) -> MfuRun:
     import msgspec
 
-    from rewind.engine import bench_mfu
     from rewind.engine.model import GPT
     from rewind.engine.placement import place
     from rewind.engine.rng import torch_generator
     from rewind.states.config import Config
+    from rewind.tools.bench import mfu as bench_mfu
 
     on_cuda = compute.device == "cuda"
     device = torch.device("cuda" if on_cuda else "cpu")

@@ -34,7 +34,7 @@ import torch
 
 from rewind.stores import activations
 from rewind.stores.activations import ActivationCache, CacheSpec
-from rewind.stores.bench_log import best_times
+from rewind.tools.bench.log import best_times
 
 SEQ_LEN = 128
 WIDTH = 256

@@ -1,6 +1,6 @@
 """Part 1 of `rewind bench gpu`: `pytest -m gpu` with a time limit per test.
 
-This module is also the pytest plugin that enforces the limit (`-p rewind.tools.bench_gpu_pytest`):
+This module is also the pytest plugin that enforces the limit (`-p rewind.tools.bench.gpu_pytest`):
 before each test it arms faulthandler to dump every thread's stack and end the process if the test is
 still running after REWIND_GPU_TEST_TIMEOUT seconds, and it appends one JSON line per test to
 REWIND_GPU_TEST_LOG as the test starts and finishes (with each phase's outcome). A hung test thus costs
@@ -104,7 +104,7 @@ def outcomes(log: Path) -> dict[str, dict]:
 
 
 def gpu_tests_part(rec, device: str, work: Path) -> None:
-    from rewind.tools.bench_gpu_part import ROOT
+    from rewind.tools.bench.gpu_part import ROOT
 
     if not (ROOT / "tests").is_dir():
         rec.skip(f"no tests/ in {ROOT} (an installed copy, not a checkout)")
@@ -135,7 +135,7 @@ def run_marked_tests(rec, root: Path, files: list[str], work: Path, per_test_tim
         runs += 1
         leave_out = [f"--deselect={name}" for name in results]  # run already, or hung
         command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
-        command += ["-p", "rewind.tools.bench_gpu_pytest", *leave_out, *files]
+        command += ["-p", "rewind.tools.bench.gpu_pytest", *leave_out, *files]
         process = subprocess.Popen(command, cwd=root, env=env)
         while process.poll() is None:  # kept up to date, should the part's budget run out mid-test
             so_far = outcomes(log)

@@ -159,7 +159,7 @@ def measure(name: str, device: str, implementation: str, num_rows: int, d_model:
 
 def _measure_in_child(name: str, implementation: str, num_rows: int, d_model: int, num_calls: int) -> dict:
     code = (
-        "import json, sys; from rewind.kernels.bench import measure; "
+        "import json, sys; from rewind.tools.bench.kernels import measure; "
         f"print(json.dumps(measure({name!r}, 'cpu', {implementation!r}, {num_rows}, {d_model}, {num_calls})))"
     )
     # From a temporary directory: the repository's top-level kernels/ would shadow another package's module.

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from rewind.engine.bench_cache import run_trunk_speedup
+from rewind.tools.bench.cache_trunk import run_trunk_speedup
 
 
 def test_the_cached_sides_train_exactly_like_the_recomputing_sides_at_3x_and_6x():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rewind.tools.bench_gpu_schema import (
+from rewind.tools.bench.gpu_schema import (
     Comparison,
     ExactnessFigures,
     GpuReport,

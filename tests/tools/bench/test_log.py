@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from rewind.states.fold import fold
-from rewind.stores.bench_log import bench_events, run_log_bench
+from rewind.tools.bench.log import bench_events, run_log_bench
 
 
 def test_bench_events_fold_into_a_run_at_the_last_step():

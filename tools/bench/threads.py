@@ -27,7 +27,7 @@ from rewind.stores.runs import read_records
 
 RATIO_GOAL = 2.5
 NUM_COMPETITORS = 2
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny.toml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny.toml"
 
 # A CPU-bound competitor that ends by itself (argv[1]: seconds) even if the bench dies before killing it.
 COMPETITOR = (
