@@ -97,7 +97,9 @@ class ForkSeed(msgspec.Struct, frozen=True, kw_only=True):
     """What a fork's own log cannot derive: the parent's control state at the fork checkpoint.
 
     A wire type of its own (not `State`), so that the state's shape can change freely; the fold checks
-    it against the child's config before adopting it."""
+    it against the child's config before adopting it. Every field is the `State` field of the same name
+    and type, copied by name both ways (`rewind.states.resumes`): a field a fork must carry is declared
+    here and nowhere else."""
 
     config_hash: str = ""
     # The parent's config-derived figures (0 / [] = the child's own): a fork whose config changes them
@@ -126,6 +128,17 @@ class ForkSeed(msgspec.Struct, frozen=True, kw_only=True):
     features: list[str] = []
     pending_optimizer_resets: list[int] = []
     last_optimizer_reset: OptimizerResetRef | None = None
+
+
+# The seed's config-derived fields: unset (0, "", []) they are the child's own.
+SEED_FALLS_BACK_TO_CHILD = (
+    "config_hash",
+    "tokens_per_step",
+    "num_stages",
+    "num_steps",
+    "reference_update_stages",
+    "num_layers",
+)
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True):

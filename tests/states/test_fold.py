@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from rewind.states.config import loads_config
 from rewind.states.events import (
+    EVENT_TYPES,
     CheckpointCommitted,
     CheckpointDeleted,
     Evaluated,
@@ -23,7 +24,7 @@ from rewind.states.events import (
     StepCommitted,
     Validated,
 )
-from rewind.states.fold import IllegalTransition, apply, fold
+from rewind.states.fold import IllegalTransition, apply, fold, seed_of
 from rewind.states.history import anchor_end, effective
 from rewind.states.plan import (
     DeleteCheckpoints,
@@ -38,8 +39,9 @@ from rewind.states.plan import (
     started_state,
 )
 from rewind.states.schedule import Schedule
-from rewind.states.state import CheckpointRef, ForkSeed, Reference, State
+from rewind.states.state import SEED_FALLS_BACK_TO_CHILD, CheckpointRef, ForkSeed, Reference, State
 from rewind.states.strategies import configs, cut_points, engine_logs, simulate_run
+from rewind.states.transition import MUTATORS
 
 replace = msgspec.structs.replace
 TINY_RUNS = configs(max_stages=4, max_steps=40)
@@ -373,6 +375,51 @@ def test_an_illegal_transition_names_the_event_and_the_reason():
         apply(started_and_entered(), event)
     assert info.value.event is event
     assert str(info.value).startswith("StageEntered at step 3: expected stage 1")
+
+
+def test_every_event_type_has_exactly_one_mutator():
+    # Each is registered by `@mutates` where it is declared; apply would call one that is missing an
+    # unknown event type.
+    assert set(MUTATORS) == set(EVENT_TYPES.values())
+
+
+def test_a_fork_seed_field_is_the_state_field_of_its_name_and_type():
+    # So `seed_of` and the fold copy them by name, and a field a fork carries is declared once.
+    seed_fields = {f.name: f.type for f in msgspec.structs.fields(ForkSeed)}
+    state_fields = {f.name: f.type for f in msgspec.structs.fields(State)}
+    assert {name: state_fields.get(name) for name in seed_fields} == seed_fields
+    assert set(SEED_FALLS_BACK_TO_CHILD) <= set(seed_fields)
+
+
+def test_a_fork_adopts_every_field_of_its_seed():
+    parent = fold(simulate_run(CONFIG)[:-1])
+    checkpoint = parent.last_checkpoint
+    assert checkpoint is not None
+    seed = seed_of(replace(parent, step=checkpoint.step, tokens=checkpoint.tokens))
+    _, started = started_state(CONFIG)
+    forked = replace(started, parent_run="runs/parent")
+    event = RunResumed(
+        step=checkpoint.step,
+        tokens=checkpoint.tokens,
+        checkpoint=checkpoint.checkpoint,
+        superseded_first_seq=forked.next_seq,
+        superseded_last_seq=forked.next_seq - 1,
+        seed=seed,
+    )
+    child = apply(forked, event)
+    assert seed_of(child) == seed
+    # An unset config-derived figure is the child's own.
+    unset = replace(seed, num_steps=0, config_hash="")
+    child = apply(forked, replace(event, seed=unset))
+    assert (child.num_steps, child.config_hash) == (forked.num_steps, forked.config_hash)
+
+
+def test_an_event_type_without_a_mutator_is_illegal():
+    class Unregistered(StageEntered, frozen=True, kw_only=True, tag="Unregistered"):
+        pass
+
+    with pytest.raises(IllegalTransition, match="unknown event type"):
+        apply(started_and_entered(), Unregistered(step=0, tokens=0, stage=1))
 
 
 # --- retention and duties ------------------------------------------------------------------------------
