@@ -33,11 +33,6 @@ class StepResult:
     num_target_tokens: int
     finite: bool
 
-    @property
-    def nonfinite_quantity(self) -> str:
-        """The first measurement that is not finite ("" if all are): see `nonfinite_quantity`."""
-        return nonfinite_quantity(self.loss, self.kl, self.grad_norm)
-
 
 def nonfinite_quantity(loss: float, kl: float, grad_norm: float) -> str:
     """"loss", "kl" or "grad_norm": the first not finite, in the order a step computes them (the task
@@ -142,10 +137,6 @@ def _compute_precision(config: Config, device: torch.device):
     return contextlib.nullcontext()
 
 
-def _levels(levels: torch.Tensor | None, rows: slice) -> dict:
-    return {} if levels is None else {"levels": levels[rows]}
-
-
 def micro_batches(num_rows: int, per_device: int) -> list[slice]:
     size = num_rows if per_device <= 0 else per_device
     return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
@@ -176,15 +167,12 @@ def train_step(
     beta: float,
     reference: nn.Module | None,
     step: int,
-    apply_update: bool = True,
     trunk_rows: torch.Tensor | None = None,
     stack_index: int = 0,
     num_stacks: int = 1,
 ) -> StepResult:
     """Forward/backward over micro-batches, clip, and (if the loss is finite) one AdamW update.
 
-    `apply_update=False` computes everything but leaves the weights and optimizer untouched (used to
-    skip a step with a non-finite loss, and by `rewind replay` to recompute a logged step).
     `trunk_rows`: the frozen trunk's outputs for these rows, from the activation cache: only the last
     stack, the final norm and the head run (the same bits as the whole forward pass).
     The objective (config.objective) turns the rows into inputs, targets and the positions the loss
@@ -244,7 +232,7 @@ def train_step(
     parameters = [p for p in model.parameters() if p.grad is not None]
     grad_norm = _global_norm(parameters, config.optimization.grad_clip, sharded)
     finite = not nonfinite_quantity(total_ce, total_kl, grad_norm)
-    if finite and apply_update:
+    if finite:
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
