@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from rewind.engine.rng import numpy_rng
 
@@ -30,7 +29,6 @@ Encoder = Callable[[str], list[int]]  # text -> token ids (a tokenizer's encode)
 TASK_SEED = 0x5EED_DA7A
 TASK_NAMES: tuple[str, ...] = ("grammar", "reverse", "sort", "add")
 SPLITS: tuple[str, ...] = ("train", "validation")
-PAD = 0
 
 _SPLIT_SIZES = {
     "grammar": {"train": 2**31 - 1, "validation": 512},  # train is generated on demand: "infinite"
@@ -366,21 +364,3 @@ def task_sample(
         return _grammar_row(split, draws, block_size + 1, encode)
     return _packed_examples(name, split, draws, block_size + 1, encode)
 
-
-def answer_accuracy(logits: torch.Tensor, tokens: torch.Tensor, loss_mask: torch.Tensor) -> float:
-    """Teacher-forced accuracy on the scored targets: the fraction of positions t with loss_mask[t]
-    where argmax(logits[t]) == tokens[t + 1]. 0.0 when nothing is scored.
-
-    Shapes: logits (B, T, V), tokens (B, T + 1), loss_mask (B, T)."""
-    if logits.shape[:2] != loss_mask.shape or tokens.shape[1] != loss_mask.shape[1] + 1:
-        raise ValueError(
-            f"shape mismatch: logits {tuple(logits.shape)}, tokens {tuple(tokens.shape)}, "
-            f"loss_mask {tuple(loss_mask.shape)}"
-        )
-    mask = loss_mask.to(device=logits.device, dtype=torch.bool)
-    num_scored = int(mask.sum())
-    if num_scored == 0:
-        return 0.0
-    targets = tokens[:, 1:].to(logits.device)
-    correct = (logits.argmax(dim=-1) == targets) & mask
-    return int(correct.sum()) / num_scored

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rewind.engine import datasets as datasets_module
 from rewind.engine.datasets import DatasetError
 from rewind.engine.registry import DatasetRegistry, open_dataset
-from rewind.engine.tasks import TASK_NAMES, answer_accuracy, task_sample
+from rewind.engine.tasks import TASK_NAMES, task_sample
 from rewind.engine.userdata import DataPlace
 from rewind.states.config import BUILTIN_DATASETS, ArchitectureSection, Config, DataSource
 
@@ -113,19 +113,6 @@ def test_grammar_has_a_few_hundred_words():
         text = text_of(task_sample("grammar", "train", index, 256)[0])
         words.update(w.strip('.,?"').lower() for w in text.split()[:-1])
     assert len(words) > 250
-
-
-def test_answer_accuracy():
-    tokens = torch.tensor([[1, 2, 3, 4, 5]])
-    loss_mask = torch.tensor([[False, True, True, True]])
-    logits = torch.nn.functional.one_hot(tokens[:, 1:], 8).float()
-    assert answer_accuracy(logits, tokens, loss_mask) == 1.0
-    logits[0, 1] = torch.nn.functional.one_hot(torch.tensor(0), 8).float()
-    logits[0, 0] = 0.0  # unscored position: wrong but does not count
-    assert answer_accuracy(logits, tokens, loss_mask) == pytest.approx(2 / 3)
-    assert answer_accuracy(logits, tokens, torch.zeros_like(loss_mask)) == 0.0
-    with pytest.raises(ValueError, match="shape"):
-        answer_accuracy(logits, tokens[:, :-1], loss_mask)
 
 
 def test_builtin_dataset_sizes_and_batch():
