@@ -2,6 +2,7 @@
 
     while (intent := decide(state, schedule)) is not None:
         event(s) = perform(intent)        the step's losses, a validation, a checkpoint written, ...
+                                          (a control transition that is its event is recorded as it is)
         state = journal.record(state, e)  append (+ commit when the durability rule says so), apply
         parts = apply_effect(parts, e)    what the transition does to the live objects (effects.py)
 
@@ -36,6 +37,7 @@ from rewind.states.events import (
     Event,
     NonFiniteLoss,
     RunStopped,
+    StackAppended,
     StepCommitted,
     Validated,
 )
@@ -44,12 +46,10 @@ from rewind.states.plan import (
     CacheTrunk,
     DeleteCheckpoints,
     Evaluate,
-    GrowModel,
     Intent,
     RunStep,
     TakeCheckpoint,
     Validate,
-    control_event,
     decide,
     step_lr,
 )
@@ -227,7 +227,8 @@ def run_one_step(run: Run, state: State) -> tuple[State, bool]:
 
 
 def perform(run: Run, state: State, intent: Intent) -> State:
-    """Do what `intent` asks (all but the step itself) and record the event(s) it makes."""
+    """Do what `intent` asks (all but the step itself) and record the event(s) it makes: a control
+    transition that is its event is recorded as it is."""
     parts, at = run.parts, {"step": state.step, "tokens": state.tokens}
     match intent:
         case Validate():
@@ -244,8 +245,7 @@ def perform(run: Run, state: State, intent: Intent) -> State:
             return delete_checkpoints(run, state, names)
         case CacheTrunk():
             return record(run, state, write_cache(parts, state, intent))
-    held = state.last_checkpoint.checkpoint if state.last_checkpoint is not None else ""
-    return record(run, state, control_event(intent, state.step, state.tokens, held))  # type: ignore[arg-type]
+    return record(run, state, intent)
 
 
 def pause_note(intent: Intent) -> str:
@@ -259,8 +259,8 @@ def pause_note(intent: Intent) -> str:
             return "evaluating before training" if boundary < 0 else f"evaluating at the end of stage {boundary}"
         case TakeCheckpoint():
             return "writing a checkpoint"
-        case GrowModel(event=event):
-            return f"growing the model: {event.num_blocks} block(s) join"
+        case StackAppended(num_blocks=num_blocks):
+            return f"growing the model: {num_blocks} block(s) join"
         case CacheTrunk():
             return "caching the trunk's activations"
     return ""

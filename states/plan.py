@@ -2,11 +2,12 @@
 
 `decide(state, schedule)` returns the next `Intent` of a run: a duty left over from the step just
 committed (validate, evaluate, checkpoint, retention), a control transition due before the next step
-(reference refresh, fade, stage entry, the end), or the next step itself. It looks only at the folded
-state and the schedule, never at history, so a run resumed from any cut point produces exactly the
-events a one-pass run would have. The engine performs an intent and turns it into its event, adding
-what only it can know (what it measured, the checkpoint it wrote); `control_event` does that for the
-intents that measure nothing.
+(reference refresh, fade, stage entry, growth, the end), or the next step itself. It looks only at the
+folded state and the schedule, never at history, so a run resumed from any cut point produces exactly
+the events a one-pass run would have. A control transition that needs nothing measured or written is
+its event, which the engine records as it is; the other intents (a step, a validation, an evaluation,
+a checkpoint, the trunk's cache, retention) the engine performs and turns into their events, adding
+what only it can know (what it measured, the checkpoint or cache it wrote).
 
 `plan` iterates the control part over a whole run, jumping between the steps where something can
 change, which is what makes a million-step dry-run take well under a second.
@@ -40,55 +41,12 @@ from rewind.states.state import CheckpointReason, State
 
 
 @dataclass(frozen=True, slots=True)
-class EnterStage:
-    stage: int
-
-
-@dataclass(frozen=True, slots=True)
-class StartFade:
-    boundary: int
-
-
-@dataclass(frozen=True, slots=True)
-class EndFade:
-    boundary: int
-
-
-@dataclass(frozen=True, slots=True)
-class RefreshReference:
-    """The reference becomes the current weights, which a committed checkpoint at this step holds
-    (decide asks for that checkpoint first)."""
-
-    stage: int
-
-
-@dataclass(frozen=True, slots=True)
-class ResetOptimizer:
-    """Clear the optimizer's moments and step counts at the entry of `stage`."""
-
-    stage: int
-    lr_restarts: bool
-
-
-@dataclass(frozen=True, slots=True)
-class GrowModel:
-    """A stack joins the model: `event` (every decision in it) is what the engine performs and records."""
-
-    event: StackAppended
-
-
-@dataclass(frozen=True, slots=True)
 class CacheTrunk:
     """Compute and store the frozen trunk's outputs for the next `num_steps` steps (`num_rows` rows)."""
 
     version: int
     num_steps: int
     num_rows: int
-
-
-@dataclass(frozen=True, slots=True)
-class FinishRun:
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +74,12 @@ class DeleteCheckpoints:
     names: tuple[str, ...]  # retention: oldest first
 
 
-ControlIntent = (
-    EnterStage | StartFade | EndFade | RefreshReference | ResetOptimizer | GrowModel | CacheTrunk | FinishRun
+# The control transitions that are their events: due before a step, nothing to measure or write first.
+ControlEvent = (
+    StageEntered | FadeStarted | FadeEnded | ReferenceRefreshed | OptimizerReset | StackAppended | RunFinished
 )
-Intent = ControlIntent | RunStep | Validate | Evaluate | TakeCheckpoint | DeleteCheckpoints
+Control = ControlEvent | CacheTrunk
+Intent = Control | RunStep | Validate | Evaluate | TakeCheckpoint | DeleteCheckpoints
 
 
 def decide(state: State, schedule: Schedule) -> Intent | None:
@@ -133,9 +93,7 @@ def decide(state: State, schedule: Schedule) -> Intent | None:
         # Before the first update of the run (or of a fork): the weights it starts from, on record.
         return Evaluate(-1)
     control = control_intent(state, schedule, state.step)
-    if isinstance(control, RefreshReference) and (
-        not _checkpoint_at(state, state.step) or state.grown_since_checkpoint
-    ):
+    if isinstance(control, ReferenceRefreshed) and not _holds_model_at(state, state.step):
         return TakeCheckpoint("reference")  # the reference is named by a committed checkpoint of the model
     if control is not None:
         return control
@@ -183,54 +141,67 @@ def _checkpoint_at(state: State, step: int) -> bool:
     return last is not None and last.step == step
 
 
-def control_intent(state: State, schedule: Schedule, step: int) -> ControlIntent | None:
-    """The next control transition due before the step with index `step`, or None."""
+def _holds_model_at(state: State, step: int) -> bool:
+    """Whether the last checkpoint holds the model as it is before the step with index `step`."""
+    return _checkpoint_at(state, step) and not state.grown_since_checkpoint
+
+
+def control_intent(state: State, schedule: Schedule, step: int) -> Control | None:
+    """The next control transition due before the step with index `step`, or None: its event (at that
+    step), or CacheTrunk, which the engine performs before recording."""
     if not state.started or state.finished:
         return None
+    at = {"step": step, "tokens": schedule.tokens_of(step)}
     growth = growth_due(state, schedule, step)
     if growth is not None:
         return growth
     if state.pending_refreshes:
-        return RefreshReference(state.pending_refreshes[0])
+        # The reference is the model as the checkpoint at this step holds it (decide asks for one
+        # first; "" in a dry-run, which takes none).
+        last = state.last_checkpoint
+        held = last.checkpoint if last is not None and _holds_model_at(state, step) else ""
+        return ReferenceRefreshed(**at, stage=state.pending_refreshes[0], checkpoint=held)
     # After the stage's refresh: a reference checkpoint taken for the refresh then holds the moments
     # the reset clears, and a resume from it performs the reset again.
     if state.pending_optimizer_resets:
-        return ResetOptimizer(state.pending_optimizer_resets[0], schedule.config.optimization.reset_restarts_lr)
+        restarts = schedule.config.optimization.reset_restarts_lr
+        return OptimizerReset(**at, stage=state.pending_optimizer_resets[0], lr_restarted=restarts)
     fade = fade_due(state, schedule, step)
     if fade is not None:
         return fade
     upcoming = state.num_stages_entered
     if upcoming < schedule.num_stages and (step >= schedule.num_steps or schedule.entry_steps[upcoming] <= step):
-        return EnterStage(upcoming)
+        return StageEntered(**at, stage=upcoming)
     if step >= schedule.num_steps:
-        return FinishRun()
+        return RunFinished(**at)
     return cache_due(state, schedule, step)
 
 
-def fade_due(state: State, schedule: Schedule, step: int) -> StartFade | EndFade | None:
+def fade_due(state: State, schedule: Schedule, step: int) -> FadeStarted | FadeEnded | None:
     """The first fade, in the schedule's order, that is due to start (not started, its start step come)
     or to end (started, not ended, its end step come) before the step with index `step`."""
     due = bisect.bisect_right(schedule.fade_start_steps, step)  # fades whose start has come
     if due == 0:
         return None
+    at = {"step": step, "tokens": schedule.tokens_of(step)}
     started, ended, order = state.fades_started, state.fades_ended, schedule.fade_boundaries
     s, e = len(started), len(ended)
     if started == order[:s] and ended == order[:e]:
         # As a run under one config has them: fades started and ended in the schedule's order, so the
         # first one not ended (e) is the next to end and the first one not started (s) the next to start.
         if e < s and e < bisect.bisect_right(schedule.fade_end_steps, step):
-            return EndFade(order[e])
-        return StartFade(order[s]) if s < due else None
+            return FadeEnded(**at, boundary=order[e])
+        return FadeStarted(**at, boundary=order[s]) if s < due else None
     # Another config's fades on record (a ConfigChanged, a fork's seed): look at each one due.
     for ramp, end_step in zip(schedule.fades[:due], schedule.fade_end_steps, strict=False):
         if ramp.boundary not in started:
-            return StartFade(ramp.boundary)
+            return FadeStarted(**at, boundary=ramp.boundary)
         if ramp.boundary not in ended and end_step <= step:
-            return EndFade(ramp.boundary)
+            return FadeEnded(**at, boundary=ramp.boundary)
     return None
 
 
-def growth_due(state: State, schedule: Schedule, step: int) -> GrowModel | None:
+def growth_due(state: State, schedule: Schedule, step: int) -> StackAppended | None:
     """The next growth, once its step has come and (joining at a stage) its stage has been entered: so
     at a stage entry the order is StageEntered, StackAppended, then the stage's reference refresh (of
     the grown model) and optimizer reset."""
@@ -241,7 +212,7 @@ def growth_due(state: State, schedule: Schedule, step: int) -> GrowModel | None:
     if spec.at_stage >= 0 and spec.at_stage >= state.num_stages_entered:
         return None
     layout = current_layout(state)
-    return GrowModel(growth_event(schedule.config, index, layout, step, schedule.tokens_of(step)))
+    return growth_event(schedule.config, index, layout, step, schedule.tokens_of(step))
 
 
 def cache_due(state: State, schedule: Schedule, step: int) -> CacheTrunk | None:
@@ -257,34 +228,25 @@ def cache_due(state: State, schedule: Schedule, step: int) -> CacheTrunk | None:
     return CacheTrunk(layout.version, num_steps, num_steps * schedule.config.training.batch_size)
 
 
-def control_event(intent: ControlIntent, step: int, tokens: int, checkpoint: str = "") -> Event:
-    """The event that records a control intent (`checkpoint`: the one a refreshed reference is)."""
-    match intent:
-        case EnterStage(stage=stage):
-            return StageEntered(step=step, tokens=tokens, stage=stage)
-        case StartFade(boundary=boundary):
-            return FadeStarted(step=step, tokens=tokens, boundary=boundary)
-        case EndFade(boundary=boundary):
-            return FadeEnded(step=step, tokens=tokens, boundary=boundary)
-        case RefreshReference(stage=stage):
-            return ReferenceRefreshed(step=step, tokens=tokens, stage=stage, checkpoint=checkpoint)
-        case ResetOptimizer(stage=stage, lr_restarts=lr_restarts):
-            return OptimizerReset(step=step, tokens=tokens, stage=stage, lr_restarted=lr_restarts)
-        case GrowModel(event=event):
-            return event
-        case CacheTrunk(version=version, num_steps=num_steps, num_rows=num_rows):
-            # A dry-run's record (no path): the engine writes the cache and records where it is.
-            return ActivationsCached(step=step, tokens=tokens, version=version, num_steps=num_steps, num_rows=num_rows)
-        case FinishRun():
-            return RunFinished(step=step, tokens=tokens)
-    raise TypeError(f"not a control intent: {intent!r}")
+def dry_run_event(control: Control, step: int, tokens: int) -> Event:
+    """The event a control transition due at `step` is recorded as where nothing is written (a dry-run,
+    the planner): a CacheTrunk's ActivationsCached then has no path."""
+    if isinstance(control, CacheTrunk):
+        return ActivationsCached(
+            step=step,
+            tokens=tokens,
+            version=control.version,
+            num_steps=control.num_steps,
+            num_rows=control.num_rows,
+        )
+    return control
 
 
 def due_events(state: State, schedule: Schedule, step: int) -> tuple[State, list[Event]]:
     """Every control event due before step `step` in a dry-run (no checkpoints), and the state after."""
     events: list[Event] = []
-    while (intent := control_intent(state, schedule, step)) is not None:
-        event = control_event(intent, step, schedule.tokens_of(step))
+    while (control := control_intent(state, schedule, step)) is not None:
+        event = dry_run_event(control, step, schedule.tokens_of(step))
         events.append(event)
         state = apply(state, event)
     return state, events

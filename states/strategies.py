@@ -56,15 +56,15 @@ from rewind.states.events import (
 from rewind.states.fold import apply
 from rewind.states.history import restore_point
 from rewind.states.plan import (
-    ControlIntent,
+    CacheTrunk,
+    Control,
     DeleteCheckpoints,
     Evaluate,
-    RefreshReference,
     RunStep,
     TakeCheckpoint,
     Validate,
-    control_event,
     decide,
+    dry_run_event,
     started_state,
     step_lr,
 )
@@ -292,7 +292,7 @@ def simulate_run(config: Config, crash_after: Iterable[int] = ()) -> list[Event]
 
     while (intent := decide(state, schedule)) is not None:
         if (
-            isinstance(intent, ControlIntent | RunStep)
+            isinstance(intent, Control | RunStep)
             and state.step
             and pending_crashes
             and pending_crashes[-1] <= state.step
@@ -327,11 +327,10 @@ def simulate_run(config: Config, crash_after: Iterable[int] = ()) -> list[Event]
             case DeleteCheckpoints(names=names):
                 for doomed in names:
                     emit(CheckpointDeleted(**at, checkpoint=doomed))
-            case RefreshReference():
-                assert state.last_checkpoint is not None  # decide asks for a checkpoint first
-                emit(control_event(intent, state.step, state.tokens, state.last_checkpoint.checkpoint))
+            case CacheTrunk():
+                emit(dry_run_event(intent, state.step, state.tokens))
             case _:
-                emit(control_event(intent, state.step, state.tokens))
+                emit(intent)  # a control transition that is its event
     return log
 
 

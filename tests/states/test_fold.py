@@ -29,7 +29,6 @@ from rewind.states.history import anchor_end, effective
 from rewind.states.plan import (
     DeleteCheckpoints,
     Evaluate,
-    RefreshReference,
     TakeCheckpoint,
     Validate,
     checkpoints_to_delete,
@@ -500,7 +499,8 @@ def test_decide_asks_for_a_checkpoint_before_a_reference_refresh_that_has_none()
     due = replace(state, pending_refreshes=[0], num_stages_entered=1, stage=0)
     assert decide(due, schedule) == TakeCheckpoint("reference")
     held = CheckpointRef(checkpoint="c0", step=0, tokens=0, reason="reference", manifest_sha256="")
-    assert decide(replace(due, last_checkpoint=held), schedule) == RefreshReference(0)
+    refresh = ReferenceRefreshed(step=0, tokens=0, stage=0, checkpoint="c0")  # the checkpoint it holds
+    assert decide(replace(due, last_checkpoint=held), schedule) == refresh
 
 
 @settings(max_examples=200, deadline=None)

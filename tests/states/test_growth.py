@@ -24,9 +24,6 @@ from rewind.states.fold import IllegalTransition, apply, fold
 from rewind.states.growth import caches_trunk, current_layout, growth_event, trunk_rank
 from rewind.states.plan import (
     CacheTrunk,
-    EnterStage,
-    GrowModel,
-    RefreshReference,
     TakeCheckpoint,
     decide,
     plan,
@@ -279,7 +276,7 @@ def boundary_state(config: Config) -> State:
         CheckpointCommitted(step=10, tokens=160, checkpoint="b", manifest_sha256="0" * 64, reason="boundary"),
     ]
     state = fold(events)
-    assert decide(state, Schedule(config)) == EnterStage(1)
+    assert decide(state, Schedule(config)) == StageEntered(step=10, tokens=160, stage=1)
     return apply(state, StageEntered(step=10, tokens=160, stage=1))
 
 
@@ -288,22 +285,24 @@ def test_a_refresh_after_a_growth_at_a_checkpointed_boundary_checkpoints_the_gro
     schedule = Schedule(config)
     state = boundary_state(config)
     intent = decide(state, schedule)
-    assert intent == GrowModel(growth_event(config, 0, current_layout(state), 10, 160))
-    state = apply(state, intent.event)
+    assert intent == growth_event(config, 0, current_layout(state), 10, 160)
+    state = apply(state, intent)
     assert state.grown_since_checkpoint
     assert decide(state, schedule) == TakeCheckpoint("reference")  # "b" holds the model before the growth
     reference = CheckpointCommitted(step=10, tokens=160, checkpoint="r", manifest_sha256="1" * 64, reason="reference")
     state = apply(state, reference)
     assert not state.grown_since_checkpoint
-    assert decide(state, schedule) == RefreshReference(1)
-    state = apply(state, ReferenceRefreshed(step=10, tokens=160, stage=1, checkpoint="r"))
+    refresh = ReferenceRefreshed(step=10, tokens=160, stage=1, checkpoint="r")  # of the grown model
+    assert decide(state, schedule) == refresh
+    state = apply(state, refresh)
     assert (state.reference.checkpoint, state.reference.layout) == ("r", state.layout)
     assert decide(state, schedule) == CacheTrunk(version=1, num_steps=10, num_rows=20)
 
 
 def test_without_a_growth_the_boundary_checkpoint_serves_the_refresh():
     config = loads_config(config_text(stages=2))
-    assert decide(boundary_state(config), Schedule(config)) == RefreshReference(1)
+    refresh = ReferenceRefreshed(step=10, tokens=160, stage=1, checkpoint="b")
+    assert decide(boundary_state(config), Schedule(config)) == refresh
 
 
 # --- the config rules of a growth plan --------------------------------------------------------------

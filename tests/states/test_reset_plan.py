@@ -24,7 +24,7 @@ from rewind.states.events import (
 )
 from rewind.states.fold import IllegalTransition, apply, fold, seed_of
 from rewind.states.history import effective
-from rewind.states.plan import Evaluate, ResetOptimizer, control_intent, decide, plan, started_state
+from rewind.states.plan import Evaluate, control_intent, decide, plan, started_state
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
 from rewind.states.strategies import configs, engine_logs, simulate_run
@@ -104,7 +104,7 @@ def entered(stage: int, step: int) -> State:
 def test_a_step_may_not_run_and_the_run_may_not_finish_while_a_reset_is_due():
     state = entered(1, 11)
     assert state.pending_optimizer_resets == [1]
-    assert control_intent(state, Schedule(CONFIG), 11) == ResetOptimizer(1, True)
+    assert control_intent(state, Schedule(CONFIG), 11) == OptimizerReset(step=11, tokens=176, stage=1, lr_restarted=True)
     step = StepCommitted(step=12, tokens=192, stage=1, lr=1e-3, beta=0.1, loss=1.0)
     with pytest.raises(IllegalTransition, match="an optimizer reset is due"):
         apply(state, step)

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from rewind.states import plan as plan_module
 from rewind.states.config import ConfigError, loads_config
-from rewind.states.plan import EndFade, StartFade, boundary_ending_at, fade_due, plan
+from rewind.states.events import FadeEnded, FadeStarted
+from rewind.states.plan import boundary_ending_at, fade_due, plan
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
 from rewind.states.strategies import configs, token_positions
@@ -40,13 +41,14 @@ def weights_by_definition(schedule: Schedule, x: float) -> tuple[float, ...]:
     return tuple(w / total for w in raw)
 
 
-def fade_by_definition(state: State, schedule: Schedule, step: int) -> StartFade | EndFade | None:
+def fade_by_definition(state: State, schedule: Schedule, step: int) -> FadeStarted | FadeEnded | None:
+    at = {"step": step, "tokens": schedule.tokens_of(step)}
     for ramp in schedule.fades:
         started = ramp.boundary in state.fades_started
         if not started and schedule.fade_start_step(ramp) <= step:
-            return StartFade(ramp.boundary)
+            return FadeStarted(**at, boundary=ramp.boundary)
         if started and ramp.boundary not in state.fades_ended and schedule.fade_end_step(ramp) <= step:
-            return EndFade(ramp.boundary)
+            return FadeEnded(**at, boundary=ramp.boundary)
     return None
 
 

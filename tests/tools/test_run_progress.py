@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 
 from rewind.engine.loop import pause_note
-from rewind.states.events import StackAppended
+from rewind.states.events import StackAppended, StageEntered
 from rewind.states.fold import fold
 from rewind.states.plan import (
     CacheTrunk,
     DeleteCheckpoints,
-    EnterStage,
     Evaluate,
-    GrowModel,
     TakeCheckpoint,
     Validate,
 )
@@ -52,14 +50,14 @@ def test_the_bar_names_each_pause_before_it(trained_with_bar):
 
 
 def test_pause_notes_cover_the_long_intents_only():
-    grow = GrowModel(event=StackAppended(step=5, tokens=1280, stack=1, num_blocks=2))
+    grow = StackAppended(step=5, tokens=1280, stack=1, num_blocks=2)
     assert pause_note(grow) == "growing the model: 2 block(s) join"
     assert pause_note(CacheTrunk(version=1, num_steps=10, num_rows=80)) == "caching the trunk's activations"
     assert pause_note(TakeCheckpoint(reason="interval")) == "writing a checkpoint"
     assert pause_note(Evaluate(boundary=-1)) == "evaluating before training"
     assert pause_note(Evaluate(boundary=1)) == "evaluating at the end of stage 1"
     assert pause_note(Validate()) == "validating"
-    assert pause_note(EnterStage(stage=1)) == ""
+    assert pause_note(StageEntered(step=5, tokens=1280, stage=1)) == ""
     assert pause_note(DeleteCheckpoints(names=("00000004-abcdef12",))) == ""
 
 
