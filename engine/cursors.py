@@ -158,12 +158,12 @@ def assemble_batch(
     """One step's training rows: (tokens (B, block_size + 1), loss_mask (B, block_size), cursors
     after the step, rows drawn per dataset), with B = sum(rows_per_stage).
 
-    Stage i contributes rows_per_stage[i] rows split across config.training.datasets[i] by
+    Stage i contributes rows_per_stage[i] rows split across config.stages[i].datasets by
     `split_rows`; rows are concatenated in (stage, dataset-in-mixture) order. A dataset mixed into
     several stages reads consecutive positions of its single cursor, in stage order. `cursors` is
     not modified; datasets missing from it start at position 0. `datasets` maps names to opened
     datasets, typically a `rewind.engine.datasets.DatasetRegistry` kept for the whole run."""
-    mixtures = config.training.datasets
+    mixtures = [stage.datasets for stage in config.stages]
     if len(rows_per_stage) != len(mixtures):
         raise ValueError(f"rows_per_stage has {len(rows_per_stage)} entries for {len(mixtures)} stages")
     new_cursors = dict(cursors)

@@ -30,8 +30,8 @@ from rewind.stores.metrics import perplexity
 def training_datasets(config: Config) -> list[str]:
     """Every dataset any stage trains on, in first-use order."""
     names: list[str] = []
-    for mixture in config.training.datasets:
-        for sampling in mixture:
+    for stage in config.stages:
+        for sampling in stage.datasets:
             if sampling.name not in names:
                 names.append(sampling.name)
     return names

@@ -113,8 +113,8 @@ def open_datasets(config: Config, place: DataPlace) -> DatasetRegistry:
     """Open every dataset the config names now, so a bad one fails before any log is touched."""
     try:
         datasets = DatasetRegistry(config, place)
-        for mixture in config.training.datasets:
-            for sampling in mixture:
+        for stage in config.stages:
+            for sampling in stage.datasets:
                 datasets[sampling.name]
         for name in config.training.evaluations:
             datasets[name]

@@ -200,7 +200,7 @@ def open_registry(config: Config, place: DataPlace) -> DatasetRegistry:
 
 def used_datasets(config: Config) -> list[str]:
     """The `[data.NAME]` datasets the run reads (a stage's mixture or an evaluation), sorted."""
-    named = {s.name for mixture in config.training.datasets for s in mixture} | set(config.training.evaluations)
+    named = {s.name for stage in config.stages for s in stage.datasets} | set(config.training.evaluations)
     return sorted(named & set(config.data))
 
 

@@ -42,7 +42,7 @@ def schedule_warnings(config: Config, schedule: Schedule | None = None) -> list[
         if beta > 0 and not any(r <= i for r in refreshed):
             warnings.append(
                 f"stage {i}: KL weight {beta} > 0 but no reference refresh happens at or before it "
-                f"(reference_update_stages = {refreshed})"
+                f"(stages refreshing the reference: {refreshed})"
             )
         inside, boundaries = faded[i]
         if inside > FADED_SHARE * budget:
@@ -81,7 +81,7 @@ def _lr_warnings(config: Config, schedule: Schedule) -> list[str]:
             f"optimization.warmup_pct: {opt.warmup_pct:g} is ignored by the constant schedule (every step trains at "
             'lr); for a warmup to a constant LR, use schedule = "wsd" with decay_pct = 0'
         )
-    restarts = opt.reset_restarts_lr and opt.reset_optimizer_stages
+    restarts = opt.reset_restarts_lr and schedule.optimizer_reset_stages
     if lr(0) == 0.0:
         why = "min_lr_ratio" if opt.schedule == "cosine_rewarm" else "warmup_lr_mult"
         warnings.append(
@@ -90,7 +90,7 @@ def _lr_warnings(config: Config, schedule: Schedule) -> list[str]:
             + f": that step's data is spent on no update; a small {why} (e.g. 0.01) avoids it"
         )
     if restarts:
-        last = max(schedule.entry_steps[s] for s in opt.reset_optimizer_stages if s < schedule.num_stages)
+        last = max(schedule.entry_steps[s] for s in schedule.optimizer_reset_stages)
         if last < n:
             restarted, unbroken = lr(n - 1 - last), lr(n - 1)
             if restarted > RESTART_END_FACTOR * unbroken:

@@ -1,9 +1,12 @@
 """Typed run configuration: frozen msgspec structs decoded from TOML.
 
-Keys follow the ABCD trainer's names (`training.tokens`, `training.fade.overlap`, ...) so its users
-feel at home. Decoding never stops at the first problem: the raw TOML is walked against the struct
-types (`rewind.states.checking`), then the cross-field rules run (`rewind.states.validation`), and
-`ConfigError` carries every problem, each naming its dotted field path. This module holds the schema,
+Keys follow the ABCD trainer's names (`training.fade.overlap`, `optimization.kl`, ...) so its users
+feel at home; a stage is one `[[stages]]` record. The ABCD trainer's flat per-stage lists
+(`training.tokens`, `training.datasets`, ...) are still read: `rewind.states.stageform` translates them
+to stages before anything else looks at the config. Decoding never stops at the first problem: the raw
+TOML is walked against the struct types (`rewind.states.checking`), then the cross-field rules run
+(`rewind.states.validation`), and `ConfigError` carries every problem, each naming its dotted field
+path (as the user wrote it: a flat list's entry in a flat config). This module holds the schema,
 parsing, and a config's identity (`config_hash`).
 
 Pure: the caller reads the file (see `rewind.tools.configfile`); this module only parses text.
@@ -42,6 +45,7 @@ ObjectiveKind = Literal["clm", "mlm", "diffusion"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 ComputePrecision = Literal["fp32", "bf16-autocast", "bf16-mixed"]
 LossKernel = Literal["logits", "chunked", "triton"]
+StrategyName = Literal["pretrain"]  # how a stage trains (the post-training issue adds sft, dpo, grpo)
 
 class Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Base of every config section: immutable, and unknown keys are an error, never ignored."""
@@ -77,14 +81,11 @@ class FadeSection(Struct):
     overlap: float = 0.0
     curve: CurveName = "linear"
     steepness: float = 10.0
-    per_boundary_overlap: list[float] = []
 
 
 class TrainingSection(Struct):
     batch_size: int = 8
     per_device_batch_size: int = -1
-    tokens: list[int] = []
-    datasets: list[list[Sampling]] = []
     validation_steps: int = 2
     evaluations: list[str] = []
     eval_samples: int = 64
@@ -93,9 +94,23 @@ class TrainingSection(Struct):
 
 
 class KlSection(Struct):
-    betas: list[float] = []  # one per stage; empty = no KL anywhere
-    reference_update_stages: list[int] = []
-    kind: KlKind = "token_kl"
+    kind: KlKind = "token_kl"  # the per-stage betas are `[[stages]].beta`
+
+
+class Stage(Struct):
+    """One stage of the curriculum (`[[stages]]`): its token budget and data mixture, the KL beta it
+    trains with, what happens on entering it, and the fade into the next one. `beta` and `overlap`
+    left out (None) are not the same config as 0.0 given (the flat lists they come from hash apart);
+    loading gives every stage a value once any stage gives one (`rewind.states.stageform`)."""
+
+    name: str = ""  # growth steps may name the stage by it
+    strategy: StrategyName = "pretrain"
+    tokens: int = 0  # its token budget (must be positive)
+    datasets: list[Sampling] = []  # its mixture (at least one; rates sum to 1)
+    beta: float | None = None  # None: no KL in any stage (same as 0.0)
+    refresh_reference: bool = False  # entering it makes the current weights the KL reference
+    reset_optimizer: bool = False  # entering it clears the Adam moments (an OptimizerReset event)
+    overlap: float | None = None  # the fade into the next stage; None: training.fade.overlap
 
 
 class OptimizationSection(Struct):
@@ -109,9 +124,8 @@ class OptimizationSection(Struct):
     min_lr_ratio: float = 0.1
     sgdr_period: int = 100
     rewarm_lr: float = 1e-4  # cosine_rewarm: the peak of every stage after the first (stage 0 peaks at lr)
-    # Stages at whose entry the Adam moments and step counts are cleared (an OptimizerReset event), and
-    # whether the LR schedule then restarts from its own step 0 (as the ABCD trainer's tx.init does).
-    reset_optimizer_stages: list[int] = []
+    # Whether the LR schedule restarts from its own step 0 at a stage that resets the optimizer
+    # (`[[stages]].reset_optimizer`), as the ABCD trainer's tx.init does.
     reset_restarts_lr: bool = False
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -239,6 +253,7 @@ class Config(Struct):
     training: TrainingSection = TrainingSection()
     optimization: OptimizationSection = OptimizationSection()
     logging: LoggingSection = LoggingSection()
+    stages: list[Stage] = []
     data: dict[str, DataSource] = {}
     growth: list[GrowthStep] = []
     lora: LoraSection = LoraSection()
@@ -249,7 +264,12 @@ class Config(Struct):
 
     @property
     def num_stages(self) -> int:
-        return len(self.training.tokens)
+        return len(self.stages)
+
+    def fade_overlap(self, boundary: int) -> float:
+        """The fade's overlap from stage `boundary` into the next."""
+        given = self.stages[boundary].overlap
+        return self.training.fade.overlap if given is None else given
 
     @property
     def tokens_per_step(self) -> int:
@@ -275,8 +295,32 @@ def config_hash(config: Config) -> str:
     """Identity of a config: sha256 of its canonical JSON, in which every field left at its default is
     omitted. So a release that adds a field with a default gives every existing config the same hash,
     while a release that changes a default changes the hash of exactly the configs that relied on it.
-    Compare hashes computed by the same code (a resume hashes the logged config as decoded now)."""
-    return hashlib.sha256(msgspec.json.encode(canonical(config))).hexdigest()
+    The stages count as the flat lists they were written as before `[[stages]]` (`identity`), so that
+    change left every hash as it was. Compare hashes computed by the same code (a resume hashes the
+    logged config as decoded now)."""
+    return hashlib.sha256(msgspec.json.encode(identity(config))).hexdigest()
+
+
+def identity(config: Config) -> Any:
+    """The canonical form a config's hash is computed from: `canonical`, with the stages given as the
+    flat per-stage lists (`rewind.states.stageform.flat_lists`)."""
+    from rewind.states.stageform import flat_lists
+
+    tree = canonical(msgspec.structs.replace(config, stages=[]))
+    for path, value in flat_lists(config).items():
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return _sorted(tree)
+
+
+def _sorted(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {key: _sorted(tree[key]) for key in sorted(tree)}
+    if isinstance(tree, list):
+        return [_sorted(item) for item in tree]
+    return tree
 
 
 def canonical(value: Any) -> Any:
@@ -332,6 +376,7 @@ def loads_config(text: str, source: str = "config", overrides: list[str] | None 
     """Parse TOML text into a Config, reporting every problem at once as a ConfigError."""
     # Imported here: the override module raises this module's ConfigError.
     from rewind.states.overrides import TomlLimitError, apply_overrides, read_toml
+    from rewind.states.stageform import flat_for_overrides
 
     try:
         raw = read_toml(text)
@@ -340,16 +385,21 @@ def loads_config(text: str, source: str = "config", overrides: list[str] | None 
     except TomlLimitError as exc:
         raise ConfigError([f"cannot read the TOML: {exc}"], source) from None
     if overrides:
-        raw = apply_overrides(raw, overrides)
+        raw = apply_overrides(flat_for_overrides(raw, overrides), overrides)
     return config_from_dict(raw, source)
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
+    """A Config from a raw table of either form (`[[stages]]` records or the flat per-stage lists,
+    translated here: `rewind.states.stageform`), or every problem with it as one ConfigError."""
+    from rewind.states.stageform import to_stage_form
+
+    raw, said, flat = to_stage_form(raw)
     problems = collect_type_problems(raw, Config)
     # An integer the log cannot hold is dropped like a mistyped key: no rule computes with it (nor prints it).
     mistyped = {_field_of(p) for p in problems}
     problems += [p for p in unrecordable_ints(raw) if _field_of(p) not in mistyped]
-    if problems:
+    if problems or said:
         # Still report the cross-field problems: drop the mistyped keys (their problem is already
         # said), check what remains, and keep only findings about fields that were not dropped.
         dropped = sorted({_field_of(p) for p in problems})
@@ -358,36 +408,57 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
             rest = check_config(msgspec.convert(sanitized, Config))
         except msgspec.ValidationError:
             rest = []
-        # Per-stage length and stage-range rules are meaningless once the stage budgets were dropped.
-        stages_unknown = "training.tokens" in dropped
+        # Stage-range rules are meaningless once the stages were dropped.
+        stages_unknown = "stages" in dropped
         problems += [
             p
             for p in rest
             if not any(_field_of(p).startswith(d) for d in dropped)
-            and not (stages_unknown and ("entries (one" in p or "out of range" in p))
+            and not (stages_unknown and "out of range" in p)
         ]
-        raise ConfigError(problems, source)
+        raise ConfigError(_as_written(said, problems, flat), source)
     config = msgspec.convert(raw, Config)
     problems = check_config(config)
     if problems:
-        raise ConfigError(problems, source)
+        raise ConfigError(_as_written([], problems, flat), source)
     return config
 
 
+def _as_written(said: list[str], problems: list[str], flat: bool) -> list[str]:
+    """The problems named as the user wrote the config: a flat config's by its flat lists' entries,
+    leaving out what the translation already said about the same list."""
+    if not flat:
+        return said + problems
+    from rewind.states.stageform import flat_path
+
+    fields = {_field_of(p) for p in said}
+    named = [flat_path(p) for p in problems]
+    return said + [p for p in named if not any(_field_of(p).startswith(f) for f in fields)]
+
+
 def _field_of(problem: str) -> str:
-    """'training.tokens[1]: ...' -> 'training.tokens' (the key a sanitiser can drop)."""
-    return re.split(r"[\[:]", problem, maxsplit=1)[0]
+    """The key a sanitiser can drop: 'training.evaluations[1]: ...' -> 'training.evaluations', and a
+    stage's own field, 'stages[1].datasets[0].rate: ...' -> 'stages[1].datasets'."""
+    return re.match(r"stages\[\d+\]\.\w+|[^\[:]*", problem).group(0)  # type: ignore[union-attr]
 
 
 def _without(raw: dict[str, Any], paths: list[str]) -> dict[str, Any]:
-    from rewind.states.overrides import deep_copy  # (overrides imports this module)
+    from rewind.states.overrides import deep_copy, parse_path  # (overrides imports this module)
 
     pruned = deep_copy(raw)
     for path in paths:
-        *parents, last = path.split(".")
+        try:
+            *parents, last = parse_path(path)
+        except ValueError:  # a key no override could name (a data set's name with a space): dotted parts
+            *parents, last = path.split(".")
         node: Any = pruned
         for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+                node = node[part]
+            else:
+                node = None
         if isinstance(node, dict):
             node.pop(last, None)
     return pruned
@@ -397,4 +468,4 @@ def dumps_config(config: Config) -> str:
     """TOML text for a config (round-trips through `loads_config`)."""
     from rewind.states.tomlwrite import dumps
 
-    return dumps(msgspec.to_builtins(config))
+    return dumps(msgspec.to_builtins(config))  # a stage's beta or overlap left out (None) is not written

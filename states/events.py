@@ -53,7 +53,7 @@ RUN_FEATURES: tuple[str, ...] = (
 # 5: the data on record (RunStarted/ConfigChanged .data, .tokenizer, RunStarted.pretrained) and EpochStarted.
 # 6: where a run computes (RunStarted/RunResumed .device and .world_size; additions).
 # 7: RunResumed.num_threads (an addition: a resume may compute with another thread count than the run's).
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):

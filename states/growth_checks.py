@@ -25,7 +25,7 @@ def growth_problems(config: Config, schedule_ok: bool) -> list[str]:
     # A plan is performed only when its entries and the ranks it needs are sound: other problems (an
     # unknown LoRA target, say) do not hide its own.
     blocking = [p for p in lora if not p.startswith("lora.targets")]
-    n = len(config.training.tokens)
+    n = config.num_stages
     entries: list[str] = []
     for i, spec in enumerate(config.growth):
         at = f"growth[{i}]"

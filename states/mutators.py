@@ -46,7 +46,7 @@ def run_started(state: State, event: RunStarted) -> State:
         tokens_per_step=schedule.tokens_per_step,
         num_steps=schedule.num_steps,
         reference_update_stages=sorted(schedule.reference_update_stages),
-        optimizer_reset_stages=sorted(config.optimization.reset_optimizer_stages),
+        optimizer_reset_stages=sorted(schedule.optimizer_reset_stages),
         parent_run=event.parent.run if event.parent else "",
         num_threads=event.num_threads,
         cpu_capability=event.cpu_capability,
@@ -277,7 +277,7 @@ def config_changed(state: State, event: ConfigChanged) -> State:
         num_stages=schedule.num_stages,
         num_steps=schedule.num_steps,
         reference_update_stages=sorted(schedule.reference_update_stages),
-        optimizer_reset_stages=sorted(config.optimization.reset_optimizer_stages),
+        optimizer_reset_stages=sorted(schedule.optimizer_reset_stages),
         last_evaluated_boundary=evaluated,
         # Before the first update the weights are the seed's, so the architecture may still
         # change; the data may change at any time, and a cache of the old data's rows with it.

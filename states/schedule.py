@@ -93,18 +93,19 @@ class Schedule:
         run started today. They decide the LR of old runs' warmups (see rewind.states.lr)."""
         t = config.training
         self.config = config
-        self.budgets: tuple[int, ...] = tuple(t.tokens)
+        self.budgets: tuple[int, ...] = tuple(s.tokens for s in config.stages)
         self.num_stages = len(self.budgets)
         self.tokens_per_step = config.tokens_per_step
         self.total_tokens = sum(self.budgets)
         self.num_steps = self.total_tokens // self.tokens_per_step
         self.curve = t.fade.curve
         self.steepness = t.fade.steepness
-        self.betas: tuple[float, ...] = tuple(config.optimization.kl.betas) or (0.0,) * self.num_stages
-        self.reference_update_stages = frozenset(config.optimization.kl.reference_update_stages)
+        self.betas: tuple[float, ...] = tuple(s.beta or 0.0 for s in config.stages)
+        self.reference_update_stages = frozenset(i for i, s in enumerate(config.stages) if s.refresh_reference)
+        self.optimizer_reset_stages = frozenset(i for i, s in enumerate(config.stages) if s.reset_optimizer)
         # B_j = T_0 + ... + T_j; the last one is the total.
         self.boundaries: tuple[int, ...] = tuple(itertools.accumulate(self.budgets))
-        overlaps = t.fade.per_boundary_overlap or [t.fade.overlap] * max(self.num_stages - 1, 0)
+        overlaps = [config.fade_overlap(j) for j in range(self.num_stages - 1)]
         self.ramps: tuple[Ramp, ...] = tuple(
             Ramp(
                 boundary=j,
@@ -128,7 +129,7 @@ class Schedule:
         # Steps at which an optimizer reset restarts the LR curve (reset_restarts_lr): the entries of the
         # reset stages. What `rewind.states.plan.step_lr` gives a run that never changed its config.
         opt = config.optimization
-        restarts = {self.entry_steps[s] for s in opt.reset_optimizer_stages if 0 < s < self.num_stages}
+        restarts = {self.entry_steps[s] for s in self.optimizer_reset_stages if s > 0}
         self.lr_restarts: tuple[int, ...] = tuple(sorted(restarts)) if opt.reset_restarts_lr else ()
 
     # --- positions and steps -------------------------------------------------------------------

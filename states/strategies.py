@@ -212,9 +212,13 @@ def _variant(draw: st.DrawFn, config: Config) -> Config:
     fade["overlap"] = draw(unit_floats())
     fade["curve"] = draw(st.sampled_from(CURVES))
     fade["steepness"] = draw(st.floats(0.5, 40.0))
-    fade["per_boundary_overlap"] = draw(
+    overlaps = draw(
         st.one_of(st.just([]), st.lists(unit_floats(), min_size=num_boundaries, max_size=num_boundaries))
     )
+    for stage in raw["stages"]:
+        stage.pop("overlap", None)
+    for stage, overlap in zip(raw["stages"], overlaps, strict=False):
+        stage["overlap"] = overlap
     if draw(st.booleans()):
         # A batch size change keeps the token budgets, so N and every entry step move.
         raw["training"]["batch_size"] = draw(st.integers(1, 2 * config.training.batch_size))
@@ -340,7 +344,7 @@ def _commit_step(schedule: Schedule, state: State, emit: Any) -> None:
     cursors = dict(state.cursors)
     for stage, num_rows in enumerate(plan.rows):
         if num_rows:
-            name = schedule.config.training.datasets[stage][0].name
+            name = schedule.config.stages[stage].datasets[0].name
             cursors[name] = cursors.get(name, 0) + num_rows
     emit(
         StepCommitted(

@@ -1,4 +1,6 @@
-"""A small TOML writer for configs (tomllib only reads). Tables for dicts, inline tables in lists."""
+"""A small TOML writer for configs (tomllib only reads). Tables for dicts, arrays of tables for the
+top level's lists of dicts (`[[stages]]`, `[[growth]]`), inline tables in other lists. TOML has no
+null: a None is a field left out."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ def dumps(data: dict[str, Any]) -> str:
 
 
 def _table(data: dict[str, Any], path: list[str], lines: list[str]) -> None:
-    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    data = {k: v for k, v in data.items() if v is not None}
+    arrays = {k: v for k, v in data.items() if not path and _is_array_of_tables(v)}
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict) and k not in arrays}
     tables = {k: v for k, v in data.items() if isinstance(v, dict)}
     if path and (scalars or not tables):
         lines.append(f"\n[{'.'.join(_key(p) for p in path)}]")
@@ -22,6 +26,20 @@ def _table(data: dict[str, Any], path: list[str], lines: list[str]) -> None:
         lines.append(f"{_key(key)} = {_value(value)}")
     for key, value in tables.items():
         _table(value, [*path, key], lines)
+    for key, items in arrays.items():
+        for item in items:
+            lines.append(f"\n[[{_key(key)}]]")
+            lines += [f"{_key(k)} = {_value(v)}" for k, v in item.items() if v is not None]
+
+
+def _is_array_of_tables(value: Any) -> bool:
+    """A list of flat tables (no table inside): what `[[key]]` blocks write plainly."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(item, dict) for item in value)
+        and not any(isinstance(v, dict) for item in value for v in item.values())
+    )
 
 
 def _key(key: str) -> str:
@@ -58,5 +76,5 @@ def _value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items() if v is not None) + " }"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")

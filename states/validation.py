@@ -80,19 +80,53 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+def stage_problems(config: Config) -> list[str]:
+    """Each `[[stages]]` record's problems (`stages[2].beta: ...`), then those of the stages together."""
+    stages, known = config.stages, config.dataset_names()
+    problems: list[str] = []
+    add = problems.append
+    if not stages:
+        add("stages: expected at least one stage ([[stages]] with its tokens and datasets), got none")
+    elif len(stages) > MAX_STAGES:
+        add(f"stages: at most {MAX_STAGES:,} stages (one budget each), got {len(stages):,}")
+    for i, stage in enumerate(stages):
+        at = f"stages[{i}]"
+        if stage.tokens <= 0:
+            add(f"{at}.tokens: stage budget must be positive, got {stage.tokens}")
+        elif stage.tokens > MAX_TOKENS:
+            add(f"{at}.tokens: at most 2**53 tokens (the schedule's exact range), got {show_int(stage.tokens)}")
+        if not stage.datasets:
+            add(f"{at}.datasets: a stage needs at least one dataset")
+        for j, sampling in enumerate(stage.datasets):
+            if sampling.name not in known:
+                known_names = ", ".join(sorted(known))
+                add(f"{at}.datasets[{j}].name: unknown dataset {sampling.name!r} (known: {known_names})")
+            if sampling.rate <= 0:
+                add(f"{at}.datasets[{j}].rate: must be positive, got {sampling.rate}")
+        if stage.datasets and abs((total := sum(s.rate for s in stage.datasets)) - 1.0) > 1e-6:
+            add(f"{at}.datasets: rates must sum to 1, got {total:g}")
+        if stage.beta is not None and stage.beta < 0:
+            add(f"{at}.beta: must be >= 0, got {stage.beta}")
+        if stage.overlap is not None and not 0.0 <= stage.overlap <= 1.0:
+            add(f"{at}.overlap: must be in [0, 1], got {stage.overlap}")
+        if stage.overlap is not None and i == len(stages) - 1:
+            add(f"{at}.overlap: the last stage has no next stage to fade into")
+        if stage.reset_optimizer and i == 0:
+            add(f"{at}.reset_optimizer: stage 0 has no moments to clear (the optimizer starts empty)")
+        if stage.name and stage.name in (s.name for s in stages[:i]):
+            add(f"{at}.name: {stage.name!r} names an earlier stage too (growth steps name stages by it)")
+    budgets = [s.tokens for s in stages]
+    if all(0 < budget <= MAX_TOKENS for budget in budgets) and (total := sum(budgets)) > MAX_TOKENS:
+        add(f"stages: the stage budgets sum to {total:,} tokens, more than 2**53 (the schedule's exact range)")
+    return problems
+
+
 def check_config(config: Config) -> list[str]:
     """Cross-field rules the types cannot express. Returns every problem, in field order."""
     # Said first, once, and before any rule computes with the value (a schedule of such numbers cannot be built).
     non_finite = non_finite_floats(config) + unrecordable_ints(config)
     problems: list[str] = []
-    t, fade, opt, kl, arch = (
-        config.training,
-        config.training.fade,
-        config.optimization,
-        config.optimization.kl,
-        config.architecture,
-    )
-    n = len(t.tokens)
+    t, fade, opt, arch = config.training, config.training.fade, config.optimization, config.architecture
     add = problems.append
 
     for name in ("block_size", "vocab_size", "num_layers", "num_heads", "d_model"):
@@ -111,17 +145,7 @@ def check_config(config: Config) -> list[str]:
     if not 0 <= config.run.seed < 1 << 64:
         add(f"run.seed: must be in [0, 2**64), got {show_int(config.run.seed)}")
 
-    if n == 0:
-        add("training.tokens: expected at least one stage budget, got an empty list")
-    elif n > MAX_STAGES:
-        add(f"training.tokens: at most {MAX_STAGES:,} stages (one budget each), got {n:,}")
-    for i, budget in enumerate(t.tokens):
-        if budget <= 0:
-            add(f"training.tokens[{i}]: stage budget must be positive, got {budget}")
-        elif budget > MAX_TOKENS:
-            add(f"training.tokens[{i}]: at most 2**53 tokens (the schedule's exact range), got {show_int(budget)}")
-    if all(0 < budget <= MAX_TOKENS for budget in t.tokens) and (total := sum(t.tokens)) > MAX_TOKENS:
-        add(f"training.tokens: the stage budgets sum to {total:,} tokens, more than 2**53 (the schedule's exact range)")
+    problems += stage_problems(config)
     if t.batch_size <= 0:
         add(f"training.batch_size: must be positive, got {t.batch_size}")
     elif arch.block_size > 0 and t.batch_size * arch.block_size > MAX_TOKENS:
@@ -141,24 +165,7 @@ def check_config(config: Config) -> list[str]:
     if t.eval_samples <= 0:
         add(f"training.eval_samples: must be positive, got {t.eval_samples}")
 
-    if len(t.datasets) != n:
-        add(f"training.datasets: expected {n} entries (one mixture per stage), got {len(t.datasets)}")
     known = config.dataset_names()
-    for i, mixture in enumerate(t.datasets):
-        if not mixture:
-            add(f"training.datasets[{i}]: a stage needs at least one dataset")
-            continue
-        for j, sampling in enumerate(mixture):
-            if sampling.name not in known:
-                add(
-                    f"training.datasets[{i}][{j}].name: unknown dataset {sampling.name!r} "
-                    f"(known: {', '.join(sorted(known))})"
-                )
-            if sampling.rate <= 0:
-                add(f"training.datasets[{i}][{j}].rate: must be positive, got {sampling.rate}")
-        total = sum(s.rate for s in mixture)
-        if abs(total - 1.0) > 1e-6:
-            add(f"training.datasets[{i}]: rates must sum to 1, got {total:g}")
     for j, name in enumerate(t.evaluations):
         if name not in known:
             add(f"training.evaluations[{j}]: unknown dataset {name!r}")
@@ -167,15 +174,6 @@ def check_config(config: Config) -> list[str]:
         add(f"training.fade.overlap: must be in [0, 1], got {fade.overlap}")
     if fade.steepness <= 0:
         add(f"training.fade.steepness: must be positive, got {fade.steepness}")
-    if fade.per_boundary_overlap and len(fade.per_boundary_overlap) != max(n - 1, 0):
-        add(
-            f"training.fade.per_boundary_overlap: expected {max(n - 1, 0)} entries (one per boundary), "
-            f"got {len(fade.per_boundary_overlap)}"
-        )
-    for j, o in enumerate(fade.per_boundary_overlap):
-        if not 0.0 <= o <= 1.0:
-            add(f"training.fade.per_boundary_overlap[{j}]: must be in [0, 1], got {o}")
-
     if opt.lr <= 0:
         add(f"optimization.lr: must be positive, got {opt.lr}")
     for name in ("warmup_pct", "constant_pct", "decay_pct"):
@@ -191,16 +189,6 @@ def check_config(config: Config) -> list[str]:
         add(f"optimization.sgdr_period: must be positive, got {opt.sgdr_period}")
     if not opt.rewarm_lr > 0:
         add(f"optimization.rewarm_lr: must be positive, got {opt.rewarm_lr}")
-    for j, stage in enumerate(opt.reset_optimizer_stages):
-        if stage == 0:
-            add(
-                f"optimization.reset_optimizer_stages[{j}]: stage 0 has no moments to clear "
-                "(the optimizer starts empty); name a later stage"
-            )
-        elif not 0 < stage < max(n, 1):
-            add(f"optimization.reset_optimizer_stages[{j}]: stage {stage} is out of range 1..{n - 1}")
-    if len(set(opt.reset_optimizer_stages)) != len(opt.reset_optimizer_stages):
-        add("optimization.reset_optimizer_stages: stages must not repeat")
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(opt, name) < 1.0:
             add(f"optimization.{name}: must be in [0, 1), got {getattr(opt, name)}")
@@ -210,17 +198,6 @@ def check_config(config: Config) -> list[str]:
         add(f"optimization.weight_decay: must be >= 0, got {opt.weight_decay}")
     if opt.grad_clip < 0:
         add(f"optimization.grad_clip: must be >= 0 (0 = off), got {opt.grad_clip}")
-
-    if kl.betas and len(kl.betas) != n:
-        add(f"optimization.kl.betas: expected {n} entries (one per stage), got {len(kl.betas)}")
-    for i, beta in enumerate(kl.betas):
-        if beta < 0:
-            add(f"optimization.kl.betas[{i}]: must be >= 0, got {beta}")
-    for j, stage in enumerate(kl.reference_update_stages):
-        if not 0 <= stage < max(n, 1):
-            add(f"optimization.kl.reference_update_stages[{j}]: stage {stage} is out of range 0..{n - 1}")
-    if len(set(kl.reference_update_stages)) != len(kl.reference_update_stages):
-        add("optimization.kl.reference_update_stages: stages must not repeat")
 
     lg = config.logging
     for name in ("report_interval",):

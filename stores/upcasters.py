@@ -8,6 +8,7 @@ upcaster leaves old logs unreadable, and tests/compat/ (run directories left by 
 
 from __future__ import annotations
 
+from rewind.states.stageform import to_stage_form
 from rewind.stores.codec import UPCASTERS
 
 # The fields of a 0.1 `State` that a fork's seed carries (see rewind.states.state.ForkSeed). Written
@@ -84,9 +85,21 @@ def v6_to_v7(raw: dict) -> dict:
     return raw
 
 
+def v7_to_v8(raw: dict) -> dict:
+    """Schema 7 -> 8 made a stage a record (`Config.stages`): the configs that RunStarted and
+    ConfigChanged carry held the flat per-stage lists, which become the stages they describe, as a
+    flat config file does when it is read (`rewind.states.stageform`). The identity is unchanged:
+    `config_hash` hashes the stages as those lists."""
+    config = raw.get("config")
+    if not isinstance(config, dict):
+        return raw
+    return {**raw, "config": to_stage_form(config)[0]}
+
+
 UPCASTERS[1] = v1_to_v2
 UPCASTERS[2] = v2_to_v3
 UPCASTERS[3] = v3_to_v4
 UPCASTERS[4] = v4_to_v5
 UPCASTERS[5] = v5_to_v6
 UPCASTERS[6] = v6_to_v7
+UPCASTERS[7] = v7_to_v8

@@ -17,8 +17,9 @@ MAX_CONFIG_BYTES = 1 << 20
 
 SET_HELP = (
     "change one config field, repeatable (later ones win): PATH is dotted keys with [i] for a list "
-    "entry, as the config's error messages print them (training.fade.overlap=0.2, training.tokens[1]=50000, "
-    "training.datasets[0][1].name=sort, optimization.kl.betas[0]=0.1); VALUE is parsed as a TOML value "
+    "entry, as the config's error messages print them (training.fade.overlap=0.2, stages[1].tokens=50000, "
+    "stages[0].datasets[1].name=sort, stages[2].beta=0.1; a flat list such as training.tokens=[...] rewrites "
+    "the stages' budgets); VALUE is parsed as a TOML value "
     "(16, 1e-3, [1, 2], \"text\"; a bare word is taken as a string)"
 )
 

@@ -38,9 +38,13 @@ def run(args: argparse.Namespace) -> int:
 
     yaml_config = YamlConfig(read_yaml(args.config), args.config)
     notes = Notes()
+    from rewind.states.stageform import to_stage_form
+
+    # Translated as the YAML lays it out (flat per-stage lists: problems name them as the YAML does),
+    # written as [[stages]] records.
     config = translate(yaml_config, args.name or Path(args.config).stem, notes)
     check_imported(config, args.config)
-    sys.stdout.write(render(config, args.config))
+    sys.stdout.write(render(to_stage_form(config)[0], args.config))
     for line in notes.render():
         print(PREFIX + line, file=sys.stderr)
     return 0

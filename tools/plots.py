@@ -104,8 +104,10 @@ def fades_text(schedule: Schedule) -> str:
     """The fades in a few words, as `rewind schedule` says them: "none" where every boundary is a hard switch."""
     if not schedule.fades:
         return "none"
-    fade = schedule.config.training.fade
-    return f"{schedule.curve}, overlap {fade.per_boundary_overlap or fade.overlap}"
+    config = schedule.config
+    if all(stage.overlap is None for stage in config.stages[:-1]):
+        return f"{schedule.curve}, overlap {config.training.fade.overlap}"
+    return f"{schedule.curve}, overlap {[config.fade_overlap(j) for j in range(config.num_stages - 1)]}"
 
 
 # The weights panel's top: the band above weight 1 holds the stage labels ("enter 1"), the growth labels
@@ -127,7 +129,7 @@ def schedule_figure(schedule: Schedule, events: list[Event], title: str = ""):
         ax.set_label(name)
     series = [[w[i] for w in weights] for i in range(schedule.num_stages)]
     labels = [
-        f"stage {i}: " + " + ".join(s.name for s in config.training.datasets[i]) for i in range(schedule.num_stages)
+        f"stage {i}: " + " + ".join(s.name for s in config.stages[i].datasets) for i in range(schedule.num_stages)
     ]
     ax_w.stackplot(x, series, labels=labels, colors=[stage_colour(i) for i in range(schedule.num_stages)], alpha=0.85)
     draw_stage_context(ax_w, schedule, events, label=True, growth_label_top=1.0 / WEIGHTS_TOP)

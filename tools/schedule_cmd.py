@@ -9,7 +9,7 @@ import sys
 from rewind.states.checks import schedule_warnings
 from rewind.states.events import Event, event_to_dict
 from rewind.states.plan import plan
-from rewind.states.schedule import Schedule
+from rewind.states.schedule import Ramp, Schedule
 from rewind.tools.configfile import add_set_option, load_config
 from rewind.tools.errors import UsageError
 
@@ -103,7 +103,7 @@ def _describe_event(schedule: Schedule, event: Event) -> str:
     name = data["type"]
     config = schedule.config
     if name == "StageEntered":
-        mixture = ", ".join(f"{s.name} {s.rate:g}" for s in config.training.datasets[data["stage"]])
+        mixture = ", ".join(f"{s.name} {s.rate:g}" for s in config.stages[data["stage"]].datasets)
         return f"{name:<19} stage {data['stage']} ({mixture}), beta {schedule.betas[data['stage']]:g}"
     if name in ("FadeStarted", "FadeEnded"):
         ramp = schedule.ramps[data["boundary"]]
@@ -135,33 +135,42 @@ def describe_growth(data: dict) -> str:
 
 
 def stage_rows(schedule: Schedule) -> list[dict]:
-    """One row per stage: its budget, the tokens and steps it actually trains, its KL weight, its mixture."""
+    """One row per stage: its name and strategy, its budget, the tokens and steps it actually trains,
+    its KL weight, what entering it does, its mixture, and its fade into the next stage (None for the
+    last; a boundary without a fade window has start_tokens == end_tokens)."""
     trained = schedule.stage_tokens()
     return [
         {
             "stage": i,
+            "name": stage.name,
+            "strategy": stage.strategy,
             "budget": budget,
             "trained_tokens": trained[i],
             "steps": trained[i] // schedule.tokens_per_step,
             "beta": schedule.betas[i],
-            "mixture": [{"name": s.name, "rate": s.rate} for s in schedule.config.training.datasets[i]],
+            "refresh_reference": stage.refresh_reference,
+            "reset_optimizer": stage.reset_optimizer,
+            "mixture": [{"name": s.name, "rate": s.rate} for s in stage.datasets],
+            "fade": _fade_row(schedule, schedule.ramps[i]) if i < schedule.num_stages - 1 else None,
         }
-        for i, budget in enumerate(schedule.budgets)
+        for i, (budget, stage) in enumerate(zip(schedule.budgets, schedule.config.stages, strict=True))
     ]
 
 
 def fade_rows(schedule: Schedule) -> list[dict]:
     """One row per fade window: the boundary, its token range [start, end) and its steps."""
-    return [
-        {
-            "boundary": ramp.boundary,
-            "start_tokens": ramp.start,
-            "end_tokens": ramp.end,
-            "start_step": schedule.fade_start_step(ramp),
-            "end_step": schedule.fade_end_step(ramp),
-        }
-        for ramp in schedule.fades
-    ]
+    return [_fade_row(schedule, ramp) for ramp in schedule.fades]
+
+
+def _fade_row(schedule: Schedule, ramp: Ramp) -> dict:
+    return {
+        "boundary": ramp.boundary,
+        "overlap": schedule.config.fade_overlap(ramp.boundary),
+        "start_tokens": ramp.start,
+        "end_tokens": ramp.end,
+        "start_step": schedule.fade_start_step(ramp),
+        "end_step": schedule.fade_end_step(ramp),
+    }
 
 
 def lr_settings(schedule: Schedule) -> dict:
@@ -204,28 +213,47 @@ def render_timeline(schedule: Schedule, events: list[Event], source: str) -> str
         f"{'step':>10} {'tokens':>14}  event",
     ]
     lines += [f"{e.step:>10,} {e.tokens:>14,}  {_describe_event(schedule, e)}" for e in events]
-    lines += ["", f"{'stage':>5} {'budget':>14} {'trained':>14} {'steps':>9} {'beta':>6}  mixture"]
+    lines.append("")
     for row in stage_rows(schedule):
-        mixture = ", ".join(f"{m['name']} {m['rate']:g}" for m in row["mixture"])
-        lines.append(
-            f"{row['stage']:>5} {row['budget']:>14,} {row['trained_tokens']:>14,} {row['steps']:>9,} "
-            f"{row['beta']:>6g}  {mixture}"
-        )
-    if fades := fade_rows(schedule):
-        lines.append("")
-        lines.append(f"fade windows ({schedule.curve}):")
-        for fade in fades:
-            lines.append(
-                f"  boundary {fade['boundary']}: tokens [{fade['start_tokens']:,.0f}, {fade['end_tokens']:,.0f}), "
-                f"steps {fade['start_step']:,}..{fade['end_step']:,}"
-            )
-    else:
-        lines += ["", "fades: none (hard switches at the boundaries)"]
+        lines += stage_block(row, schedule.curve)
+    if not schedule.fades:
+        lines += ["fades: none (hard switches at the boundaries)", ""]
     lr, kl = lr_settings(schedule), kl_settings(schedule)
     lines.append(f"lr: {lr['schedule']}, peak {lr['peak']:g}, first {lr['first']:.3g}, last {lr['last']:.3g}")
     refresh = kl["reference_update_stages"]
     lines.append(f"KL ({kl['kind']}): betas {kl['betas']}, reference refreshed on entering {refresh or 'never'}")
     return "\n".join(lines)
+
+
+def stage_block(row: dict, curve: str) -> list[str]:
+    """A stage as `rewind schedule` prints it: a heading, then one line per thing the stage decides."""
+    name = f" {row['name']!r}" if row["name"] else ""
+    entry = [what for key, what in ENTRY_EFFECTS if row[key]]
+    fade = row["fade"]
+    if fade is None:
+        faded = "none (the last stage)"
+    elif fade["start_tokens"] == fade["end_tokens"]:
+        faded = f"none: a hard switch into stage {row['stage'] + 1}"
+    else:
+        faded = (
+            f"into stage {row['stage'] + 1}, {curve}, overlap {fade['overlap']:g}: tokens "
+            f"[{fade['start_tokens']:,.0f}, {fade['end_tokens']:,.0f}), steps {fade['start_step']:,}..{fade['end_step']:,}"
+        )
+    return [
+        f"stage {row['stage']}{name} ({row['strategy']}): budget {row['budget']:,} tokens, trains "
+        f"{row['trained_tokens']:,} in {row['steps']:,} steps",
+        "  mixture   " + ", ".join(f"{m['name']} {m['rate']:g}" for m in row["mixture"]),
+        f"  beta      {row['beta']:g}",
+        f"  on entry  {', '.join(entry) or '-'}",
+        f"  fade      {faded}",
+        "",
+    ]
+
+
+ENTRY_EFFECTS = (
+    ("refresh_reference", "refreshes the KL reference"),
+    ("reset_optimizer", "resets the optimizer"),
+)
 
 
 def _check(schedule: Schedule, as_json: bool) -> None:

@@ -52,7 +52,7 @@ def status_text(state) -> str:
 
 
 def _reset_text(state) -> str:
-    """The last optimizer reset and any still due (optimization.reset_optimizer_stages)."""
+    """The last optimizer reset and any still due (the stages with reset_optimizer)."""
     last = state.last_optimizer_reset
     text = (
         "none yet"
@@ -221,8 +221,8 @@ def _stack_lines(run_dir: str, state: Any, config: Any) -> list[str]:
 def render_state(run_dir: str, started, state, config, upcoming: dict | None, as_of: str) -> list[str]:
     tps = state.tokens_per_step
     mixture = ""
-    if 0 <= state.stage < len(config.training.datasets):
-        mixture = ": " + ", ".join(f"{s.name} {s.rate:g}" for s in config.training.datasets[state.stage])
+    if 0 <= state.stage < config.num_stages:
+        mixture = ": " + ", ".join(f"{s.name} {s.rate:g}" for s in config.stages[state.stage].datasets)
     stage = (
         f"{state.stage} (of 0..{state.num_stages - 1}){mixture}" if state.stage >= 0 else "none entered yet"
     )

@@ -58,7 +58,7 @@ def stage_rows(timeline) -> list[dict]:
         rows.append(
             {
                 "stage": stage,
-                "datasets": {s.name: s.rate for s in timeline.config.training.datasets[stage]},
+                "datasets": {s.name: s.rate for s in timeline.config.stages[stage].datasets},
                 "num_steps": steps.num_steps,
                 "first_step": first.step if first else None,
                 "last_step": last.step if last else None,
@@ -98,7 +98,7 @@ def markers(timeline) -> list[dict]:
         )
 
     configs = timeline.configs
-    datasets = timeline.config.training.datasets
+    datasets = [stage.datasets for stage in timeline.config.stages]
     for seq, e in timeline.control:
         match e:
             case StageEntered(stage=stage):

@@ -74,9 +74,9 @@ def _task_styles(runs: dict[str, Timeline]) -> dict[str, tuple[str, str]]:
     names: list[str] = []
     for timeline in runs.values():
         config = timeline.config
-        names += [s.name for mixture in config.training.datasets for s in mixture]
+        names += [s.name for stage in config.stages for s in stage.datasets]
         names += [*config.training.evaluations, *(n for e in timeline.evaluations for n in e.scores)]
-    mixtures = [{s.name: s.rate for s in mixture} for mixture in runs["a"].config.training.datasets]
+    mixtures = [{s.name: s.rate for s in stage.datasets} for stage in runs["a"].config.stages]
     return dataset_styles(names, mixtures)
 
 

@@ -65,8 +65,8 @@ LOG_SCALE_RATIO = 2.5
 
 
 def _stage_label(timeline: Timeline, stage: int) -> str:
-    datasets = timeline.config.training.datasets
-    names = " + ".join(s.name for s in datasets[stage]) if stage < len(datasets) else ""
+    stages = timeline.config.stages
+    names = " + ".join(s.name for s in stages[stage].datasets) if stage < len(stages) else ""
     return f"stage {stage}: {names}"
 
 
@@ -298,10 +298,10 @@ def timeline_figure(timeline: Timeline):
     growths = timeline.effective_of(StackAppended)
     steps = StepColumns(timeline.steps, tps, cuts=[e.tokens for e in [*growths, *refreshes]])
     bits = evaluation_points(timeline.effective_of(Evaluated), "bits_per_byte")
-    names = [s.name for mixture in config.training.datasets for s in mixture] + [*config.training.evaluations]
+    names = [s.name for stage in config.stages for s in stage.datasets] + [*config.training.evaluations]
     names += list(timeline.validation_points)
     names += [n for e in timeline.evaluations for n in e.scores] + list(bits)
-    mixtures = [{s.name: s.rate for s in mixture} for mixture in config.training.datasets]
+    mixtures = [{s.name: s.rate for s in stage.datasets} for stage in config.stages]
     styles = dataset_styles(names, mixtures)
 
     heights = {"loss": 2.6, "bits per byte": 1.3, "accuracy": 1.5, "lr": 1.1, "kl": 1.0, "mixture": 1.0}

@@ -72,13 +72,14 @@ class _Spec:
 
     def __init__(self, config: Config):
         t, opt = config.training, config.optimization
-        self.budgets = list(t.tokens)
+        stages = config.stages
+        self.budgets = [s.tokens for s in stages]
         self.num_stages = len(self.budgets)
         self.batch_size = t.batch_size
         self.tps = config.tokens_per_step
         self.num_steps = sum(self.budgets) // self.tps
         self.boundaries = [sum(self.budgets[: i + 1]) for i in range(self.num_stages)]
-        self.overlaps = list(t.fade.per_boundary_overlap) or [t.fade.overlap] * (self.num_stages - 1)
+        self.overlaps = [t.fade.overlap if s.overlap is None else s.overlap for s in stages[:-1]]
         self.half_widths = [
             self.overlaps[j] * min(self.budgets[j], self.budgets[j + 1]) / 2
             for j in range(self.num_stages - 1)
@@ -91,7 +92,8 @@ class _Spec:
         ]
         self.ramp_starts = [start for _, start, _ in self.ramps]
         self.curve_name, self.steepness = t.fade.curve, t.fade.steepness
-        self.betas = list(opt.kl.betas) or [0.0] * self.num_stages
+        self.betas = [s.beta or 0.0 for s in stages]
+        self.resets = [i for i, s in enumerate(stages) if s.reset_optimizer]
         self.opt = opt
 
     def curve(self, t: float) -> float:
@@ -117,7 +119,7 @@ class _Spec:
         against the weights separately). Resets that restart the LR count k from the last one."""
         opt, n = self.opt, self.num_steps
         if opt.reset_restarts_lr:
-            restarts = sorted(entries[s] for s in opt.reset_optimizer_stages if 0 < s < len(entries))
+            restarts = sorted(entries[s] for s in self.resets if 0 < s < len(entries))
             k -= max((r for r in restarts if r <= k), default=0)
         base, warmup = opt.lr, math.floor(n * opt.warmup_pct)
         a, m = opt.warmup_lr_mult, opt.min_lr_ratio
@@ -201,7 +203,7 @@ def _check_events(schedule: Schedule, spec: _Spec, events: list[Event], found: _
             )
 
     refreshed = [(i, e) for i, e in enumerate(events) if isinstance(e, ReferenceRefreshed)]
-    expected_refreshes = sorted(schedule.config.optimization.kl.reference_update_stages)
+    expected_refreshes = [i for i, s in enumerate(schedule.config.stages) if s.refresh_reference]
     if sorted(e.stage for _, e in refreshed) != expected_refreshes:
         found.add("references", f"refreshed {[e.stage for _, e in refreshed]}, expected {expected_refreshes}")
     for i, event in refreshed:

@@ -60,8 +60,8 @@ def test_the_good_example_loads_with_its_values():
     config = loads_config(GOOD)
     assert config.num_stages == 2
     assert config.tokens_per_step == 4 * 64
-    assert config.training.datasets[1][0].rate == 0.5
-    assert config.optimization.kl.reference_update_stages == [1]
+    assert config.stages[1].datasets[0].rate == 0.5
+    assert [s.refresh_reference for s in config.stages] == [False, True]
 
 
 def test_round_trip_of_a_name_outside_the_basic_multilingual_plane():
@@ -272,9 +272,9 @@ def test_indexed_overrides_set_list_entries_the_problems_name():
     path = problem.split(":")[0]
     assert path == "training.datasets[1][1].name"
     config = loads_config(text, overrides=[f"{path}=add", "training.tokens[1]=3000", "optimization.kl.betas[1]=0.25"])
-    assert config.training.datasets[1][1].name == "add"
-    assert config.training.tokens == [1000, 3000]
-    assert config.optimization.kl.betas == [0.0, 0.25]
+    assert config.stages[1].datasets[1].name == "add"
+    assert [s.tokens for s in config.stages] == [1000, 3000]
+    assert [s.beta for s in config.stages] == [0.0, 0.25]
 
 
 @pytest.mark.parametrize(

@@ -265,8 +265,8 @@ def test_a_fork_from_a_checkpoint_after_a_stage_entry_starts_with_the_refresh():
 
 
 def test_a_fork_at_step_0_from_a_reference_checkpoint():
-    kl = replace(CONFIG.optimization.kl, reference_update_stages=[0, 1])
-    config = replace(CONFIG, optimization=replace(CONFIG.optimization, kl=kl))
+    refreshing = [replace(s, refresh_reference=i in (0, 1)) for i, s in enumerate(CONFIG.stages)]
+    config = replace(CONFIG, stages=refreshing)
     parent = simulate_run(config)
     first = checkpoints_of(parent)[0]
     assert first.startswith("00000000-")  # saved for stage 0's reference, after StageEntered(0)

@@ -527,12 +527,8 @@ def test_what_a_resume_loads_is_never_deleted(data, config):
     """At every record, the restore point's checkpoint and the reference it points to are live: a crash
     there resumes from files that exist. (Retention once deleted the old reference right after a
     refresh, while the restore point still named it.)"""
-    refresh_everywhere = msgspec.structs.replace(
-        config.optimization.kl, reference_update_stages=list(range(config.num_stages))
-    )
-    config = msgspec.structs.replace(
-        config, optimization=msgspec.structs.replace(config.optimization, kl=refresh_everywhere)
-    )
+    refresh_everywhere = [msgspec.structs.replace(s, refresh_reference=True) for s in config.stages]
+    config = msgspec.structs.replace(config, stages=refresh_everywhere)
     events = data.draw(engine_logs(config, max_crashes=2))
     state = State()
     for event in events:

@@ -239,7 +239,8 @@ def test_valid_new_fields_and_their_defaults_keep_old_configs_identical():
     config = loads_config(
         _text('schedule = "cosine_rewarm"\nrewarm_lr = 2e-4\nreset_optimizer_stages = [2, 1]')
     )
-    assert config.optimization.reset_optimizer_stages == [2, 1] and not config.optimization.reset_restarts_lr
+    assert [s.reset_optimizer for s in config.stages] == [False, True, True]
+    assert not config.optimization.reset_restarts_lr
     plain = loads_config(_text(""))
     assert {"reset_optimizer_stages", "reset_restarts_lr", "rewarm_lr"}.isdisjoint(
         canonical(plain).get("optimization", {})

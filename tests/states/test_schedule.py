@@ -63,9 +63,15 @@ reference_update_stages = [2]
 replace = msgspec.structs.replace
 
 
-def with_fade(config, **fields):
+def with_fade(config, per_boundary_overlap=None, **fields):
+    """`config` with `fields` of [training.fade] and, given `per_boundary_overlap`, each stage's fade into
+    the next (one per boundary; [] = none given, so every boundary fades by training.fade.overlap)."""
     training = config.training
-    return replace(config, training=replace(training, fade=replace(training.fade, **fields)))
+    config = replace(config, training=replace(training, fade=replace(training.fade, **fields)))
+    if per_boundary_overlap is None:
+        return config
+    overlaps = [*per_boundary_overlap, None] if per_boundary_overlap else [None] * config.num_stages
+    return replace(config, stages=[replace(s, overlap=o) for s, o in zip(config.stages, overlaps, strict=True)])
 
 
 def owner(schedule: Schedule, x: float) -> int:
@@ -249,7 +255,7 @@ def test_every_stage_is_entered_once_in_order_when_the_primary_changes(config):
 @given(SMALL)
 def test_primary_is_the_argmax_with_ties_to_the_lower_index_and_beta_follows_it(config):
     schedule = Schedule(config)
-    betas = config.optimization.kl.betas or [0.0] * config.num_stages
+    betas = [s.beta or 0.0 for s in config.stages]
     for k in range(schedule.num_steps):
         weights = schedule.weights(k)
         primary = schedule.primary(k)
@@ -271,7 +277,7 @@ def test_primary_is_the_argmax_with_ties_to_the_lower_index_and_beta_follows_it(
 def test_reference_refreshed_right_after_its_stage_is_entered(config):
     events = list(plan(Schedule(config)))
     refreshed = [(i, e) for i, e in enumerate(events) if isinstance(e, ReferenceRefreshed)]
-    assert sorted(e.stage for _, e in refreshed) == sorted(config.optimization.kl.reference_update_stages)
+    assert sorted(e.stage for _, e in refreshed) == [i for i, s in enumerate(config.stages) if s.refresh_reference]
     for i, event in refreshed:
         assert events[i - 1] == StageEntered(step=event.step, tokens=event.tokens, stage=event.stage)
 
@@ -299,7 +305,7 @@ def test_events_carry_step_and_tokens_and_fades_bracket_the_mixed_steps(config):
 def test_stage_tokens_account_for_every_step(config):
     schedule = Schedule(config)
     assert sum(schedule.stage_tokens()) == schedule.num_steps * schedule.tokens_per_step
-    assert schedule.num_steps == sum(config.training.tokens) // config.tokens_per_step
+    assert schedule.num_steps == sum(s.tokens for s in config.stages) // config.tokens_per_step
 
 
 @settings(max_examples=60, deadline=None)

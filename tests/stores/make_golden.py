@@ -12,18 +12,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `tests.stores`
 
-import msgspec
-
-from rewind.states.config import Config
 from rewind.states.events import EVENT_TYPES, SCHEMA_VERSION
 from rewind.stores.codec import FRAME_FORMAT
 from rewind.stores.eventlog import EventLog
-from tests.stores.test_golden import GOLDEN_CONFIG, GOLDEN_DIR, GOLDEN_SEGMENT_BYTES, golden_events
+from tests.stores.test_golden import GOLDEN_DIR, GOLDEN_SEGMENT_BYTES, golden_events
 
 
 def main() -> None:
-    config = msgspec.json.decode(GOLDEN_CONFIG.read_bytes(), type=Config)  # the values the old logs hold
-    events = golden_events(config)
+    events = golden_events()  # the default config of the first log's day, with today's schema's stages
     missing = set(EVENT_TYPES) - {type(e).__name__ for e in events}
     if missing:
         raise SystemExit(f"golden_events() lacks event types: {', '.join(sorted(missing))}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rewind.states.config import Config
+from rewind.states.config import Config, Sampling, Stage
 from rewind.states.data_identity import DataIdentity, SourceFile
 from rewind.states.events import (
     EVENT_TYPES,
@@ -44,6 +44,7 @@ from rewind.states.events import (
     StepCommitted,
     Validated,
 )
+from rewind.states.stageform import to_stage_form
 from rewind.states.state import CheckpointRef, ForkSeed, Reference
 from rewind.stores.codec import FRAME_FORMAT, MAGIC, MAGIC_V1
 from rewind.stores.eventlog import EventLog, verify_log
@@ -58,6 +59,7 @@ GOLDEN_RUNS = {
     5: GOLDEN_DIR / "run-v5-f2",
     6: GOLDEN_DIR / "run-v6-f2",
     7: GOLDEN_DIR / "run-v7-f2",
+    8: GOLDEN_DIR / "run-v8-f2",
 }  # 1, 2: frame format 1
 # By frame format: format 2 marks the end of each commit group (stores/codec.py).
 GOLDEN_FRAME_RUNS = {1: GOLDEN_DIR / "run-v2", 2: GOLDEN_DIR / "run-v3-f2"}
@@ -72,16 +74,32 @@ SHA = "5d41402abc4b2a76b9719d911017c592" * 2
 DEFAULT_CONFIG_HASH = "2681743c22da3700b8e183de0efd5455a19104f36fdd23bdbf1b4a1fd5015332"
 
 
-def golden_config() -> Config:
+# The stages the logs of schema 8 on carry (as records; the older ones' config has none, as flat lists).
+GOLDEN_STAGES = [
+    Stage(name="A", tokens=51200, datasets=[Sampling(name="grammar")], beta=0.0, overlap=0.25),
+    Stage(
+        tokens=25600,
+        datasets=[Sampling(name="reverse", rate=0.75), Sampling(name="grammar", rate=0.25)],
+        beta=0.1,
+        refresh_reference=True,
+        reset_optimizer=True,
+    ),
+]
+
+
+def golden_config(version: int = SCHEMA_VERSION) -> Config:
     """The default Config of the day the log was written: its values are what the log holds, even if
-    the defaults change later (fields added since decode to their defaults)."""
-    return msgspec.json.decode(GOLDEN_CONFIG.read_bytes(), type=Config)
+    the defaults change later (fields added since decode to their defaults). It was written with the
+    flat per-stage lists (empty), which read as no stages; logs of schema 8 on add `GOLDEN_STAGES`."""
+    flat = to_stage_form(msgspec.json.decode(GOLDEN_CONFIG.read_bytes()))[0]
+    config = msgspec.convert(flat, Config)
+    return msgspec.structs.replace(config, stages=GOLDEN_STAGES) if version >= 8 else config
 
 
 def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -> list:
     """One of every event type of schema `version`, with realistic field values, as today's code decodes
     them (a field added since decodes to its default)."""
-    config = config if config is not None else golden_config()
+    config = config if config is not None else golden_config(version)
     newer = version >= 3
     corpus = DataIdentity(
         kind="tokens",

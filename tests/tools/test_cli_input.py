@@ -112,7 +112,20 @@ def test_set_has_help_saying_its_syntax(rewind_cli, command):
     assert code == 0
     text = " ".join(out.split("--set PATH=VALUE", 2)[2].split())  # the option's help, past the usage
     assert "dotted" in text and "[i]" in text and "TOML" in text
-    assert "training.tokens[1]" in text
+    assert "stages[1].tokens" in text and "training.tokens" in text  # the record's path, and the flat list's
+
+
+def test_stage_paths_reach_the_schedule(rewind_cli):
+    code, out, err = rewind_cli(
+        "schedule", TINY, "--json", "--set", "stages[1].tokens=25600", "--set", "stages[2].beta=0.5",
+        "--set", "stages[2].datasets[0].name=grammar", "--set", "stages[1].reset_optimizer=true",
+    )
+    assert code == 0, err
+    stages = json.loads(out)["stages"]
+    assert stages[1]["budget"] == 25600 and stages[2]["beta"] == 0.5
+    assert stages[2]["mixture"][0]["name"] == "grammar" and stages[1]["reset_optimizer"]
+    code, _, err = rewind_cli("schedule", TINY, "--set", "stages[0].reset_optimizer=true")
+    assert code == 2 and err.count("\n") == 1 and "stages[0].reset_optimizer: stage 0 has no moments" in err
 
 
 def test_indexed_set_paths_reach_the_schedule(rewind_cli):

@@ -37,6 +37,11 @@ def imported(rewind_cli, tmp_path):
     return run
 
 
+def stage_indices(config: dict, key: str) -> list[int]:
+    """The stages whose record sets `key` (refresh_reference, reset_optimizer) in an imported config."""
+    return [i for i, stage in enumerate(config["stages"]) if stage.get(key)]
+
+
 def write_yaml(tmp_path: Path, text: str, name: str = "theseus.yaml") -> Path:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
@@ -62,7 +67,8 @@ def test_every_fixture_becomes_a_config_rewind_schedule_accepts(fixture, importe
     assert code == 0, err
     events = list(plan(Schedule(load_config(toml))))
     entered = [e.stage for e in events if isinstance(e, StageEntered)]
-    assert entered == list(range(len(config["training"]["tokens"])))
+    assert entered == list(range(len(config["stages"])))
+    assert "tokens" not in config["training"]  # written as [[stages]] records, not the flat lists
     assert sum("lr schedule: " in line for line in lines) == 1
     assert "lr schedule: " in lines[0]  # the choice that shapes the whole run is said first
 
@@ -77,13 +83,11 @@ def test_abcd_kl_job_trains_wsds_with_the_original_kl_and_stub_datasets(imported
     assert (opt["warmup_pct"], opt["decay_pct"], opt["constant_pct"]) == (0.05, 0.10, 0.02)
     assert lines[0].startswith("rewind: import: lr schedule: wsds (job continual/train/abcd_kl")
     assert "optimization/schedule" in named
-    assert opt["kl"] == {
-        "betas": [0.0, 0.1, 0.1, 0.2],
-        "reference_update_stages": [1],
-        "kind": "nll_difference",
-    }
+    assert opt["kl"] == {"kind": "nll_difference"}
+    assert [stage["beta"] for stage in config["stages"]] == [0.0, 0.1, 0.1, 0.2]
+    assert stage_indices(config, "refresh_reference") == [1]
     # Rates 3 and 1 are normalised; each dataset rewind lacks is a stub of the kind its style suggests.
-    assert training["datasets"][1] == [{"name": "mnli", "rate": 0.75}, {"name": "fineweb", "rate": 0.25}]
+    assert config["stages"][1]["datasets"] == [{"name": "mnli", "rate": 0.75}, {"name": "fineweb", "rate": 0.25}]
     assert config["data"]["fineweb"]["kind"] == "tokens" and config["data"]["mnli"]["kind"] == "jsonl"
     assert sum("[data.mnli] is a stub" in line for line in lines) == 1
     assert training["evaluations"] == ["mnli", "qqp"]
@@ -116,13 +120,13 @@ def test_benchmark_job_trains_wsd_with_hard_coded_end_multipliers_whatever_it_as
     assert "cosine_rewarm trains with wsd" in lines[0]
     assert "only cosine_rewarm reads it" in named["optimization/rewarm_lr"]
     assert "constant_pct" not in opt and "optimization/constant_pct" in named
-    assert "reset_optimizer_stages" not in opt
+    assert "reset_optimizer_stages" not in opt and stage_indices(config, "reset_optimizer") == []
     schedule = Schedule(load_config(toml))
     assert schedule.lr(0) == pytest.approx(0.01 * 3e-4)  # warmup starts at 0.01 x lr
     assert schedule.lr(schedule.num_steps - 1) < 0.02 * 3e-4  # and the decay ends near 0.01 x lr
     # One name with two suffixes is two datasets; the bare name is a third.
     assert sorted(config["data"]) == ["cfq", "cfq-sparql", "cfq-text"]
-    assert [m[0]["name"] for m in config["training"]["datasets"]] == ["cfq-sparql", "cfq-text", "cfq"]
+    assert [s["datasets"][0]["name"] for s in config["stages"]] == ["cfq-sparql", "cfq-text", "cfq"]
     assert config["training"]["evaluations"] == ["cfq"]
     assert config["logging"]["validation_interval"] == 0  # training/validation: false
     assert "architecture/dtype" in named and "training/skip_first_dataset_validation" in named
@@ -131,16 +135,19 @@ def test_benchmark_job_trains_wsd_with_hard_coded_end_multipliers_whatever_it_as
 def test_wsd_reset_with_reset_optimizer_resets_at_every_boundary_and_restarts_the_lr(imported):
     toml, config, _, lines = imported(THESEUS / "benchmark_wsd_reset.yaml")
     text = toml.read_text()
-    assert "reset_optimizer_stages = [1, 2]" in text and "reset_restarts_lr = true" in text
+    assert text.count("reset_optimizer = true") == 2 and "reset_restarts_lr = true" in text
+    assert stage_indices(config, "reset_optimizer") == [1, 2]
     assert config["optimization"]["schedule"] == "wsd"
     assert any("reset_restarts_lr = true" in line for line in lines)
-    loaded = load_config(toml).optimization
-    assert loaded.reset_optimizer_stages == [1, 2] and loaded.reset_restarts_lr is True
+    loaded = load_config(toml)
+    assert [s.reset_optimizer for s in loaded.stages] == [False, True, True]
+    assert loaded.optimization.reset_restarts_lr is True
 
 
 def test_wsd_reset_outside_the_benchmark_jobs_maps_the_same_way(imported):
     toml, config, _, lines = imported(THESEUS / "sweep_wsd_reset.yaml")
-    assert "reset_optimizer_stages = [1, 2]" in toml.read_text()
+    assert toml.read_text().count("reset_optimizer = true") == 2
+    assert stage_indices(config, "reset_optimizer") == [1, 2]
     assert config["optimization"]["reset_restarts_lr"] is True
     assert lines[0] == "rewind: import: lr schedule: wsd (optimization/schedule: wsd_reset)"
 
@@ -153,6 +160,7 @@ def test_wsd_reset_without_reset_optimizer_resets_nothing(imported, tmp_path):
     )
     _, config, _, lines = imported(source)
     assert "reset_optimizer_stages" not in config["optimization"]
+    assert stage_indices(config, "reset_optimizer") == []
     assert any("resets nothing in the original" in line for line in lines)
 
 
@@ -188,7 +196,7 @@ def test_lora_and_model_family_have_no_counterpart(imported):
     assert "LoRA" in named["optimization/lora"]
     assert "hybrid" in named["job"]
     assert "training/post_lora_tokens" in named and "training/post_lora_dataset" in named
-    assert config["training"]["tokens"] == [7_000_000_000, 140_000_000]  # the stages before LoRA only
+    assert [s["tokens"] for s in config["stages"]] == [7_000_000_000, 140_000_000]  # the stages before LoRA only
     assert config["training"]["per_device_batch_size"] == 64
 
 
@@ -197,7 +205,7 @@ def test_kl_keys_a_job_does_not_read_are_named_not_imported(imported, tmp_path):
         tmp_path, MINIMAL + "optimization:\n  kl: {betas: [0.0, 0.5], reference_update_stages: [1]}\n"
     )
     _, config, named, _ = imported(source)
-    assert "kl" not in config["optimization"]
+    assert "kl" not in config["optimization"] and not any("beta" in s for s in config["stages"])
     assert "without a KL penalty" in named["optimization/kl/betas"]
     assert "optimization/kl/reference_update_stages" in named
 
@@ -209,7 +217,7 @@ def test_stage_zero_refresh_and_early_beta_are_explained(imported, tmp_path):
             tmp_path, kl_job + "optimization:\n  kl: {betas: [0.2, 0.5], reference_update_stages: [0]}\n"
         )
     )
-    assert config["optimization"]["kl"]["reference_update_stages"] == [0]
+    assert stage_indices(config, "refresh_reference") == [0]
     assert any("stage 0 never refreshes in the original" in line for line in lines)
     _, _, _, lines = imported(
         write_yaml(
@@ -281,4 +289,4 @@ def test_an_unknown_key_inside_a_dataset_entry_is_named(imported, tmp_path):
     )
     _, config, named, _ = imported(source)
     assert named["training/dataset[1][0]/weight"] == "unknown to the importer"
-    assert config["training"]["datasets"][1] == [{"name": "sort", "rate": 1.0}]
+    assert config["stages"][1]["datasets"] == [{"name": "sort", "rate": 1.0}]

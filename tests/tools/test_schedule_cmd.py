@@ -24,7 +24,7 @@ def test_timeline_lists_every_stage_and_the_summary(rewind_cli):
         assert f"StageEntered        stage {stage}" in out
     assert "ReferenceRefreshed  stage 1" in out
     assert "RunFinished" in out
-    assert "fade windows (cosine)" in out
+    assert "  fade      into stage 1, cosine, overlap 0.4: tokens [" in out
 
 
 @pytest.mark.parametrize(
@@ -81,27 +81,28 @@ def test_json_carries_everything_the_text_view_shows(rewind_cli, config, overrid
     header = text.splitlines()[0]
     for key in ("num_stages", "num_steps", "tokens_per_step", "tokens", "budget"):
         assert f"{view[key]:,}" in header, key
-    # Every stage row of the text view, rebuilt from the JSON.
-    table = text.split("  mixture\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert len(table) == len(view["stages"]) == view["num_stages"]
-    for line, stage in zip(table, view["stages"], strict=True):
-        mixture = ", ".join(f"{m['name']} {m['rate']:g}" for m in stage["mixture"])
-        assert line.split() == [
-            str(stage["stage"]),
-            f"{stage['budget']:,}",
-            f"{stage['trained_tokens']:,}",
-            f"{stage['steps']:,}",
-            f"{stage['beta']:g}",
-            *mixture.split(),
-        ]
-    # Every fade window line, or the text's "none" when the JSON has none.
-    fade_lines = [line.strip() for line in text.splitlines() if line.startswith("  boundary ")]
+    # Every stage's block of the text view, rebuilt from the JSON: a heading, then one line per field.
+    blocks = text.split("\n\nstage ")[1:]
+    assert len(blocks) == len(view["stages"]) == view["num_stages"]
+    for block, stage in zip(blocks, view["stages"], strict=True):
+        heading, mixture, beta, entry, fade = block.split("\n\n")[0].splitlines()
+        assert heading == (
+            f"{stage['stage']} ({stage['strategy']}): budget {stage['budget']:,} tokens, "
+            f"trains {stage['trained_tokens']:,} in {stage['steps']:,} steps"
+        )
+        assert mixture.split() == ["mixture", *", ".join(f"{m['name']} {m['rate']:g}" for m in stage["mixture"]).split()]
+        assert beta.split() == ["beta", f"{stage['beta']:g}"]
+        assert ("refreshes the KL reference" in entry) == stage["refresh_reference"]
+        assert ("resets the optimizer" in entry) == stage["reset_optimizer"]
+        assert (stage["fade"] is None) == (stage["stage"] == view["num_stages"] - 1) == ("(the last stage)" in fade)
+    # Every fade window, in the block of the stage it fades out of; or the text's "none" when there is none.
+    fade_lines = [line.strip() for line in text.splitlines() if line.startswith("  fade      into ")]
     assert fade_lines == [
-        f"boundary {f['boundary']}: tokens [{f['start_tokens']:,.0f}, {f['end_tokens']:,.0f}), "
-        f"steps {f['start_step']:,}..{f['end_step']:,}"
+        f"fade      into stage {f['boundary'] + 1}, {view['fade_curve']}, overlap {f['overlap']:g}: tokens "
+        f"[{f['start_tokens']:,.0f}, {f['end_tokens']:,.0f}), steps {f['start_step']:,}..{f['end_step']:,}"
         for f in view["fades"]
     ]
-    assert (f"fade windows ({view['fade_curve']}):" in text) == bool(view["fades"])
+    assert [s["fade"] for s in view["stages"] if s["fade"] and s["fade"]["end_tokens"] > s["fade"]["start_tokens"]] == view["fades"]
     assert ("fades: none" in text) == (not view["fades"])
     lr, kl = view["lr"], view["kl"]
     assert (
@@ -182,7 +183,7 @@ def test_the_plot_says_the_fades_as_the_text_does(rewind_cli):
     assert weights.get_title().endswith("; fades: none")
     _pyplot().close(fig)
     fig, text, weights = schedule_texts(TINY, "training.fade.curve=cosine")
-    assert "fade windows (cosine):" in text.splitlines()
+    assert any(line.startswith("  fade      into stage 1, cosine, overlap 0.5: ") for line in text.splitlines())
     assert weights.get_title().endswith("; fades: cosine, overlap 0.5")
     _pyplot().close(fig)
 
@@ -210,7 +211,7 @@ def test_check_prints_one_line_per_warning_instead_of_the_timeline_and_exits_0(r
     assert code == 0, err
     assert out.splitlines() == [
         "warning: stage 1: KL weight 0.2 > 0 but no reference refresh happens at or before it "
-        "(reference_update_stages = [2])",
+        "(stages refreshing the reference: [2])",
         "warning: stage 1: 12800 of its 12800 tokens (100%) lie inside the fades of boundaries [0, 1], "
         "more than 75%",
         "2 warning(s)",

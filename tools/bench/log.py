@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from rewind.states.config import Config, Sampling, config_hash
+from rewind.states.config import Config, Sampling, Stage, config_hash
 from rewind.states.events import AnyEvent, RunStarted, StageEntered, StepCommitted
 from rewind.stores import fsio
 from rewind.stores.codec import HEADER_SIZE, TRAILER, encode_frame
@@ -37,12 +37,11 @@ def bench_events(num_steps: int) -> list:
     """A foldable log: RunStarted, StageEntered, then `num_steps` realistic StepCommitted events."""
     base = Config()
     tokens_per_step = base.tokens_per_step
-    training = msgspec.structs.replace(
-        base.training,
-        tokens=[max(num_steps, 1) * tokens_per_step],
-        datasets=[[Sampling(name="grammar", rate=0.5), Sampling(name="sort", rate=0.5)]],
+    stage = Stage(
+        tokens=max(num_steps, 1) * tokens_per_step,
+        datasets=[Sampling(name="grammar", rate=0.5), Sampling(name="sort", rate=0.5)],
     )
-    config = msgspec.structs.replace(base, training=training)
+    config = msgspec.structs.replace(base, stages=[stage])
     events: list = [
         RunStarted(step=0, tokens=0, config=config, config_hash=config_hash(config)),
         StageEntered(step=0, tokens=0, stage=0),

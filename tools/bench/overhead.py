@@ -70,7 +70,7 @@ def _bare_step_times(config, num_steps: int) -> list[float]:
     datasets = DatasetRegistry(config)
     model = build_model(config)
     optimizer = build_optimizer(model, config)
-    mixture = config.training.datasets[0]
+    mixture = config.stages[0].datasets
     shares = split_rows(mixture, config.training.batch_size)
     times = []
     for k in range(num_steps):
