@@ -352,11 +352,17 @@ def _same(item: Any, default: Any) -> bool:
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """{'training.fade.overlap': 0.5, ...}: dotted paths to leaves (lists are leaves)."""
+    """{'training.fade.overlap': 0.5, 'stages[1].beta': 0.1, ...}: paths to leaves, as problems name
+    them. A list of tables (the stages, a stage's mixture, the growth steps) is entered, entry by
+    entry; any other list is a leaf."""
+    flat: dict[str, Any] = {}
     if isinstance(value, dict):
-        flat: dict[str, Any] = {}
         for key, item in value.items():
             flat.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        for i, item in enumerate(value):
+            flat.update(flatten(item, f"{prefix}[{i}]"))
         return flat
     return {prefix: value}
 
@@ -425,14 +431,12 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
 
 
 def _as_written(said: list[str], problems: list[str], flat: bool) -> list[str]:
-    """The problems named as the user wrote the config: a flat config's by its flat lists' entries,
-    leaving out what the translation already said about the same list."""
-    if not flat:
-        return said + problems
+    """The problems named as the user wrote the config (a flat config's by its flat lists' entries),
+    leaving out what the translation already said about the same field."""
     from rewind.states.stageform import flat_path
 
     fields = {_field_of(p) for p in said}
-    named = [flat_path(p) for p in problems]
+    named = [flat_path(p) for p in problems] if flat else problems
     return said + [p for p in named if not any(_field_of(p).startswith(f) for f in fields)]
 
 
