@@ -13,15 +13,15 @@ from hypothesis import strategies as st
 from rewind.engine import cursors
 from rewind.engine.cursors import assemble_batch, draw, sample_indices, split_rows
 from rewind.engine.registry import DatasetRegistry
-from rewind.states.config import ArchitectureSection, Config, Sampling, TrainingSection
+from rewind.states.config import ArchitectureSection, Config, Sampling, Stage
 
 seeds = st.integers(0, 2**63 - 1)
 
 
 def make_config(mixtures: list[list[tuple[str, float]]], block_size: int = 32) -> Config:
     datasets = [[Sampling(name=n, rate=r) for n, r in mixture] for mixture in mixtures]
-    training = TrainingSection(tokens=[1000] * len(mixtures), datasets=datasets)
-    return Config(architecture=ArchitectureSection(block_size=block_size), training=training)
+    stages = [Stage(tokens=1000, datasets=mixture) for mixture in datasets]
+    return Config(architecture=ArchitectureSection(block_size=block_size), stages=stages)
 
 
 @settings(max_examples=60, deadline=None)

@@ -40,6 +40,7 @@ from rewind.states.config import (
     Config,
     DataSource,
     Sampling,
+    Stage,
     TokenizerSection,
     TrainingSection,
 )
@@ -91,7 +92,7 @@ def write_tokens(path: Path, num_tokens: int, seed: int = 0) -> str:
 def make_config(data: dict[str, DataSource], vocab_size: int = 512, **tokenizer) -> Config:
     return Config(
         architecture=ArchitectureSection(block_size=BLOCK, vocab_size=vocab_size),
-        training=TrainingSection(tokens=[1024], datasets=[[Sampling(name=next(iter(data)))]]),
+        stages=[Stage(tokens=1024, datasets=[Sampling(name=next(iter(data)))])],
         data=data,
         tokenizer=TokenizerSection(**tokenizer),
     )
@@ -264,11 +265,8 @@ def token_run(tmp_path):
     }
     config = msgspec.structs.replace(
         make_config(data, vocab_size=256),
-        training=TrainingSection(
-            tokens=[1024],
-            datasets=[[Sampling(name="main", rate=0.5), Sampling(name="docs", rate=0.5)]],
-            evaluations=["spare"],  # read by evaluations only: on record all the same
-        ),
+        stages=[Stage(tokens=1024, datasets=[Sampling(name="main", rate=0.5), Sampling(name="docs", rate=0.5)])],
+        training=TrainingSection(evaluations=["spare"]),  # read by evaluations only: on record all the same
     )
     state, _ = started(config, tmp_path / "run")
     return config, state, tmp_path

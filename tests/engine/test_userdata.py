@@ -36,7 +36,7 @@ from rewind.engine.tasks import task_sample
 from rewind.engine.tokenizer import ByteTokenizer, Tokenizer, train_bpe
 from rewind.engine.tokens import RowSplit
 from rewind.engine.userdata import DataPlace, dataset_identity, open_user_dataset
-from rewind.states.config import ArchitectureSection, Config, DataSource, TrainingSection
+from rewind.states.config import ArchitectureSection, Config, DataSource, Sampling, Stage
 from rewind.stores.datamanifest import manifest_hash, read_manifest
 from rewind.tools.configfile import load_config
 
@@ -480,7 +480,7 @@ def expected_answer(prompt: str) -> str:
 def test_task_rows_through_a_tokenizer_score_exactly_the_encoded_answers(task_bpe, name):
     config = Config(
         architecture=ArchitectureSection(block_size=40, vocab_size=400),
-        training=TrainingSection(tokens=[4096], datasets=[[{"name": name}]]),
+        stages=[Stage(tokens=4096, datasets=[Sampling(name=name)])],
     )
     dataset = DatasetRegistry(config, DataPlace(tokenizer=task_bpe))[name]
     assert isinstance(dataset, BuiltinDataset) and dataset.has_answers

@@ -266,8 +266,9 @@ def test_a_long_run_plots_from_buckets(straight, tmp_path):
     """50,000 synthetic steps, more than the plot has points: the min/max envelope path, NaN losses included."""
     started = read_seq_events(straight)[0][1]
     assert isinstance(started, RunStarted)
-    training = msgspec.structs.replace(started.config.training, tokens=[5_000_000, 4_000_000, 3_800_000])
-    config = msgspec.structs.replace(started.config, training=training)
+    budgets = (5_000_000, 4_000_000, 3_800_000)
+    stages = [msgspec.structs.replace(s, tokens=t) for s, t in zip(started.config.stages, budgets, strict=True)]
+    config = msgspec.structs.replace(started.config, stages=stages)
     schedule = Schedule(config)
     tps = schedule.tokens_per_step
     records = [(0, RunStarted(step=0, tokens=0, config=config, config_hash="h"))]
