@@ -1,7 +1,7 @@
 """What each transition does to the live objects: written once, here.
 
 The live loop calls `apply_effect` for every event it records, and `rewind replay` for every event it
-re-walks, so a transition behaves the same whether it happens for the first time or is re-executed;
+re-walks, with the state before and after the event, so a transition behaves the same whether it happens for the first time or is re-executed;
 resume and fork build their live objects from the folded state instead (`parts.build_parts`), which is
 what these effects leave behind. A new transition (a stack joining, adapters attached) gets its effect
 here and nowhere else.
@@ -28,28 +28,28 @@ from rewind.states.growth import current_layout
 from rewind.states.state import State
 
 
-def apply_effect(parts: Parts, state: State, event: Event) -> Parts:
-    """The live objects after `event`, which is being applied to `state` (the state before it)."""
+def apply_effect(parts: Parts, before: State, after: State, event: Event) -> Parts:
+    """The live objects after `event`, which took the control state from `before` to `after`."""
     match event:
         case ReferenceRefreshed():
             # The reference is the weights as they are now, which is what the checkpoint the event
             # names holds: a resume loads it from there (checkpointing.load_checkpoint).
-            parts.reference = frozen_copy(parts.model, parts.config, current_layout(state), parts.trunk_sources)
+            parts.reference = frozen_copy(parts.model, parts.config, current_layout(after), parts.trunk_sources)
             return parts
         case OptimizerReset():
             clear_optimizer_state(parts)
             return parts
         case ConfigChanged(config=config):
             # Before any update, the weights are the seed's: a new seed means new weights.
-            fresh = state.step == 0 and state.last_checkpoint is None
-            return rebuilt(parts, config, state, carry_tensors=not fresh)
+            fresh = before.step == 0 and before.last_checkpoint is None
+            return rebuilt(parts, config, before, carry_tensors=not fresh)
         case RunResumed():
             # The live objects are already at the restore point: a resuming process loaded them from
             # its checkpoint (build_parts), and a replay walking the effective records has just
             # re-executed the steps up to it (the superseded ones are not in its stream).
             return parts
         case StackAppended():
-            return grow(parts, state, event)
+            return grow(parts, current_layout(before), current_layout(after), event)
         case ActivationsCached():
             # The cache was written before its record (the loop's perform); a replay or a resume finds
             # it by the state, and training reads it (rewind.engine.trunkcache).

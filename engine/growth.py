@@ -24,9 +24,8 @@ from rewind.engine.placement import full_tensor, place
 from rewind.engine.step import apply_hyperparameters, build_optimizer
 from rewind.states.config import Config
 from rewind.states.events import StackAppended
-from rewind.states.growth import current_layout, grown_layout
 from rewind.states.schedule import Schedule
-from rewind.states.state import ModelLayout, State
+from rewind.states.state import ModelLayout
 
 
 def plain_weights(parts: Parts) -> dict[str, torch.Tensor]:
@@ -37,18 +36,17 @@ def plain_weights(parts: Parts) -> dict[str, torch.Tensor]:
     return weights
 
 
-def grow(parts: Parts, state: State, event: StackAppended) -> Parts:
-    """The live objects after `event`, which is being applied to `state`: see the module docstring."""
-    old_layout = current_layout(state)
-    new_layout = grown_layout(old_layout, event)
+def grow(parts: Parts, before: ModelLayout, after: ModelLayout, event: StackAppended) -> Parts:
+    """The live objects after `event`, which grew the model of layout `before` into `after` (the fold's
+    layouts on either side of it): see the module docstring."""
     weights = plain_weights(parts)
-    order = [(s.stack, s.num_blocks) for s in old_layout.stacks]
+    order = [(s.stack, s.num_blocks) for s in before.stacks]
     new_stack = layouts.new_stack_weights(
         weights, order, event.stack, event.num_blocks, event.init, event.position, parts.config.run.seed, parts.config
     )
     dtype = torch.bfloat16 if event.precision == "bf16" else torch.float32  # drawn (or copied) as float32
     weights.update({f"stacks.{event.stack}.{name}": tensor.to(dtype) for name, tensor in new_stack.items()})
-    return transplant(parts, parts.config, new_layout, weights)
+    return transplant(parts, parts.config, after, weights)
 
 
 def transplant(parts: Parts, config: Config, layout: ModelLayout | None, weights: dict[str, torch.Tensor]) -> Parts:

@@ -4,7 +4,8 @@
         event(s) = perform(intent)        the step's losses, a validation, a checkpoint written, ...
                                           (a control transition that is its event is recorded as it is)
         state = journal.record(state, e)  append (+ commit when the durability rule says so), apply
-        parts = apply_effect(parts, e)    what the transition does to the live objects (effects.py)
+        parts = apply_effect(parts, state before, state after, e)
+                                          what the transition does to the live objects (effects.py)
 
 `decide` (rewind.states.plan) is pure: everything the loop does is a function of the folded state, so a
 run resumed from any checkpoint asks for exactly what the run that never stopped did next. A resumed
@@ -144,7 +145,7 @@ def record(run: Run, state: State, event: Event) -> State:
     """Record an event and give it its effect on the live objects: the only way a run changes state
     (an illegal event raises in the journal, before anything is written or changed)."""
     new_state = run.journal.record(state, event)
-    run.parts = apply_effect(run.parts, state, event)
+    run.parts = apply_effect(run.parts, state, new_state, event)
     return new_state
 
 

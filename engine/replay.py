@@ -214,11 +214,12 @@ def replay(
                 return report
             else:
                 report.checkpoints_matched.append(logged.checkpoint)
+        after = apply(state, logged)
         try:  # what the transition did to the live objects the first time (effects.py)
-            parts = apply_effect(parts, state, logged)
+            parts = apply_effect(parts, state, after, logged)
         except RunError as exc:
             raise ReplayError(str(exc), exc.exit_code) from None
-        state = apply(state, logged)
+        state = after
         _note_site(report, state)  # a RunResumed may go on elsewhere, or in another number of processes
         adopt_threads(state.num_threads)
     return report

@@ -134,7 +134,7 @@ def _lost_peer(exc: Exception) -> str:
 _DAMAGE = {
     ("rewind.stores.codec", "LogError"),
     ("rewind.stores.manifest", "CheckpointError"),
-    ("rewind.states.fold", "IllegalTransition"),  # a log that does not fold (tampered, or a buggy writer)
+    ("rewind.states.transition", "IllegalTransition"),  # a log that does not fold (tampered, or a buggy writer)
     ("rewind.states.history", "HistoryError"),
     ("rewind.stores.metrics", "MetricsError"),  # the metrics projection cannot be written or read
     ("rewind.stores.datamanifest", "ManifestError"),  # a prepared data directory that does not read

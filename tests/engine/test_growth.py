@@ -18,8 +18,7 @@ from rewind.engine.step import train_step
 from rewind.engine.userdata import DataPlace
 from rewind.states.config import loads_config
 from rewind.states.events import ActivationsCached, StackAppended
-from rewind.states.growth import growth_event, initial_layout
-from rewind.states.plan import started_state
+from rewind.states.growth import grown_layout, growth_event, initial_layout
 from rewind.stores import activations
 from rewind.stores.trunks import checkpoint_weights
 from tests.conftest import EXAMPLES
@@ -96,9 +95,9 @@ def _trained(parts, tokens, steps: int = 2):
 
 
 def _grown(parts, config):
-    _, state = started_state(config)  # the initial model: what the layout is before the first growth
-    event = growth_event(config, 0, initial_layout(config.architecture.num_layers), 10, 2560)
-    return grow(parts, state, event), event
+    before = initial_layout(config.architecture.num_layers)  # the layout before the first growth
+    event = growth_event(config, 0, before, 10, 2560)
+    return grow(parts, before, grown_layout(before, event), event), event
 
 
 @pytest.mark.parametrize("position", ["append", "prepend"])
