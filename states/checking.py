@@ -1,11 +1,14 @@
 """Walk raw decoded TOML against a msgspec type and collect *every* type problem with its path.
 
 msgspec's own `convert` stops at the first error; researchers fixing a config want the whole list.
+`without` drops the mistyped fields so the cross-field rules can still run on what is left, and
+`as_written` names what they find as the user wrote the config.
 Leaves are checked with `msgspec.convert` itself, so the accepted values are exactly msgspec's.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -14,6 +17,44 @@ from msgspec import inspect as mi
 
 def collect_type_problems(raw: Any, type_: Any, path: str = "") -> list[str]:
     return _walk(raw, mi.type_info(type_), path)
+
+
+def as_written(said: list[str], problems: list[str], flat: bool) -> list[str]:
+    """The problems named as the user wrote the config (a flat config's by its flat lists' entries),
+    leaving out what the translation already said about the same field."""
+    from rewind.states.stageform import flat_path
+
+    fields = {field_of(p) for p in said}
+    named = [flat_path(p) for p in problems] if flat else problems
+    return said + [p for p in named if not any(field_of(p).startswith(f) for f in fields)]
+
+
+def field_of(problem: str) -> str:
+    """The key a sanitiser can drop: 'training.evaluations[1]: ...' -> 'training.evaluations', and a
+    stage's own field, 'stages[1].datasets[0].rate: ...' -> 'stages[1].datasets'."""
+    return re.match(r"stages\[\d+\]\.\w+|[^\[:]*", problem).group(0)  # type: ignore[union-attr]
+
+
+def without(raw: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    from rewind.states.overrides import deep_copy, parse_path  # (overrides imports this module)
+
+    pruned = deep_copy(raw)
+    for path in paths:
+        try:
+            *parents, last = parse_path(path)
+        except ValueError:  # a key no override could name (a data set's name with a space): dotted parts
+            *parents, last = path.split(".")
+        node: Any = pruned
+        for part in parents:
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+                node = node[part]
+            else:
+                node = None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return pruned
 
 
 def _walk(value: Any, info: mi.Type, path: str) -> list[str]:

@@ -14,15 +14,18 @@ Pure: the caller reads the file (see `rewind.tools.configfile`); this module onl
 
 from __future__ import annotations
 
-import hashlib
-import math
-import re
 import tomllib
 from typing import Any, Literal
 
 import msgspec
 
-from rewind.states.checking import collect_type_problems
+from rewind.states.checking import as_written, collect_type_problems, field_of, without
+
+# A config's identity and differences (re-exported: they are read as the config's own).
+from rewind.states.config_identity import canonical as canonical
+from rewind.states.config_identity import config_differences as config_differences
+from rewind.states.config_identity import config_hash as config_hash
+from rewind.states.config_identity import flatten as flatten
 from rewind.states.validation import BUILTIN_DATASETS as BUILTIN_DATASETS
 from rewind.states.validation import check_config, unrecordable_ints
 
@@ -291,93 +294,6 @@ class ConfigError(Exception):
         return [f"{self.source}: {p}" for p in self.problems]
 
 
-def config_hash(config: Config) -> str:
-    """Identity of a config: sha256 of its canonical JSON, in which every field left at its default is
-    omitted. So a release that adds a field with a default gives every existing config the same hash,
-    while a release that changes a default changes the hash of exactly the configs that relied on it.
-    The stages count as the flat lists they were written as before `[[stages]]` (`identity`), so that
-    change left every hash as it was. Compare hashes computed by the same code (a resume hashes the
-    logged config as decoded now)."""
-    return hashlib.sha256(msgspec.json.encode(identity(config))).hexdigest()
-
-
-def identity(config: Config) -> Any:
-    """The canonical form a config's hash is computed from: `canonical`, with the stages given as the
-    flat per-stage lists (`rewind.states.stageform.flat_lists`)."""
-    from rewind.states.stageform import flat_lists
-
-    tree = canonical(msgspec.structs.replace(config, stages=[]))
-    for path, value in flat_lists(config).items():
-        node = tree
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return _sorted(tree)
-
-
-def _sorted(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {key: _sorted(tree[key]) for key in sorted(tree)}
-    if isinstance(tree, list):
-        return [_sorted(item) for item in tree]
-    return tree
-
-
-def canonical(value: Any) -> Any:
-    """Builtins for `value` with every struct field that equals its default left out, recursively; keys
-    sorted (a release that only reorders fields changes nothing); floats by value, so -0.0 is 0.0 and
-    each non-finite value is itself (JSON would make NaN and infinities one `null`)."""
-    if isinstance(value, msgspec.Struct):
-        kept = {}
-        for info in msgspec.structs.fields(value):
-            item = getattr(value, info.name)
-            if info.default is not msgspec.NODEFAULT and _same(item, info.default):
-                continue
-            if info.default_factory is not msgspec.NODEFAULT and _same(item, info.default_factory()):
-                continue
-            kept[info.encode_name] = canonical(item)
-        return dict(sorted(kept.items()))
-    if isinstance(value, list | tuple):
-        return [canonical(item) for item in value]
-    if isinstance(value, dict):
-        return {key: canonical(item) for key, item in sorted(value.items())}
-    if isinstance(value, float) and not isinstance(value, bool):
-        return value + 0.0 if math.isfinite(value) else repr(value)  # -0.0 + 0.0 is 0.0
-    return value
-
-
-def _same(item: Any, default: Any) -> bool:
-    """Equal as canonical values: NaN equals NaN, -0.0 equals 0.0."""
-    return canonical(item) == canonical(default)
-
-
-def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """{'training.fade.overlap': 0.5, 'stages[1].beta': 0.1, ...}: paths to leaves, as problems name
-    them. A list of tables (the stages, a stage's mixture, the growth steps) is entered, entry by
-    entry; any other list is a leaf."""
-    flat: dict[str, Any] = {}
-    if isinstance(value, dict):
-        for key, item in value.items():
-            flat.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
-        return flat
-    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
-        for i, item in enumerate(value):
-            flat.update(flatten(item, f"{prefix}[{i}]"))
-        return flat
-    return {prefix: value}
-
-
-def config_differences(old: Config, new: Config) -> list[str]:
-    """'dotted.path: old -> new' for every leaf that differs, in field order."""
-    a, b = flatten(msgspec.to_builtins(old)), flatten(msgspec.to_builtins(new))
-    missing = object()
-    return [
-        f"{key}: {a.get(key, missing)!r} -> {b.get(key, missing)!r}".replace(repr(missing), "(absent)")
-        for key in [*a, *(k for k in b if k not in a)]
-        if a.get(key, missing) != b.get(key, missing)
-    ]
-
-
 def loads_config(text: str, source: str = "config", overrides: list[str] | None = None) -> Config:
     """Parse TOML text into a Config, reporting every problem at once as a ConfigError."""
     # Imported here: the override module raises this module's ConfigError.
@@ -403,13 +319,13 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
     raw, said, flat = to_stage_form(raw)
     problems = collect_type_problems(raw, Config)
     # An integer the log cannot hold is dropped like a mistyped key: no rule computes with it (nor prints it).
-    mistyped = {_field_of(p) for p in problems}
-    problems += [p for p in unrecordable_ints(raw) if _field_of(p) not in mistyped]
+    mistyped = {field_of(p) for p in problems}
+    problems += [p for p in unrecordable_ints(raw) if field_of(p) not in mistyped]
     if problems or said:
         # Still report the cross-field problems: drop the mistyped keys (their problem is already
         # said), check what remains, and keep only findings about fields that were not dropped.
-        dropped = sorted({_field_of(p) for p in problems})
-        sanitized = _without(raw, dropped)
+        dropped = sorted({field_of(p) for p in problems})
+        sanitized = without(raw, dropped)
         try:
             rest = check_config(msgspec.convert(sanitized, Config))
         except msgspec.ValidationError:
@@ -419,53 +335,15 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
         problems += [
             p
             for p in rest
-            if not any(_field_of(p).startswith(d) for d in dropped)
+            if not any(field_of(p).startswith(d) for d in dropped)
             and not (stages_unknown and "out of range" in p)
         ]
-        raise ConfigError(_as_written(said, problems, flat), source)
+        raise ConfigError(as_written(said, problems, flat), source)
     config = msgspec.convert(raw, Config)
     problems = check_config(config)
     if problems:
-        raise ConfigError(_as_written([], problems, flat), source)
+        raise ConfigError(as_written([], problems, flat), source)
     return config
-
-
-def _as_written(said: list[str], problems: list[str], flat: bool) -> list[str]:
-    """The problems named as the user wrote the config (a flat config's by its flat lists' entries),
-    leaving out what the translation already said about the same field."""
-    from rewind.states.stageform import flat_path
-
-    fields = {_field_of(p) for p in said}
-    named = [flat_path(p) for p in problems] if flat else problems
-    return said + [p for p in named if not any(_field_of(p).startswith(f) for f in fields)]
-
-
-def _field_of(problem: str) -> str:
-    """The key a sanitiser can drop: 'training.evaluations[1]: ...' -> 'training.evaluations', and a
-    stage's own field, 'stages[1].datasets[0].rate: ...' -> 'stages[1].datasets'."""
-    return re.match(r"stages\[\d+\]\.\w+|[^\[:]*", problem).group(0)  # type: ignore[union-attr]
-
-
-def _without(raw: dict[str, Any], paths: list[str]) -> dict[str, Any]:
-    from rewind.states.overrides import deep_copy, parse_path  # (overrides imports this module)
-
-    pruned = deep_copy(raw)
-    for path in paths:
-        try:
-            *parents, last = parse_path(path)
-        except ValueError:  # a key no override could name (a data set's name with a space): dotted parts
-            *parents, last = path.split(".")
-        node: Any = pruned
-        for part in parents:
-            if isinstance(node, dict):
-                node = node.get(part)
-            elif isinstance(node, list) and isinstance(part, int) and part < len(node):
-                node = node[part]
-            else:
-                node = None
-        if isinstance(node, dict):
-            node.pop(last, None)
-    return pruned
 
 
 def dumps_config(config: Config) -> str:

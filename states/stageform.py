@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from rewind.states.checking import collect_type_problems
 from rewind.states.overrides import PathPart, deep_copy, parse_override, shown
 
@@ -177,9 +179,7 @@ def flat_lists(config: Config) -> dict[tuple[str, ...], Any]:
     """The config's stages as the flat lists (each left out where it would be empty, as the flat
     form's defaults were), plus `stages` with each stage's name and strategy where any is set: the
     canonical form a config's identity is computed from."""
-    from msgspec.structs import replace
-
-    from rewind.states.config import canonical
+    from rewind.states.config_identity import canonical
 
     stages = config.stages
     lists: dict[tuple[str, ...], Any] = {
@@ -194,7 +194,7 @@ def flat_lists(config: Config) -> dict[tuple[str, ...], Any]:
     }
     labels = [
         canonical(
-            replace(
+            msgspec.structs.replace(
                 s,
                 tokens=0,
                 datasets=[],
@@ -290,3 +290,25 @@ def _pop(raw: dict[str, Any], path: tuple[str, ...]) -> None:
         if parent[part]:
             break
         del parent[part]
+
+
+def identity(config: Config) -> Any:
+    """The canonical form a config's hash is computed from: `canonical`, with the stages given as the
+    flat per-stage lists (`flat_lists`)."""
+    from rewind.states.config_identity import canonical
+
+    tree = canonical(msgspec.structs.replace(config, stages=[]))
+    for path, value in flat_lists(config).items():
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return _sorted(tree)
+
+
+def _sorted(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {key: _sorted(tree[key]) for key in sorted(tree)}
+    if isinstance(tree, list):
+        return [_sorted(item) for item in tree]
+    return tree

@@ -16,9 +16,9 @@ from rewind.states.config import (
     config_from_dict,
     config_hash,
     dumps_config,
-    identity,
     loads_config,
 )
+from rewind.states.stageform import identity
 from rewind.states.strategies import configs
 from rewind.states.tomlwrite import dumps
 
