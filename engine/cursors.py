@@ -96,11 +96,6 @@ def _from_cached_orders(seed: int, name: str, num_samples: int, start: int, coun
     return indices
 
 
-def sample_index(seed: int, name: str, num_samples: int, position: int) -> int:
-    """The row read at cursor `position` of dataset `name`: sample_indices for a single position."""
-    return int(sample_indices(seed, name, num_samples, position, 1)[0])
-
-
 def draw(
     seed: int, dataset: Dataset, split: str, start: int, count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
