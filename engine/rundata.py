@@ -79,7 +79,7 @@ def tokenizer_path(run_dir: str) -> str:
 
 
 def _default_split(state: State | None) -> str:
-    return "random" if state is None or "data_identity" in state.features else "tail"
+    return "random" if state is None or state.behaviours.data_identity else "tail"
 
 
 def place_of(run_dir: str, state: State, *, base_dir: str | None = None) -> DataPlace:
@@ -88,7 +88,7 @@ def place_of(run_dir: str, state: State, *, base_dir: str | None = None) -> Data
     tokenizer: TextTokenizer = ByteTokenizer()
     if filesystem(path).exists():
         tokenizer = load_tokenizer(path)
-    if tokenizer.identity != state.tokenizer and "data_identity" in state.features:
+    if tokenizer.identity != state.tokenizer and state.behaviours.data_identity:
         raise DataChanged([f"{path}: the run's tokenizer file changed since the run started "
                            f"({tokenizer.identity[:12] or 'absent'}, recorded {state.tokenizer[:12] or 'none'})"])
     return DataPlace(tokenizer=tokenizer, data_dir=data_dir(run_dir), base_dir=base_dir, default_split=_default_split(state))
@@ -223,7 +223,7 @@ def identities(
 def check_data(config: Config, state: State, place: DataPlace, *, full: bool = False) -> list[str]:
     """What differs between the data `config` names now and what the run recorded ([] = the same).
     A run started before the data was on record has nothing to compare."""
-    if "data_identity" not in state.features:
+    if not state.behaviours.data_identity:
         return []
     changes: list[str] = []
     section = config.tokenizer
@@ -311,7 +311,7 @@ def copy_run_data(place: DataPlace, config: Config, parent_dir: str, child_dir: 
 def verify_data(run_dir: str, config: Config, state: State) -> tuple[list[str], list[str]]:
     """(problems, notes) of `rewind verify --data`: every file of every dataset the run recorded re-hashed
     whole against its record, and every prepared directory it reads checked file by file."""
-    if "data_identity" not in state.features:
+    if not state.behaviours.data_identity:
         return [], ["data: the run started before rewind recorded its data (nothing to compare with)"]
     try:
         place = place_of(run_dir, state)

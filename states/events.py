@@ -23,26 +23,8 @@ import msgspec
 
 from rewind.states.config import Config, InitMode, Precision, StackPosition, TrunkChoice
 from rewind.states.data_identity import DataIdentity
+from rewind.states.features import RUN_FEATURES, Features  # noqa: F401 (RUN_FEATURES: what RunStarted.features may hold)
 from rewind.states.state import CheckpointReason, ForkSeed
-
-# What a run started by this release does that older releases did not (RunStarted.features):
-# "lr_warmup_floor": cosine and sgdr warm up from warmup_lr_mult x lr (before: from 0);
-# "baseline_evaluation": one evaluation before the first update (Evaluated boundary -1) of a run started
-# from scratch, when the config names evaluations (a fork starts from weights its parent evaluated);
-# "reference_checkpoints_kept": retention keeps checkpoints taken for a reference refresh, as it keeps
-# boundary ones (a later boundary checkpoint's restore state names them; growth takes them routinely);
-# "data_identity": user datasets are tokenised into the run directory, their identity is on record and
-# checked, and validation rows are carved at random (DataSource.split = "" means "random"; before: "tail");
-# "content_named_checkpoints": a checkpoint's name and manifest hash hold only its training state (manifest
-# format 2: no log position, the KL reference by its content digest), so a resumed run names its
-# checkpoints as a straight one does (before: format 1, which also held the log position).
-RUN_FEATURES: tuple[str, ...] = (
-    "lr_warmup_floor",
-    "baseline_evaluation",
-    "reference_checkpoints_kept",
-    "data_identity",
-    "content_named_checkpoints",
-)
 
 # Bumped whenever an event changes incompatibly; the log frames carry it and the codec upcasts.
 # 1: rewind 0.1 (RunResumed carried the whole restored State). 2: RunResumed carries no state; a fork's
@@ -82,7 +64,7 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="RunStarted"):
     # The CPU kernels torch dispatched to ("AVX2", "AVX512", ...; "" = not recorded): kernels of another
     # capability sum in another order, so resume, fork and replay ask torch for this one where the CPU has it.
     cpu_capability: str = ""
-    # The behaviours (RUN_FEATURES) the run was started with. A run keeps them for life, so a release
+    # The behaviours (rewind.states.features) the run was started with. A run keeps them for life, so a release
     # that changes what a run computes gates the change on a new name here and old runs (whose logs
     # lack it) resume and replay as they were. The engine stamps new runs (`rewind.engine.loop.record`).
     features: list[str] = []
@@ -95,6 +77,11 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="RunStarted"):
     # processes (0 = not recorded: one). A resume under compute.device = "auto" keeps the device.
     device: str = ""
     world_size: int = 0
+
+    @property
+    def behaviours(self) -> Features:
+        """`features`, typed: one bool per behaviour."""
+        return Features.of(self.features)
 
 
 class EpochStarted(Event, frozen=True, kw_only=True, tag="EpochStarted"):

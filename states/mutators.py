@@ -38,7 +38,7 @@ def run_started(state: State, event: RunStarted) -> State:
     require(not state.started, event, "the run has already started")
     config = event.config
     schedule = Schedule(config)
-    baseline = "baseline_evaluation" in event.features and bool(config.training.evaluations)
+    baseline = event.behaviours.baseline_evaluation and bool(config.training.evaluations)
     return State(
         started=True,
         config_hash=event.config_hash,

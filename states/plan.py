@@ -272,7 +272,7 @@ def step_lr(state: State, schedule: Schedule, step: int) -> float:
         count,
         schedule.num_steps,
         schedule.entry_steps,
-        warmup_from_zero="lr_warmup_floor" not in state.features,
+        warmup_from_zero=not state.behaviours.lr_warmup_floor,
     )
 
 
@@ -296,7 +296,7 @@ def checkpoints_to_delete(state: State, keep_last: int) -> list[str]:
     live = sorted(state.live_checkpoints, key=lambda c: c.step)
     protected = {c.checkpoint for c in live[-keep_last:]}
     # A grown run keeps them whatever release started it (growth takes them routinely).
-    keep_references = "reference_checkpoints_kept" in state.features or state.num_growths > 0
+    keep_references = state.behaviours.reference_checkpoints_kept or state.num_growths > 0
     kept = ("boundary", "final", "reference") if keep_references else ("boundary", "final")
     protected |= {c.checkpoint for c in live if c.reason in kept}
     for held in (state, state.anchor):

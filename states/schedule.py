@@ -24,6 +24,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from rewind.states.config import Config
+from rewind.states.features import Features
 from rewind.states.growth import join_step
 from rewind.states.lr import lr_at
 
@@ -125,7 +126,7 @@ class Schedule:
         # growth_steps[i]: the step before which config.growth[i] joins (rewind.states.growth.join_step).
         self.growth_steps: tuple[int, ...] = tuple(join_step(g, self) for g in config.growth)
         self._transition_steps = self._find_transition_steps()
-        self.warmup_from_zero = features is not None and "lr_warmup_floor" not in features
+        self.warmup_from_zero = features is not None and not Features.of(features).lr_warmup_floor
         # Steps at which an optimizer reset restarts the LR curve (reset_restarts_lr): the entries of the
         # reset stages. What `rewind.states.plan.step_lr` gives a run that never changed its config.
         opt = config.optimization

@@ -15,6 +15,7 @@ from typing import Literal
 import msgspec
 
 from rewind.states.data_identity import DataIdentity
+from rewind.states.features import Features
 
 CheckpointReason = Literal["interval", "boundary", "reference", "final", "stop"]
 # How a stack's base weights are held: trained, fixed, or fixed and quantised to NF4 (bitsandbytes).
@@ -191,7 +192,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     # recorded; world_size 0 = one process, not recorded.
     device: str = ""
     world_size: int = 0
-    features: list[str] = []  # RunStarted's (a fork's: its parent's), see events.RUN_FEATURES
+    features: list[str] = []  # RunStarted's (a fork's: its parent's), as recorded; typed: `behaviours`
     # The data on record: each user dataset's identity (RunStarted's, updated by ConfigChanged), the
     # tokenizer's and the pretrained weights' sha256 ("" = bytes / none), and the epoch each dataset is in.
     data: dict[str, DataIdentity] = {}
@@ -210,6 +211,11 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     # lets `apply` derive a RunResumed's state from the log itself instead of trusting a copy.
     anchor: State | None = None
     anchor_open: bool = False  # the last record was the anchor or belongs to it
+
+    @property
+    def behaviours(self) -> Features:
+        """`features`, typed: one bool per behaviour the run was started with."""
+        return Features.of(self.features)
 
 
 def control_summary(state: State) -> dict:

@@ -138,7 +138,7 @@ def export_weights(run_dir: str, out: str) -> int:
     ref = state.last_checkpoint
     groups = {"model": checkpoint_weights(run_dir, ref.checkpoint, ref.files)["model"]}
     # The layout builds the model these weights fit (stack identities and order): rewind.engine.layout.
-    recorded = state.tokenizer if "data_identity" in state.features else None
+    recorded = state.tokenizer if state.behaviours.data_identity else None
     model = model_metadata(config_in_force(records), checkpoint_layout(state), recorded)
     metadata = {"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step), **model}
     data = save(groups["model"], metadata=metadata)

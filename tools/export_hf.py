@@ -100,7 +100,7 @@ def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True) -> PreparedHf:
     except (ValueError, Unmapped) as exc:
         raise CommandError(f"--hf: checkpoint {ref.checkpoint} does not fit its layout: {exc}", 1) from None
     num_layers = sum(spec.num_blocks for spec in layout.stacks)
-    tokenizer = run_tokenizer(run_dir, state.tokenizer if "data_identity" in state.features else None)
+    tokenizer = run_tokenizer(run_dir, state.tokenizer if state.behaviours.data_identity else None)
     eos = end_of_text(tokenizer, run_dir) if tokenizer is not None else None
     files = {
         WEIGHTS_NAME: save(dict(sorted(tensors.items())), metadata={"format": "pt"}),
