@@ -17,17 +17,21 @@ commits that record on the spot (rewind.engine.journal).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import torch
 
 from rewind.engine import layout as layouts
 from rewind.engine import snapshot
-from rewind.engine.parts import Parts, frozen_copy
-from rewind.engine.placement import place
+from rewind.engine.parts import Parts, assembled
 from rewind.engine.ranks import is_writer, shared_event
-from rewind.engine.step import apply_hyperparameters, build_optimizer
+from rewind.engine.reference import reference_at
+from rewind.engine.registry import DatasetRegistry
+from rewind.engine.step import apply_hyperparameters
 from rewind.states.config import Config
 from rewind.states.events import CheckpointCommitted
-from rewind.states.state import CheckpointReason, ModelLayout, State, control_summary, reference_to_restore
+from rewind.states.state import CheckpointReason, ModelLayout, State, control_summary
 from rewind.stores.checkpoints import (
     FORMAT_VERSION,
     FORMAT_WITH_LOG_SEQ,
@@ -44,12 +48,7 @@ def model_groups(parts: Parts) -> Groups:
     """The model's tensors by role, under unwrapped names: `model` (base weights that are not a frozen
     stack's), `adapters` (LoRA, when there are any). A frozen or quantised stack's base weights are in
     parts.trunk_sources, stored once (`trunk_files`)."""
-    base, adapters = {}, {}
-    for name, tensor in parts.model.state_dict().items():
-        if layouts.is_adapter(name):
-            adapters[layouts.unwrapped(name)] = snapshot.cpu_copy(tensor)
-        elif layouts.stack_of(name) not in parts.trunk_sources:
-            base[layouts.unwrapped(name)] = snapshot.cpu_copy(tensor)
+    base, adapters = snapshot.base_and_adapters(parts.model, set(parts.trunk_sources))
     return {"model": base, "adapters": adapters} if adapters else {"model": base}
 
 
@@ -64,11 +63,9 @@ def trunk_files(parts: Parts) -> dict[str, str]:
     there yet (a fork's first checkpoint writes what its parent's run directory held)."""
     trunks = TrunkStore(parts.run_dir)
     for stack, tensors in sorted(parts.trunk_sources.items()):
-        digest = parts.trunk_hashes.get(stack)
-        if digest is None or not trunks.exists(digest):
+        if not trunks.exists(parts.trunk_hashes[stack]):
             data, digest = serialize(tensors)
             trunks.write(data, digest)
-            parts.trunk_hashes[stack] = digest
     return {str(stack): parts.trunk_hashes[stack] for stack in sorted(parts.trunk_sources)}
 
 
@@ -85,7 +82,7 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_s
         # The control state the tensors belong to; `rewind verify` checks it against the fold.
         "control": control_summary(state),
     }
-    by_content = "content_named_checkpoints" in state.features
+    by_content = state.behaviours.content_named_checkpoints
     if by_content:
         meta["reference_sha256"] = reference_digest(state)
     else:
@@ -118,6 +115,16 @@ def reference_digest(state: State) -> str:
     return held.manifest_sha256
 
 
+class Loaded(NamedTuple):
+    """A checkpoint's model and what came with it."""
+
+    model: torch.nn.Module
+    groups: Groups  # the checkpoint's tensor groups read (the optimizer's only when asked for)
+    meta: dict
+    sources: dict[int, dict[str, torch.Tensor]]  # the float weights of its fixed stacks
+    hashes: dict[int, str]  # their files' sha256
+
+
 def load_model(
     config: Config,
     store: CheckpointStore,
@@ -126,10 +133,10 @@ def load_model(
     layout: ModelLayout | None,
     *,
     with_optimizer: bool = False,
-) -> tuple[torch.nn.Module, Groups, dict, dict[int, dict[str, torch.Tensor]], dict[int, str]]:
-    """The model of `layout` with checkpoint `name`'s weights: (model, groups, meta, trunk sources,
-    trunk hashes; the optimizer group only `with_optimizer`: a reference needs none). Its base weights
-    are the checkpoint's own and its frozen stacks' files (RUN/trunks/), each checked against its hash."""
+) -> Loaded:
+    """The model of `layout` with checkpoint `name`'s weights (the optimizer group only `with_optimizer`:
+    a reference needs none). Its base weights are the checkpoint's own and its frozen stacks' files
+    (RUN/trunks/), each checked against its hash."""
     manifest = store.load_manifest(name)
     present = {entry.name.removesuffix(".safetensors") for entry in manifest.files}
     wanted = ("model", "adapters", "optimizer") if with_optimizer else ("model", "adapters")
@@ -141,40 +148,26 @@ def load_model(
         tensors.update(trunks.load(digest))
     hashes = {int(stack): digest for stack, digest in meta.get("trunks", {}).items()}
     model, sources = layouts.model_from_weights(config, layout, tensors, groups.get("adapters", {}), complete=True)
-    return model, groups, meta, sources, hashes
+    return Loaded(model, groups, meta, sources, hashes)
 
 
-def load_checkpoint(parts: Parts, state: State) -> None:
-    """Load the state's last checkpoint into the parts (model of the state's layout, optimizer over
-    what it trains, the moments), and its reference (if any) from the checkpoint the reference points
-    to. Every file is checked against the hashes the log recorded."""
+def load_checkpoint(config: Config, run_dir: str, state: State, datasets: DatasetRegistry) -> Parts:
+    """The live objects at the state's last checkpoint: its model (of the state's layout), an optimizer
+    over what it trains holding its moments, and its reference (if any) from the checkpoint the
+    reference points to. Every file is checked against the hashes the log recorded."""
     ref = state.last_checkpoint
     assert ref is not None
-    model, groups, meta, sources, hashes = load_model(
-        parts.config, parts.store, ref.checkpoint, ref.files, state.layout, with_optimizer=True
+    store = CheckpointStore(run_dir)
+    loaded = load_model(config, store, ref.checkpoint, ref.files, state.layout, with_optimizer=True)
+
+    def moments(optimizer, names) -> None:  # the saved moments, under the settings of the config in force
+        snapshot.load_optimizer_tensors(optimizer, names, loaded.groups["optimizer"], loaded.meta["optimizer"])
+        apply_hyperparameters(optimizer, config)
+
+    parts = assembled(
+        config, run_dir, datasets, loaded.model, moments=moments, sources=loaded.sources, hashes=loaded.hashes, store=store
     )
-    parts.model = model = place(model, parts.config)  # before the optimizer is built over its parameters
-    parts.trunk_sources, parts.trunk_hashes = sources, hashes
-    parts.optimizer = build_optimizer(model, parts.config)
-    parts.param_names = layouts.parameter_names(model)
-    restore_optimizer(parts, groups["optimizer"], meta["optimizer"])
-    parts.reference = None
-    reference_ref = reference_to_restore(state)
-    if reference_ref is not None:
-        if reference_ref.checkpoint == ref.checkpoint:
-            parts.reference = frozen_copy(model, parts.config, state.layout, sources)
-        else:
-            files = next((c.files for c in state.live_checkpoints if c.checkpoint == reference_ref.checkpoint), None)
-            reference, _, _, reference_sources, _ = load_model(
-                parts.config, parts.store, reference_ref.checkpoint, files, reference_ref.layout
-            )
-            parts.reference = frozen_copy(reference, parts.config, reference_ref.layout, reference_sources)
-
-
-def restore_optimizer(parts: Parts, tensors: dict[str, torch.Tensor], layout: dict) -> None:
-    """The saved moments into the live optimizer, under the settings of the config in force."""
-    snapshot.load_optimizer_tensors(parts.optimizer, parts.param_names, tensors, layout)
-    apply_hyperparameters(parts.optimizer, parts.config)
+    return dataclasses.replace(parts, reference=reference_at(config, store, state, parts.model, loaded.sources))
 
 
 def tensor_hashes(parts: Parts, files: dict[str, str]) -> dict[str, str]:

@@ -12,8 +12,11 @@ bookkeeping such as checkpoints, stops and evaluations) have no effect.
 
 from __future__ import annotations
 
-from rewind.engine.growth import grow, plain_weights, reference_for, transplant
-from rewind.engine.parts import Parts, fresh_parts, frozen_copy, open_datasets, starting_weights
+import dataclasses
+
+from rewind.engine import reference
+from rewind.engine.growth import grow, plain_weights, transplant
+from rewind.engine.parts import Parts, fresh_parts, open_datasets, starting_weights
 from rewind.states.config import Config
 from rewind.states.events import (
     ActivationsCached,
@@ -34,8 +37,8 @@ def apply_effect(parts: Parts, before: State, after: State, event: Event) -> Par
         case ReferenceRefreshed():
             # The reference is the weights as they are now, which is what the checkpoint the event
             # names holds: a resume loads it from there (checkpointing.load_checkpoint).
-            parts.reference = frozen_copy(parts.model, parts.config, current_layout(after), parts.trunk_sources)
-            return parts
+            fixed = reference.reference_of(parts.model, parts.config, current_layout(after), parts.trunk_sources)
+            return dataclasses.replace(parts, reference=fixed)
         case OptimizerReset():
             clear_optimizer_state(parts)
             return parts
@@ -73,7 +76,8 @@ def rebuilt(parts: Parts, config: Config, state: State, *, carry_tensors: bool) 
     if not carry_tensors:  # still at the weights the run started from (the seed's or pretrained ones)
         return fresh_parts(config, parts.run_dir, open_datasets(config, place), starting_weights(config, state))
     new = transplant(parts, config, state.layout, plain_weights(parts))
-    new.datasets = open_datasets(config, place)  # the config's own, as a fresh start would open
+    fixed = new.reference
     if parts.reference is not None and state.reference is not None:
-        new.reference = reference_for(parts, config, state.reference.layout)
-    return new
+        fixed = reference.rebuilt(parts.reference, config, state.reference.layout, parts.trunk_sources)
+    # The config's own datasets, as a fresh start would open them.
+    return dataclasses.replace(new, datasets=open_datasets(config, place), reference=fixed)

@@ -14,17 +14,16 @@ moments, which is part of the logged transition (the layout says what trains).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from torch import nn
 
 from rewind.engine import layout as layouts
 from rewind.engine.checkpointing import model_groups
-from rewind.engine.parts import Parts, frozen_copy
-from rewind.engine.placement import full_tensor, place
-from rewind.engine.step import apply_hyperparameters, build_optimizer
+from rewind.engine.parts import Parts, assembled
+from rewind.engine.step import apply_hyperparameters
 from rewind.states.config import Config
 from rewind.states.events import StackAppended
-from rewind.states.schedule import Schedule
 from rewind.states.state import ModelLayout
 
 
@@ -52,47 +51,26 @@ def grow(parts: Parts, before: ModelLayout, after: ModelLayout, event: StackAppe
 def transplant(parts: Parts, config: Config, layout: ModelLayout | None, weights: dict[str, torch.Tensor]) -> Parts:
     """Parts for `config` whose model is `layout` holding `weights` (unwrapped base weights) and the
     adapters `parts` has (new adapters keep their initialisation), and whose optimizer carries the
-    moments of every parameter that trained before and trains now."""
+    moments of every parameter that trained before and trains now. The reference stays `parts`'."""
     model, sources = layouts.model_from_weights(config, layout, weights, model_groups(parts).get("adapters", {}))
-    model = place(model, config)
-    optimizer = build_optimizer(model, config)
-    names = layouts.parameter_names(model)
-    _carry_moments(parts.optimizer, parts.param_names, optimizer, names)
-    apply_hyperparameters(optimizer, config)
+
+    def moments(optimizer, names) -> None:
+        _carry_moments(parts.optimizer, parts.param_names, optimizer, names)
+        apply_hyperparameters(optimizer, config)
+
     kept = {stack: digest for stack, digest in parts.trunk_hashes.items() if stack in sources and _same(parts, sources, stack)}
-    return Parts(
-        config=config,
-        run_dir=parts.run_dir,
-        schedule=parts.schedule if config is parts.config else Schedule(config),
-        model=model,
-        optimizer=optimizer,
-        datasets=parts.datasets,
+    new = assembled(
+        config,
+        parts.run_dir,
+        parts.datasets,
+        model,
+        moments=moments,
+        sources=sources,
+        hashes=kept,
+        schedule=parts.schedule if config is parts.config else None,
         store=parts.store,
-        reference=parts.reference,
-        param_names=names,
-        trunk_sources=sources,
-        trunk_hashes=kept,
     )
-
-
-def reference_for(parts: Parts, config: Config, layout: ModelLayout | None) -> nn.Module:
-    """The live reference (of `layout`, the model's when it was refreshed) rebuilt for `config`, from the
-    tensors held in memory: its own, and for its NF4 stacks (which hold no float weights) the float
-    weights `parts` keeps of them, unchanged since they were quantised (NF4 is for good)."""
-    assert parts.reference is not None
-    nf4 = {s.stack for s in layouts.layout_of(config, layout).stacks if s.base == "nf4"}
-    missing = nf4 - set(parts.trunk_sources)
-    if missing:  # cannot happen while stacks are never removed; said plainly if it ever does
-        raise RuntimeError(f"the float weights of the reference's NF4 stacks {sorted(missing)} are not held")
-    weights, adapters = {}, {}
-    for name, tensor in parts.reference.state_dict().items():  # whole (a sharded reference's are gathered)
-        if layouts.is_adapter(name):
-            adapters[layouts.unwrapped(name)] = full_tensor(tensor)
-        elif layouts.stack_of(name) not in nf4:
-            weights[layouts.unwrapped(name)] = full_tensor(tensor)
-    for stack in nf4:
-        weights.update(parts.trunk_sources[stack])
-    return frozen_copy(layouts.model_from_weights(config, layout, weights, adapters)[0], config, layout)
+    return dataclasses.replace(new, reference=parts.reference)
 
 
 def _same(parts: Parts, sources: dict[int, dict[str, torch.Tensor]], stack: int) -> bool:

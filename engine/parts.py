@@ -10,7 +10,7 @@ resumed process holds exactly what the one that never stopped held.
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,15 +21,16 @@ from rewind.engine import layout as layouts
 from rewind.engine.datasets import DatasetError
 from rewind.engine.model import GPT
 from rewind.engine.optimizer import AdamW
-from rewind.engine.placement import is_sharded, place
+from rewind.engine.placement import place
 from rewind.engine.pretrained import Pretrained, PretrainedError, apply_pretrained, load_pretrained
 from rewind.engine.registry import DatasetRegistry
 from rewind.engine.step import build_optimizer
 from rewind.engine.userdata import DataPlace
 from rewind.states.config import Config
 from rewind.states.schedule import Schedule
-from rewind.states.state import ModelLayout, State
+from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointStore
+from rewind.stores.trunks import serialize
 
 if TYPE_CHECKING:
     from rewind.engine.trunkcache import TrunkReader
@@ -43,9 +44,11 @@ class RunError(Exception):
         self.exit_code = exit_code
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parts:
-    """The live objects of a run (see the module docstring for what is not here, and why)."""
+    """The live objects of a run (see the module docstring for what is not here, and why). Immutable: a
+    transition that changes which objects the run computes with returns new Parts (dataclasses.replace);
+    the model and optimizer are torch objects that compute in place, as they must."""
 
     config: Config
     run_dir: str
@@ -58,7 +61,7 @@ class Parts:
     param_names: dict[nn.Parameter, str] = field(default_factory=dict)
     # For each stack whose base is frozen or quantised, its float base weights under their unwrapped
     # names: what checkpoints store of it (once, stores.trunks) and what NF4 is quantised from.
-    # trunk_hashes: their files' sha256, known. (The model's structure is the folded state's layout.)
+    # trunk_hashes: the sha256 of each one's file. (The model's structure is the folded state's layout.)
     trunk_sources: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     trunk_hashes: dict[int, str] = field(default_factory=dict)
     trunk_reader: TrunkReader = field(default_factory=lambda: _trunk_reader())
@@ -70,43 +73,44 @@ def _trunk_reader() -> TrunkReader:
     return TrunkReader()
 
 
-def build_model(config: Config, layout: ModelLayout | None = None) -> GPT:
-    return layouts.build_model(config, layout)
+def trunk_digests(sources: dict[int, dict[str, torch.Tensor]], known: dict[int, str]) -> dict[int, str]:
+    """The sha256 of every fixed stack's file: the `known` ones (a checkpoint's record, or unchanged
+    since), the others computed from the weights (what its file will hold: stores.trunks)."""
+    return {stack: known[stack] if stack in known else serialize(tensors)[1] for stack, tensors in sorted(sources.items())}
 
 
-def frozen_copy(
-    model: nn.Module,
+def assembled(
     config: Config,
-    layout: ModelLayout | None,
-    trunk_sources: dict[int, dict[str, torch.Tensor]] | None = None,
-) -> nn.Module:
-    """The KL reference: the model (of `layout`) as it is now, fixed, placed as the run computes.
-    Parameters that do not train are shared, not copied: they cannot change while this model lives (a
-    growth builds a new model from copies), so a frozen or NF4 trunk is held once, not twice. A sharded
-    model cannot be copied (FSDP2 forbids it): its reference is built from its whole weights and
-    sharded in turn, so the reference's forward is sharded too; its NF4 stacks (which hold no float
-    weights) are quantised again from `trunk_sources`, the float weights they were quantised from."""
-    if is_sharded(model):
-        from rewind.engine.snapshot import cpu_copy
-
-        nf4 = {s.stack for s in layouts.layout_of(config, layout).stacks if s.base == "nf4"}
-        weights, adapters = {}, {}
-        for name, tensor in model.state_dict().items():
-            if layouts.is_adapter(name):
-                adapters[layouts.unwrapped(name)] = cpu_copy(tensor)
-            elif layouts.stack_of(name) not in nf4:
-                weights[layouts.unwrapped(name)] = cpu_copy(tensor)
-        for stack in nf4:
-            weights.update((trunk_sources or {})[stack])
-        reference = layouts.model_from_weights(config, layout, weights, adapters, complete=True)[0]
-    else:
-        shared = {id(p): p for p in model.parameters() if not p.requires_grad}
-        reference = copy.deepcopy(model, memo=shared)
-    for parameter in reference.parameters():
-        parameter.requires_grad_(False)
-    reference = place(reference, config)  # (a copy of a placed model: only sharding and compiling are new)
-    layouts.eval_mode(reference)
-    return reference
+    run_dir: str,
+    datasets: DatasetRegistry,
+    model: GPT,
+    *,
+    moments: Callable[[AdamW, dict[nn.Parameter, str]], None] | None = None,
+    sources: dict[int, dict[str, torch.Tensor]] | None = None,
+    hashes: dict[int, str] | None = None,
+    schedule: Schedule | None = None,
+    store: CheckpointStore | None = None,
+) -> Parts:
+    """Parts around `model` (built, not yet placed): placed on its device (sharded when the run is) before
+    the optimizer is built over its parameters; `moments` then fills the optimizer (a checkpoint's, or
+    those a growth carries). The reference is the caller's (rewind.engine.reference)."""
+    model = place(model, config)
+    optimizer = build_optimizer(model, config)
+    names = layouts.parameter_names(model)
+    if moments is not None:
+        moments(optimizer, names)
+    return Parts(
+        config=config,
+        run_dir=run_dir,
+        schedule=schedule if schedule is not None else Schedule(config),
+        model=model,
+        optimizer=optimizer,
+        datasets=datasets,
+        store=store if store is not None else CheckpointStore(run_dir),
+        param_names=names,
+        trunk_sources=sources or {},
+        trunk_hashes=trunk_digests(sources or {}, hashes or {}),
+    )
 
 
 def open_datasets(config: Config, place: DataPlace) -> DatasetRegistry:
@@ -129,33 +133,21 @@ def fresh_parts(
     """Model and optimizer as a run starts with them: the seed's weights, or `pretrained`'s (loaded into
     the plain model before it is quantised or given adapters)."""
     if pretrained is None:
-        model = build_model(config)
+        model = layouts.build_model(config, None)
     else:
         plain = layouts.build_plain(config, None)
         apply_pretrained(plain, pretrained.tensors)
         model = layouts.shape(plain, config, None)
-    model = place(model, config)  # on its device, sharded when the run is, before the optimizer sees it
-    return Parts(
-        config=config,
-        run_dir=run_dir,
-        schedule=Schedule(config),
-        model=model,
-        optimizer=build_optimizer(model, config),
-        datasets=datasets,
-        store=CheckpointStore(run_dir),
-        param_names=layouts.parameter_names(model),
-    )
+    return assembled(config, run_dir, datasets, model)
 
 
 def build_parts(config: Config, run_dir: str, state: State, datasets: DatasetRegistry) -> Parts:
-    """The live objects a run has at `state`: built for `config`, then loaded with the tensors of the
-    state's last checkpoint (its restore point) and of its reference, when it has them."""
+    """The live objects a run has at `state`: built for `config`, with the tensors of the state's last
+    checkpoint (its restore point) and of its reference, when it has them."""
     from rewind.engine.checkpointing import load_checkpoint  # checkpointing builds on Parts
 
     if state.last_checkpoint is not None:
-        parts = fresh_parts(config, run_dir, datasets)
-        load_checkpoint(parts, state)
-        return parts
+        return load_checkpoint(config, run_dir, state, datasets)
     return fresh_parts(config, run_dir, datasets, starting_weights(config, state))
 
 

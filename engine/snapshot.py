@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rewind.engine import layout as layouts
 from rewind.engine.optimizer import AdamW
 from rewind.engine.placement import full_tensor, like_parameter
 
@@ -46,6 +47,21 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             )
         tensors[key] = cpu_copy(value)
     return tensors
+
+
+def base_and_adapters(
+    model: nn.Module, leave_out: set[int] | frozenset[int] = frozenset()
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's weights split into base weights and LoRA adapters, both under unwrapped names, as whole
+    CPU copies; the base weights of the stacks in `leave_out` (frozen or NF4 trunks, whose float weights
+    are held apart) are left out. The one place the split is made: checkpoints, references, growth."""
+    base, adapters = {}, {}
+    for name, tensor in model.state_dict().items():
+        if layouts.is_adapter(name):
+            adapters[layouts.unwrapped(name)] = cpu_copy(tensor)
+        elif layouts.stack_of(name) not in leave_out:
+            base[layouts.unwrapped(name)] = cpu_copy(tensor)
+    return base, adapters
 
 
 def load_model_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -256,11 +256,11 @@ def test_objectives_and_precisions_resume_bit_for_bit(tmp_path, variant):
 
 
 def test_the_reference_shares_the_frozen_trunk_and_copies_what_trains(tmp_path):
-    from rewind.engine.parts import frozen_copy
+    from rewind.engine.reference import reference_of
 
     config = _config('trunk = "qlora"')
     grown, _ = _grown(_fresh(config, tmp_path), config)
-    reference = frozen_copy(grown.model, config, None)  # (the layout matters only to a sharded model)
+    reference = reference_of(grown.model, config, None, grown.trunk_sources)  # (layout: a sharded model's only)
     live = dict(grown.model.named_parameters())
     for name, parameter in reference.named_parameters():
         assert not parameter.requires_grad
