@@ -35,6 +35,7 @@ from rewind.states.state import CheckpointReason, ForkSeed
 # 5: the data on record (RunStarted/ConfigChanged .data, .tokenizer, RunStarted.pretrained) and EpochStarted.
 # 6: where a run computes (RunStarted/RunResumed .device and .world_size; additions).
 # 7: RunResumed.num_threads (an addition: a resume may compute with another thread count than the run's).
+# 8: a config's stages are records (Config.stages); the flat per-stage lists older configs held are upcast.
 SCHEMA_VERSION = 8
 
 
@@ -94,7 +95,7 @@ class EpochStarted(Event, frozen=True, kw_only=True, tag="EpochStarted"):
 
 class OptimizerReset(Event, frozen=True, kw_only=True, tag="OptimizerReset"):
     """The optimizer's state (Adam moments and step counts) was cleared at the entry of `stage`
-    (optimization.reset_optimizer_stages). `lr_restarted`: from here on the LR schedule runs from its
+    (a stage's reset_optimizer). `lr_restarted`: from here on the LR schedule runs from its
     own step 0 again, counted from this step (optimization.reset_restarts_lr); otherwise the LR curve
     goes on unbroken."""
 

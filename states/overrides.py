@@ -1,8 +1,8 @@
 """`--set PATH=VALUE` overrides applied to a raw config table before it is checked.
 
 PATH is the syntax the config's own problems print: dotted keys with `[i]` list indices, as in
-`training.fade.overlap`, `training.tokens[1]`, `training.datasets[2][0].name` or
-`optimization.kl.betas[0]`, so a path copied from an error message can be set. VALUE is parsed as a
+`training.fade.overlap`, `stages[1].tokens`, `stages[2].datasets[0].name` or (in a config written with
+the flat per-stage lists) `optimization.kl.betas[0]`, so a path copied from an error message can be set. VALUE is parsed as a
 TOML value (`16`, `1e-3`, `[10, 20]`, `"text"`, `{name = "sort"}`); a bare word that is not TOML is
 taken as a string. A key that is missing creates its table; an index must name an existing entry
 (there is nothing sensible to fill a gap with), and an index into something that is not a list is an
