@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rewind.kernels.losses import KL_KINDS, Losses
+from rewind.kernels.losses import KL_KINDS, KernelUnavailable, Losses
 
 IMPLEMENTATIONS = ("chunked", "triton")
 NO_KL, TOKEN_KL, NLL_DIFFERENCE = 0, 1, 2  # as triton_losses numbers them
@@ -45,10 +45,6 @@ CHUNK_BYTES = {"cpu": 16 * 2**20, "cuda": 64 * 2**20}
 def _upcast(t: torch.Tensor) -> torch.Tensor:
     """bf16/fp16 logits are reduced in float32; float64 (tests) stays float64 (as losses.py does)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-class KernelUnavailable(RuntimeError):
-    """The chosen loss implementation cannot run here (triton is not installed)."""
 
 
 def triton_available(device_type: str) -> None:

@@ -32,6 +32,11 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+class KernelUnavailable(RuntimeError):
+    """The chosen loss implementation cannot run here (triton is not installed, or cannot run on this
+    device): one line, said when a run starts. Both implementations of `linear_losses` raise it."""
+
+
 @dataclass(frozen=True)
 class Losses:
     objective: torch.Tensor  # what backward() is called on: ce + beta * kl (scaled to the global batch)

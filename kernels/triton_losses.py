@@ -44,7 +44,7 @@ import triton  # after the interpreter switch above
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from rewind.kernels.linear_losses import KernelUnavailable
+from rewind.kernels.losses import KernelUnavailable
 
 # What `kl_code` means: no KL term, the token KL, the NLL difference.
 NO_KL, TOKEN_KL, NLL_DIFFERENCE = 0, 1, 2

@@ -104,6 +104,10 @@ class UnsupportedSchemaError(LogError):
         super().__init__(f"unsupported event schema: {segment} at byte {offset}: {reason}")
 
 
+class LogWriteError(LogError):
+    """A commit could not be made durable (full disk, I/O error, a lost lease), or the writer is unusable."""
+
+
 class UnreadableSegmentError(LogError):
     """A segment (or the events directory) that is no regular file this run owns: nothing is read."""
 

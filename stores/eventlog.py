@@ -32,14 +32,16 @@ import warnings
 from typing import Any, Literal
 
 from rewind.stores import fsio, objectcommit
-from rewind.stores.codec import FrameEncoder, LogError, mark_end_of_group
+from rewind.stores.codec import FrameEncoder, mark_end_of_group
 
 # Re-exported (`X as X`), so that every error of the log, the record type and the read side's public
 # names can still be imported from this module, as they always could.
 from rewind.stores.codec import LogCorruptError as LogCorruptError
+from rewind.stores.codec import LogWriteError as LogWriteError
 from rewind.stores.codec import Record as Record
 from rewind.stores.codec import UnsupportedSchemaError as UnsupportedSchemaError
 from rewind.stores.fsio import Location
+from rewind.stores.lease import ObjectLease
 from rewind.stores.lock import LogLockedError as LogLockedError
 from rewind.stores.lock import StaleLockBroken as StaleLockBroken
 from rewind.stores.lock import WriterLock
@@ -60,10 +62,6 @@ from rewind.stores.logread import verify_log as verify_log
 # 1M-step run has a few dozen segments, not hundreds. Logs written with other sizes read the same.
 DEFAULT_SEGMENT_BYTES = 8 << 20
 LOCK_NAME = "LOCK"
-
-
-class LogWriteError(LogError):
-    """A commit could not be made durable (full disk, I/O error), or the writer is unusable."""
 
 
 class TornTailTruncated(UserWarning):
@@ -134,7 +132,7 @@ class EventLog(LogReader):
                 raise LogNotFoundError(f"no event log at {log.run.url} (no {EVENTS_DIR}/ directory)")
             return log
         log._events_dir.makedirs()
-        log._lock = WriterLock.acquire(log._events_dir.join(LOCK_NAME))
+        log._lock = _take_lock(log._events_dir.join(LOCK_NAME))
         try:
             log._recover(check)
         except BaseException:
@@ -326,6 +324,11 @@ class EventLog(LogReader):
             raise LogModeError(f"event log {self.run.url} is open for reading only")
         if self._broken:
             raise LogWriteError(f"event log {self.run.url}: {self._broken}")
+
+
+def _take_lock(location: Location) -> WriterLock:
+    """The writer's lock: the kernel's flock on a local filesystem, a lease on an object store."""
+    return WriterLock.acquire(location) if location.is_local else ObjectLease.acquire(location)
 
 
 def read_events(run_url: str | os.PathLike[str]) -> list[Any]:

@@ -52,10 +52,9 @@ from typing import Annotated
 
 import msgspec
 
-from rewind.stores.codec import LogError
+from rewind.stores.codec import LogWriteError
 from rewind.stores.fsio import Location
 from rewind.stores.lock import (
-    _MAX_ATTEMPTS,
     MAX_LOCK_BYTES,
     LockInfo,
     LogLockedError,
@@ -70,6 +69,7 @@ from rewind.stores.logread import segment_name
 LEASE_SECONDS = 60.0  # how long a lease lasts unless renewed (renewed at commits past a third of it)
 CLOCK_SKEW_SECONDS = 10.0  # the most two hosts' clocks may differ by; the holder stops trusting that early
 EPOCH_PREFIX = "EPOCH-"
+_MAX_ATTEMPTS = 5  # find the holder / take rounds before giving up on a lease that keeps changing
 _MAX_CLAIM_ATTEMPTS = 100  # segment names a takeover tries to claim while its predecessor still commits
 _SEGMENT_SUFFIX = segment_name(0)[8:]
 
@@ -142,13 +142,6 @@ def _current_lease(location: Location) -> tuple[Lease | None, list[int]]:
         elif newest is not None and not newest.released and (current is None or taken[-1] > current.epoch):
             current = newest
     return current, taken
-
-
-def _write_error(message: str) -> LogError:
-    # Imported here: the event log imports the commit path that uses this module.
-    from rewind.stores.eventlog import LogWriteError
-
-    return LogWriteError(message)
 
 
 class ObjectLease(WriterLock):
@@ -262,7 +255,7 @@ class ObjectLease(WriterLock):
         """Raise LogWriteError if the lease is lost; renew it once a third of it has passed or it is
         about to expire."""
         if self.lost:
-            raise _write_error(self.lost)
+            raise LogWriteError(self.lost)
         now = self.clock()
         margin = min(CLOCK_SKEW_SECONDS, self.duration / 3)
         if now - self.renewed_at < self.duration / 3 and now < self.lease.expires_at - margin:
@@ -274,7 +267,7 @@ class ObjectLease(WriterLock):
             lease = msgspec.structs.replace(self.lease, expires_at=now + self.duration)
             self.location.write_atomic(msgspec.json.encode(lease))
         except OSError as exc:
-            raise _write_error(
+            raise LogWriteError(
                 f"event log {self.events_dir.url}: could not renew the writer's lease: {exc}"
             ) from exc
         self.lease, self.info, self.renewed_at = lease, lease, now
@@ -282,7 +275,7 @@ class ObjectLease(WriterLock):
     def lose(self, why: str) -> None:
         """From now on every commit fails with `why` (a successor holds the log)."""
         self.lost = f"event log {self.events_dir.url}: {why}; this writer can no longer commit"
-        raise _write_error(self.lost)
+        raise LogWriteError(self.lost)
 
     def successor(self) -> str:
         """Who holds the log now, for the messages."""

@@ -44,7 +44,6 @@ from rewind.stores.fsio import Location
 
 MAX_LOCK_BYTES = 4096  # what rewind writes is a few hundred bytes; more is not a lock file
 PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT; other systems' pids stay below it
-_MAX_ATTEMPTS = 5  # create / find stale / break rounds before giving up on a lock that keeps changing
 
 # Fields of a file anyone can write: bounded, printable, one word (they end up in one-line messages).
 _Word = Annotated[str, msgspec.Meta(min_length=1, max_length=255, pattern=r"^[!-~]+\Z")]
@@ -200,15 +199,8 @@ class WriterLock:
 
     @classmethod
     def acquire(cls, location: Location) -> WriterLock:
-        if not location.is_local:
-            # Imported here: the lease module builds on this one (LockInfo, the errors, WriterLock).
-            from rewind.stores.lease import ObjectLease
-
-            return ObjectLease.acquire(location)
-        return cls._acquire_local(location, new_holder(kernel_lock=True))
-
-    @classmethod
-    def _acquire_local(cls, location: Location, info: LockInfo) -> WriterLock:
+        """The kernel's lock on a local lock file (an object store's is `rewind.stores.lease.ObjectLease`)."""
+        info = new_holder(kernel_lock=True)
         fd = _open_local(location)
         try:
             try:

@@ -13,8 +13,9 @@ ours; once it is lost nothing is removed (the successor may have read them alrea
 
 from __future__ import annotations
 
+from rewind.stores.codec import LogWriteError
 from rewind.stores.fsio import Location
-from rewind.stores.lease import ObjectLease, _write_error
+from rewind.stores.lease import ObjectLease
 from rewind.stores.logread import segment_name
 
 
@@ -36,7 +37,7 @@ def put_segments(events_dir: Location, lease: ObjectLease, pieces: list[tuple[in
                     lease.lose(f"lost the lease to {lease.successor()}: {segment.url} was created by it")
             created.append(segment)
     except OSError as exc:
-        raise _write_error(f"commit to {events_dir.url} failed: {exc}; {_undo(lease, created)}") from exc
+        raise LogWriteError(f"commit to {events_dir.url} failed: {exc}; {_undo(lease, created)}") from exc
 
 
 def _undo(lease: ObjectLease, created: list[Location]) -> str:
