@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rewind.states.admission import MAX_THREADS
 from rewind.states.config import ComputeSection, Config
-from rewind.stores.trust import MAX_THREADS
 
 # The device a resume under compute.device = "auto" keeps (RunStarted.device / RunResumed.device of the
 # run being resumed): set once per process by `adopt_device`, like the CPU thread count.

@@ -17,20 +17,13 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 
+from rewind.states.admission import plain_name_problem
+
 CHUNK_BYTES = 1 << 22
 
 
 class NotConfined(Exception):
     """A name from a run directory that leads outside it, or to something that is not a regular file."""
-
-
-def plain_name_problem(name: object) -> str:
-    """Why `name` is not a plain file or directory name ("" when it is one)."""
-    if not isinstance(name, str) or not name:
-        return f"{name!r} is not a name"
-    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        return f"{name!r} is not a plain name (a path, '..' or '.')"
-    return ""
 
 
 def inside_path(run_root: str, parts: Sequence[str]) -> str:

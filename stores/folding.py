@@ -5,8 +5,8 @@
 after it; with none, it folds the whole log. The result is the same either way: the snapshot is a
 cache of exactly that fold. Used by resume (which then writes a fresh snapshot) and by the tools.
 
-Every record folded here is first held to rewind.stores.trust (a config carried in the log gets the
-checks a config file gets), and so is a snapshot's state before it is used: a log is untrusted input.
+Every record folded here is first admitted (rewind.states.admission, through rewind.stores.trust: a
+config carried in the log gets the checks a config file gets), and so is a snapshot's state before it is used: a log is untrusted input.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from rewind.states.admission import state_problem
 from rewind.states.config import Config
 from rewind.states.events import ConfigChanged, RunStarted, event_tag
 from rewind.states.fold import IllegalTransition, apply, fold
@@ -22,7 +23,7 @@ from rewind.states.state import State
 from rewind.stores import snapshots
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog, Record
-from rewind.stores.trust import RecordChecker, state_problem
+from rewind.stores.trust import RecordChecker
 
 
 @dataclass(frozen=True)

@@ -1,48 +1,17 @@
-"""Records read from a log are untrusted input: checks the fold does not make, before it runs.
+"""Records read from a log are untrusted input: each is admitted before the fold acts on what it carries.
 
-The fold (rewind.states.fold) checks that each event may follow the state before it. It does not check
-what a record carries for later use: a RunStarted's config is adopted as it decodes (batch_size = 0
-divides by zero in the schedule, num_threads = 100000 crashes the OpenMP runtime), and checkpoint names,
-file names, dataset names and activation cache paths become paths, which must stay inside the run.
-`RecordChecker` applies to every record the rules a user's own input
-meets (a config gets the same `check_config` as a config file) and refuses the first one that breaks
-them with `UntrustedRecord`, a LogError: one line naming the record's seq, exit 1, from any command.
-A fork's seed (RunResumed.seed) is the parent's state, which the child's log cannot derive: the fold
-range-checks it; here it is also held to the run's length and to what its step could have consumed.
+What a record may carry is decided beside the fold, in `rewind.states.admission` (pure); this module is
+where a reader applies it. `RecordChecker` refuses the first record that breaks those rules with
+`UntrustedRecord`, a LogError: one line naming the record's seq, exit 1, from any command.
 """
 
 from __future__ import annotations
 
 import operator
-import re
 
-from rewind.states.config import Config
-from rewind.states.events import (
-    RUN_FEATURES,
-    ActivationsCached,
-    CheckpointCommitted,
-    CheckpointDeleted,
-    ConfigChanged,
-    Event,
-    ForkOrigin,
-    ReferenceRefreshed,
-    RunResumed,
-    RunStarted,
-    StepCommitted,
-    event_tag,
-)
-from rewind.states.schedule import Schedule
-from rewind.states.state import ForkSeed, State
-from rewind.states.validation import MAX_STAGES, check_config
-from rewind.stores.cachenames import cache_path_problem
+from rewind.states.admission import CARRIERS, Admission
+from rewind.states.events import Event, event_tag
 from rewind.stores.codec import LogError
-from rewind.stores.confine import plain_name_problem
-
-# More CPU threads than any machine rewind runs on has: a recorded count beyond it is not a real run's,
-# and handing it to torch.set_num_threads crashes the OpenMP runtime.
-MAX_THREADS = 1024
-_CHECKPOINT_NAME = re.compile(r"(\d{8,})-[0-9a-f]{8}")
-_FILE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\.safetensors")
 
 
 class UntrustedRecord(LogError):
@@ -54,107 +23,12 @@ class UntrustedRecord(LogError):
         super().__init__(f"event log record {seq} ({event_tag(event)} at step {event.step}): {problem}")
 
 
-def config_problem(config: Config) -> str:
-    """The first thing `check_config` finds wrong with a config carried by a record ("" if none), or a
-    dataset name that is not a plain name (it names a directory under RUN/data)."""
-    problems = check_config(config)
-    problems += [f"data.{name[:80]!r}: {why}" for name in config.data if (why := plain_name_problem(name))]
-    if not problems:
-        return ""
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return f"its config is not one rewind accepts: {problems[0]}{more}"
+class RecordChecker(Admission):
+    """Admits records in log order (see Admission), refusing the first that breaks the rules."""
 
-
-_CAPABILITY = re.compile(r"[A-Za-z0-9_]{0,16}")
-
-
-def capability_problem(capability: str) -> str:
-    """A CPU capability is a short name (it goes into ATEN_CPU_CAPABILITY)."""
-    return "" if _CAPABILITY.fullmatch(capability) else f"cpu_capability {capability[:40]!r} is not a capability name"
-
-
-def features_problem(features: list[str]) -> str:
-    """A run started by a newer release may do something this one cannot (a behaviour it gates on a
-    feature name): resuming or replaying it here would silently compute something else."""
-    unknown = [name for name in features if name not in RUN_FEATURES]
-    if not unknown:
-        return ""
-    return f"the run was started with behaviours this release does not have ({', '.join(unknown[:3])}): use a newer rewind"
-
-
-def threads_problem(num_threads: int) -> str:
-    if 0 <= num_threads <= MAX_THREADS:
-        return ""
-    return f"num_threads {num_threads} is out of range 0..{MAX_THREADS}"
-
-
-# torchrun's own limit is far lower; this only keeps absurd values out of what sizes a process group.
-MAX_WORLD_SIZE = 1 << 20
-_DEVICE = re.compile(r"(cpu|cuda(:[ -~]{0,80})?)?")
-
-
-def placement_problem(device: str, world_size: int) -> str:
-    """A recorded device is "", "cpu" or "cuda[:name]" and a world size is in 0..MAX_WORLD_SIZE."""
-    if not 0 <= world_size <= MAX_WORLD_SIZE:
-        return f"world_size {world_size} is out of range 0..{MAX_WORLD_SIZE}"
-    if not _DEVICE.fullmatch(device):
-        return f"device {device[:40]!r} is not a device rewind computes on"
-    return ""
-
-
-def state_problem(state: State, config: Config) -> str:
-    """Why a cached state (a snapshot) cannot be used ("" if it can): the same rules as the records."""
-    cache = state.activation_cache
-    return (
-        config_problem(config)
-        or threads_problem(state.num_threads)
-        or capability_problem(state.cpu_capability)
-        or placement_problem(state.device, state.world_size)
-        or (cache_path_problem(cache.path, cache.version, cache.first_step) if cache is not None else "")
-    )
-
-
-def _name_problem(name: str, step: int | None, *, empty_ok: bool) -> str:
-    if empty_ok and name == "":
-        return ""
-    match = _CHECKPOINT_NAME.fullmatch(name) if isinstance(name, str) else None
-    if match is None:
-        return f"{name!r} is not a checkpoint name (<step:08d>-<8 hex digits>)"
-    if step is not None and int(match.group(1)) != step:
-        return f"checkpoint {name} is named for step {int(match.group(1))}, not {step}"
-    return ""
-
-
-def _files_problem(files: dict[str, str]) -> str:
-    bad = [name for name in files if not _FILE_NAME.fullmatch(name)]
-    return f"file name {bad[0]!r} is not a plain <group>.safetensors name" if bad else ""
-
-
-# A fork's parent is only ever shown (rewind never reads it): a path or URL of printable characters.
-_SHOWN_PATH = re.compile(r"[^\x00-\x1f\x7f]{0,4096}")
-
-
-def _parent_problem(parent: ForkOrigin | None) -> str:
-    if parent is None:
-        return ""
-    if not _SHOWN_PATH.fullmatch(parent.run):
-        return "its parent run's path holds control characters or is too long"
-    problem = _name_problem(parent.checkpoint, parent.step if parent.checkpoint else None, empty_ok=True)
-    return f"its parent's checkpoint: {problem}" if problem else ""
-
-
-# The records whose contents a reader acts on beyond folding them (a config, names that become paths,
-# a fork's seed): what every read of a log checks. The rest are checked where they are folded into a
-# live run (stores.folding), which is where a negative cursor could do harm.
-CARRIERS = (
-    RunStarted,
-    ConfigChanged,
-    RunResumed,
-    CheckpointCommitted,
-    CheckpointDeleted,
-    ReferenceRefreshed,
-    ActivationsCached,
-)
+    def check(self, seq: int, event: Event) -> None:
+        if problem := self.problem(event):
+            raise UntrustedRecord(seq, event, problem)
 
 
 _CARRIER_TYPES = frozenset(CARRIERS)
@@ -170,90 +44,3 @@ def check_carriers(checker: RecordChecker, records: list, first_seq: int | None 
     for position, event in enumerate(events):
         if type(event) in _CARRIER_TYPES:
             checker.check(first_seq + position if first_seq is not None else records[position].seq, event)
-
-
-class RecordChecker:
-    """Checks records in log order, keeping the config in force (a seed is checked against it)."""
-
-    def __init__(self, config: Config | None = None):
-        self.config = config
-
-    def check(self, seq: int, event: Event) -> None:
-        if problem := self.problem(event):
-            raise UntrustedRecord(seq, event, problem)
-
-    def problem(self, event: Event) -> str:
-        if event.step < 0 or event.tokens < 0:
-            return "step and tokens must be >= 0"
-        match event:
-            case RunStarted():
-                problem = (
-                    config_problem(event.config)
-                    or threads_problem(event.num_threads)
-                    or capability_problem(event.cpu_capability)
-                    or features_problem(event.features)
-                    or placement_problem(event.device, event.world_size)
-                    or _parent_problem(event.parent)
-                )
-                if not problem:
-                    self.config = event.config
-                return problem
-            case ConfigChanged():
-                problem = config_problem(event.config)
-                if not problem:
-                    self.config = event.config
-                return problem
-            case StepCommitted(cursors=cursors):
-                negative = [name for name, value in cursors.items() if value < 0]
-                return f"data cursor {negative[0]!r} is negative" if negative else ""
-            case CheckpointCommitted():
-                return _name_problem(event.checkpoint, event.step, empty_ok=False) or _files_problem(
-                    event.files
-                )
-            case ActivationsCached():
-                return cache_path_problem(event.path, event.version, event.step)
-            case CheckpointDeleted() | ReferenceRefreshed():
-                return _name_problem(event.checkpoint, None, empty_ok=isinstance(event, ReferenceRefreshed))
-            case RunResumed():
-                problem = _name_problem(
-                    event.checkpoint, event.step if event.checkpoint else None, empty_ok=True
-                ) or placement_problem(event.device, event.world_size) or threads_problem(event.num_threads)
-                if problem or event.seed is None:
-                    return problem
-                return self._seed_problem(event, event.seed)
-        return ""
-
-    def _seed_problem(self, event: RunResumed, seed: ForkSeed) -> str:
-        # The run's length: the seed's own, else the config's (unknown to a reader starting mid-log).
-        num_steps = seed.num_steps or (Schedule(self.config).num_steps if self.config is not None else None)
-        if num_steps is not None and event.step > num_steps:
-            return f"the fork seed's step {event.step} is past the run's end (step {num_steps})"
-        if seed.num_stages > MAX_STAGES or max(map(len, _stage_lists(seed))) > MAX_STAGES:
-            return f"the fork seed holds more than {MAX_STAGES:,} stages (the most a config may have)"
-        if any(value < 0 for value in seed.cursors.values()):
-            return "the fork seed's data cursors must be >= 0"
-        # Every sample drawn is at least one token of those the steps consumed.
-        if sum(seed.cursors.values()) > event.tokens:
-            return f"the fork seed's data cursors add up to more samples than its {event.tokens} tokens hold"
-        if not (0 <= seed.num_skipped_steps <= event.step and seed.last_validated_step <= event.step):
-            return "the fork seed's step counts are not within its step"
-        for ref in seed.live_checkpoints:
-            problem = _name_problem(ref.checkpoint, ref.step, empty_ok=False) or _files_problem(ref.files)
-            if problem or not 0 <= ref.step <= event.step:
-                return f"the fork seed's checkpoint list: {problem or f'{ref.checkpoint} is not within its step'}"
-        if seed.reference is not None and (
-            problem := _name_problem(seed.reference.checkpoint, None, empty_ok=False)
-        ):
-            return f"the fork seed's reference: {problem}"
-        return ""
-
-
-def _stage_lists(seed: ForkSeed) -> tuple[list[int], ...]:
-    """The seed's lists of stages and boundaries: each has at most one entry per stage."""
-    return (
-        seed.reference_update_stages,
-        seed.fades_started,
-        seed.fades_ended,
-        seed.pending_refreshes,
-        seed.pending_optimizer_resets,
-    )

@@ -57,7 +57,7 @@ def add_threads_option(p: argparse.ArgumentParser) -> None:
 
 
 def _thread_count(text: str) -> int:
-    from rewind.stores.trust import MAX_THREADS
+    from rewind.states.admission import MAX_THREADS
 
     try:
         value = int(text)

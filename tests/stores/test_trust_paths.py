@@ -89,8 +89,8 @@ def test_a_forks_parent_is_a_printable_path_and_a_checkpoint_name():
 def test_a_snapshot_whose_cache_path_leaves_the_run_is_not_used():
     """A snapshot is a cache of the fold: one naming a cache no record could name is passed over (the
     log is folded instead, and its records are checked)."""
+    from rewind.states.admission import state_problem
     from rewind.states.state import CacheRef, State
-    from rewind.stores.trust import state_problem
 
     config = loads_config(TINY)
     ref = CacheRef(
