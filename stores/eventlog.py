@@ -37,6 +37,7 @@ from rewind.stores.codec import FrameEncoder, mark_end_of_group
 # Re-exported (`X as X`), so that every error of the log, the record type and the read side's public
 # names can still be imported from this module, as they always could.
 from rewind.stores.codec import LogCorruptError as LogCorruptError
+from rewind.stores.codec import LogError as LogError
 from rewind.stores.codec import LogWriteError as LogWriteError
 from rewind.stores.codec import Record as Record
 from rewind.stores.codec import UnsupportedSchemaError as UnsupportedSchemaError
