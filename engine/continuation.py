@@ -5,6 +5,7 @@ checkpoint (a fork, in place or not), whose weights must still fit the model it 
 from __future__ import annotations
 
 from rewind.states.config import Config, config_differences, config_hash
+from rewind.states.entry import tokenizer_problem
 
 
 def continuation_problem(old: Config, new: Config, num_growths: int = 0) -> str:
@@ -14,8 +15,8 @@ def continuation_problem(old: Config, new: Config, num_growths: int = 0) -> str:
     change."""
     from rewind.engine.objectives import model_vocab_size, num_time_levels
 
-    if old.tokenizer != new.tokenizer:
-        return "tokenizer: a run's tokenizer is fixed when it starts (its token ids are what the weights learned)"
+    if problem := tokenizer_problem(old, new):
+        return problem
     done_before, done_after = old.growth[:num_growths], new.growth[:num_growths]
     if done_before != done_after:
         return (

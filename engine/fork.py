@@ -14,53 +14,41 @@ child need nothing special. Nothing is written to the parent.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
+from rewind.engine.assemble import assemble, enter_site
+from rewind.engine.continuation import continuation_problem
 from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
-from rewind.engine.parts import RunError, build_parts, fresh_parts, open_datasets, starting_weights
+from rewind.engine.parts import RunError
+from rewind.engine.placement import PlacementError
 from rewind.engine.rundata import (
     DATA_ERRORS,
     DataChanged,
-    check_data,
     copy_run_data,
     identities,
     read_only_place,
     replace_config_data,
 )
-from rewind.engine.session import (
-    REWIND_VERSION,
-    adopt_cpu_capability,
-    continuation_problem,
-    metrics_for,
-    prepare_directory,
+from rewind.engine.session import REWIND_VERSION, metrics_for, prepare_directory
+from rewind.states.entry import (
+    EntryRefused,
+    ForkPoint,
+    choose_point,
+    fork_records,
+    site_of,
+    tokenizer_problem,
 )
-from rewind.states.config import Config, config_hash
-from rewind.states.events import ConfigChanged, ForkOrigin, RunResumed, RunStarted
-from rewind.states.fold import IllegalTransition, fold, seed_of
+from rewind.states.events import ForkOrigin, RunStarted
+from rewind.states.fold import fold
 from rewind.states.history import SeqEvent, config_in_force, effective, restore_points
-from rewind.states.state import State, reference_to_restore
+from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog
 from rewind.stores.runs import read_seq_events
 from rewind.stores.trunks import TrunkStore
 from rewind.stores.trust import RecordChecker
-
-replace = msgspec.structs.replace
-
-
-@dataclass(frozen=True)
-class ForkPoint:
-    """Where in the parent a fork starts: the checkpoint ("" = the parent's start), its step, the
-    parent's control state and config in force there."""
-
-    checkpoint: str
-    step: int
-    state: State
-    config: Config
 
 
 def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) -> ForkPoint:
@@ -70,16 +58,14 @@ def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) ->
     needs none of the files the growth froze), or the run's start."""
     records = effective(records)  # the points index into these
     points = restore_points(records)
-    live = {c.checkpoint for c in fold(e for _, e in records).live_checkpoints}
-    for point in reversed(points):
+    live = {c.checkpoint for c in fold(e for _, e in records).live_checkpoints}  # not deleted by retention since
+    held = [p for p in points if p.checkpoint and p.state.last_checkpoint and p.state.last_checkpoint.checkpoint in live]
+    while (point := choose_point(held, at_or_before=at_step)) is not None:
         ref = point.state.last_checkpoint
-        if not point.checkpoint or point.state.step > at_step or ref is None:
-            continue
-        if ref.checkpoint not in live:
-            continue  # deleted by retention since
-        if store.verify(ref.checkpoint, ref.files) or not _trunks_intact(store, ref.checkpoint):
-            continue  # damaged or missing on disk
-        return ForkPoint(point.checkpoint, point.state.step, point.state, config_in_force(records[: point.index]))
+        assert ref is not None
+        if not store.verify(ref.checkpoint, ref.files) and _trunks_intact(store, ref.checkpoint):
+            return ForkPoint(point.checkpoint, point.state.step, point.state, config_in_force(records[: point.index]))
+        held = [p for p in held if p is not point]  # damaged or missing on disk
     started = records[0][1]
     assert isinstance(started, RunStarted)
     if started.parent is not None and started.parent.checkpoint:
@@ -129,13 +115,21 @@ def _copy_checkpoint(parent: CheckpointStore, child: CheckpointStore, ref) -> No
 
 
 def open_fork(
-    parent_dir: str, at_step: int, config_of_child, child_dir: str, *, metrics: bool = True, num_threads: int = 0
+    parent_dir: str,
+    at_step: int,
+    config_of_child,
+    child_dir: str,
+    *,
+    metrics: bool = True,
+    num_threads: int = 0,
+    note: Callable[[str], None] = lambda line: None,
 ) -> tuple[Run, State, ForkPoint]:
     """Create the child run and return it ready to drive (log open and locked in run.journal).
 
     `config_of_child(parent_config) -> Config` makes the child's config from the parent's config in
     force at the fork point (e.g. by applying --set overrides); it may raise ConfigError. The child
-    records the parent's CPU thread count there, or `num_threads` (> 0: the user's --threads)."""
+    records the parent's CPU thread count there, or `num_threads` (> 0: the user's --threads); what the
+    user should know about it goes to `note`."""
     records = read_seq_events(parent_dir)
     if not records or not isinstance(records[0][1], RunStarted):
         raise RunError(f"{parent_dir}: the event log is empty or does not start with RunStarted", 1)
@@ -148,7 +142,6 @@ def open_fork(
     parent_store = CheckpointStore(parent_dir)
     point = fork_point(records, at_step, parent_store)
     config = config_of_child(point.config)
-    child_hash = config_hash(config)
     origin = ForkOrigin(
         run=_run_identity(parent_dir), step=point.step, checkpoint=point.checkpoint, config_hash=point.state.config_hash
     )
@@ -156,77 +149,34 @@ def open_fork(
     # did must be unchanged); documents are tokenised into a scratch directory, copied into the child's
     # with its checkpoints: nothing is written to the parent.
     parent_state = point.state  # what the parent recorded of its data as of the fork point
-    if point.config.tokenizer != config.tokenizer:
-        raise RunError(f"cannot fork {parent_dir}: tokenizer: a run's tokenizer is fixed when it starts (a fork keeps its parent's)")
+    if problem := tokenizer_problem(point.config, config):
+        raise RunError(f"cannot fork {parent_dir}: {problem}")
+    if point.checkpoint and (problem := continuation_problem(point.config, config, point.state.num_growths)):
+        raise RunError(f"cannot fork {parent_dir} at step {point.step}: {problem}")
     try:
         place = read_only_place(parent_dir, parent_state)
-        changes = check_data(replace_config_data(config, point.config), parent_state, place)
-        if changes:
-            raise DataChanged(changes)
-        datasets = open_datasets(config, place)
-        on_record = "data_identity" in records[0][1].features
         recorded = identities(config, place, parent_state.data, point.config)
-        data = {"data": recorded, "tokenizer": place.tokenizer.identity} if on_record else {}
+        data = {"data": recorded, "tokenizer": place.tokenizer.identity}
+        preamble = fork_records(records[0][1], point, config, origin, num_threads, data, REWIND_VERSION)
+        # The live objects for the child's config, from the parent's checkpoint, before the child's
+        # directory is touched (a checkpoint that does not load must leave nothing behind).
+        site = site_of(point.state, reading=True)  # the parent's kernels, device and thread count there
+        _, message = enter_site(config, site, num_threads)
+        unchanged = replace_config_data(config, point.config)
+        built = assemble(config, parent_dir, fold(preamble[:2]), place, recorded=unchanged, checked=parent_state)
+    except EntryRefused as exc:
+        raise RunError(f"cannot fork {parent_dir} at step {point.step}: {exc}") from None
     except DataChanged as exc:
         raise RunError(f"cannot fork {parent_dir}: {exc}; its data changed since it recorded it", 1) from None
     except DATA_ERRORS as exc:
         raise RunError(f"cannot fork {parent_dir}: {exc}") from None
-    started = RunStarted(
-        step=0,
-        tokens=0,
-        config=config,
-        config_hash=child_hash,
-        rewind_version=REWIND_VERSION,
-        parent=origin,
-        # The parent's: an unchanged fork must compute the same bits (unless the user chose speed).
-        num_threads=num_threads or point.state.num_threads,
-        cpu_capability=point.state.cpu_capability,
-        device=point.state.device,  # where the parent computed: a fork under compute.device = "auto" goes on there
-        world_size=point.state.world_size,
-        features=list(records[0][1].features),  # and the parent's behaviours (a run of an older release: its old ones)
-        pretrained=parent_state.pretrained,
-        **data,
-    )
-    preamble = [started]
-    if point.checkpoint:
-        # The child holds (and copies) only the reference a restart needs (none while a refresh is due).
-        state = replace(point.state, reference=reference_to_restore(point.state))
-        copied = {point.checkpoint} | ({state.reference.checkpoint} if state.reference else set())
-        live = [c for c in state.live_checkpoints if c.checkpoint in copied]
-        preamble.append(
-            RunResumed(
-                step=state.step,
-                tokens=state.tokens,
-                checkpoint=point.checkpoint,
-                superseded_first_seq=1,
-                superseded_last_seq=0,
-                config_hash=state.config_hash,
-                seed=seed_of(replace(state, live_checkpoints=live)),
-            )
-        )
-        if config_hash(point.config) != child_hash:
-            preamble.append(
-                ConfigChanged(
-                    step=state.step, tokens=state.tokens, config=config, config_hash=child_hash,
-                    previous_hash=state.config_hash, **data,
-                )
-            )
-    if point.checkpoint and (problem := continuation_problem(point.config, config, point.state.num_growths)):
-        raise RunError(f"cannot fork {parent_dir} at step {point.step}: {problem}")
-    try:  # every check before the child directory is touched
-        state = fold(preamble)
-    except IllegalTransition as exc:
-        raise RunError(f"cannot fork {parent_dir} at step {point.step}: {exc.reason}") from None
-    adopt_cpu_capability(state.cpu_capability)  # the parent's kernels, before the first tensor is computed
-    # The live objects for the child's config, from the parent's checkpoint, before the child's
-    # directory is touched (a checkpoint that does not load must leave nothing behind).
-    try:
-        if point.checkpoint:
-            parts = build_parts(config, parent_dir, fold(preamble[:2]), datasets)
-        else:
-            parts = fresh_parts(config, parent_dir, datasets, starting_weights(config, parent_state))
     except CheckpointError as exc:
         raise RunError(f"{parent_dir}: cannot load its checkpoint {point.checkpoint}: {exc}", 1) from None
+    except PlacementError as exc:
+        raise RunError(str(exc)) from None
+    if message:
+        note(message)
+    parts, state = built.parts, fold(preamble)
     child_store = CheckpointStore(child_dir)
     parts = dataclasses.replace(parts, run_dir=child_dir, store=child_store)
     prepare_directory(child_dir)

@@ -35,19 +35,16 @@ from dataclasses import dataclass, field
 import torch
 
 from rewind.engine import snapshot
+from rewind.engine.assemble import assemble, enter_site
 from rewind.engine.checkpointing import checkpoint_groups, tensor_hashes
 from rewind.engine.effects import apply_effect
 from rewind.engine.loop import execute_step
-from rewind.engine.parts import Parts, RunError, build_parts, open_datasets
-from rewind.engine.placement import adopt_threads
-from rewind.engine.rundata import (
-    DATA_ERRORS,
-    DataChanged,
-    check_data,
-    place_of,
-)
+from rewind.engine.parts import Parts, RunError
+from rewind.engine.placement import PlacementError, adopt_threads
+from rewind.engine.rundata import DATA_ERRORS, DataChanged, place_of
 from rewind.states.compare import FieldDifference, first_difference
 from rewind.states.diffing import ComputeSite, compute_site
+from rewind.states.entry import checkpoint_points, choose_point, site_of
 from rewind.states.events import CheckpointCommitted, CheckpointDeleted, RunStarted, StepCommitted
 from rewind.states.fold import apply, fold
 from rewind.states.history import RestorePoint, SeqEvent, config_in_force, effective, restore_points
@@ -113,11 +110,10 @@ def choose_window(records: Sequence[SeqEvent], checkpoint: str | None) -> Restor
     parent = records[0][1].parent if isinstance(records[0][1], RunStarted) else None
     from_seed = parent is None or not parent.checkpoint
     has_steps = any(isinstance(e, StepCommitted) for _, e in records)
-    windows: list[RestorePoint] = []
-    for point in restore_points(records):
-        seen = any(w.checkpoint == point.checkpoint for w in windows)
-        if not seen and (point.checkpoint or (from_seed and has_steps and point.state.step == 0)):
-            windows.append(point)
+    windows = checkpoint_points(records)
+    if from_seed and has_steps:
+        start = choose_point([p for p in restore_points(records) if not p.checkpoint], step=0, first=True)
+        windows = sorted([start, *windows] if start else windows, key=lambda p: p.index)
     deleted_names = _deleted(records)
     usable = [w for w in windows if w.checkpoint not in deleted_names]
     if not usable:
@@ -126,17 +122,18 @@ def choose_window(records: Sequence[SeqEvent], checkpoint: str | None) -> Restor
         return usable[0]
     if checkpoint in ("start", "0") and windows[0].checkpoint == "":
         return windows[0]
-    for window in windows:
-        by_step = checkpoint.isdigit() and window.checkpoint and window.state.step == int(checkpoint)
-        if window.checkpoint == checkpoint or by_step:
-            if window.checkpoint in deleted_names:
-                raise ReplayError(
-                    f"checkpoint {window.checkpoint} was deleted by the retention policy at step "
-                    f"{deleted_names[window.checkpoint]}; start from one of: {_names(usable)}",
-                    1,
-                )
-            return window
-    raise ReplayError(f"--from-checkpoint {checkpoint}: no checkpoint of that name or step (known: {_names(usable)})")
+    window = choose_point(windows, name=checkpoint, first=True)
+    if window is None and checkpoint.isdigit():
+        window = choose_point([w for w in windows if w.checkpoint], step=int(checkpoint), first=True)
+    if window is None:
+        raise ReplayError(f"--from-checkpoint {checkpoint}: no checkpoint of that name or step (known: {_names(usable)})")
+    if window.checkpoint in deleted_names:
+        raise ReplayError(
+            f"checkpoint {window.checkpoint} was deleted by the retention policy at step "
+            f"{deleted_names[window.checkpoint]}; start from one of: {_names(usable)}",
+            1,
+        )
+    return window
 
 
 def _names(windows: list[RestorePoint]) -> str:
@@ -168,20 +165,14 @@ def replay(
             f"logged ({last_step})"
         )
     state = window.state
-    adopt_threads(state.num_threads)  # each segment's count, as it computed (a resume may have chosen another)
     config = config_in_force(records[: window.index])
-    try:
-        place = place_of(run_dir, state)
-        changes = check_data(config, state, place)
-        if changes:
-            raise DataChanged(changes)
-        datasets = open_datasets(config, place)
+    try:  # from the window's checkpoint, or the run's start, computing as the window did
+        enter_site(config, site_of(state, reading=True))
+        parts = assemble(config, run_dir, state, place_of(run_dir, state)).parts
     except DataChanged as exc:
         raise ReplayError(f"{exc}; the run's data changed since it recorded it (`rewind verify --data`)", 1) from None
-    except DATA_ERRORS as exc:
+    except (*DATA_ERRORS, PlacementError) as exc:
         raise ReplayError(str(exc), 2) from None
-    try:
-        parts = build_parts(config, run_dir, state, datasets)  # from the window's checkpoint, or the run's start
     except CheckpointError as exc:  # missing or damaged files: say which, never a traceback
         raise ReplayError(f"cannot load checkpoint {window.checkpoint}: {exc}", 1) from None
     report = ReplayReport(start_checkpoint=window.checkpoint, start_step=window.state.step, to_step=end_step)

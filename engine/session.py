@@ -17,27 +17,16 @@ from pathlib import Path
 
 import torch
 
+from rewind.engine.assemble import assemble, enter_site
 from rewind.engine.continuation import config_mismatch, continuation_problem
 from rewind.engine.journal import FollowerJournal, Journal
 from rewind.engine.loop import Run, record
-from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts, open_datasets, starting_weights
-from rewind.engine.placement import (
-    CapabilityChanged,
-    PlacementError,
-    adopt_cpu_capability,
-    adopt_device,
-    adopt_threads,
-    check_compute,
-    device_record,
-    forget_adopted_device,
-    placement_for,
-    prepare_device,
-)
+from rewind.engine.parts import Parts, RunError, fresh_parts, open_datasets
+from rewind.engine.placement import PlacementError, device_record
 from rewind.engine.ranks import Failure, first_failure, is_writer, shared_event
 from rewind.engine.rundata import (
     DATA_ERRORS,
     DataChanged,
-    check_data,
     identities,
     place_of,
     publish_run_data,
@@ -45,8 +34,8 @@ from rewind.engine.rundata import (
     start_place,
 )
 from rewind.states.config import Config, config_hash
-from rewind.states.events import RUN_FEATURES, ConfigChanged, Event, RunResumed, RunStarted
-from rewind.states.fold import IllegalTransition, apply
+from rewind.states.entry import Computed, EntryRefused, resume_records, site_of, tokenizer_problem
+from rewind.states.events import RUN_FEATURES, Event, RunStarted
 from rewind.states.history import point_of, skip_ranges
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
@@ -58,16 +47,7 @@ from rewind.stores.fsio import filesystem
 from rewind.stores.metrics import MetricsProjection
 from rewind.stores.orphans import LogEnd, lost_record_problems
 
-__all__ = [
-    "REWIND_VERSION",
-    "CapabilityChanged",
-    "RunError",
-    "adopt_cpu_capability",
-    "adopt_threads",
-    "continuation_problem",
-    "open_datasets",
-    "open_run",
-]
+__all__ = ["REWIND_VERSION", "RunError", "open_run"]
 
 try:
     REWIND_VERSION = metadata.version("rewind")
@@ -255,15 +235,9 @@ def _plan_start(config: Config, run_dir: str, threads: int) -> _Opening:
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
-    forget_adopted_device()
-    adopt_threads(0, threads)  # the user's --threads, if given: recorded below
-    placement = placement_for(config)
-    check_compute(config, placement)
-    prepare_device(config)
+    placement, _ = enter_site(config, None, threads)  # the user's --threads, if given: recorded below
     place = start_place(config, run_dir)
-    datasets = open_datasets(config, place)
-    pretrained = starting_weights(config, None)
-    parts = fresh_parts(config, run_dir, datasets, pretrained)  # built before the first record
+    built = assemble(config, run_dir, None, place)  # before the first record
     started = RunStarted(
         step=0,
         tokens=0,
@@ -275,11 +249,11 @@ def _plan_start(config: Config, run_dir: str, threads: int) -> _Opening:
         features=list(RUN_FEATURES),  # a run started today does what today's engine does, for life
         data=identities(config, place),
         tokenizer=place.tokenizer.identity,
-        pretrained=pretrained.identity if pretrained is not None else "",
+        pretrained=built.pretrained,
         device=device_record(placement.device),
         world_size=placement.world_size,
     )
-    return _Opening(run_dir, "started", parts, end_seq=-1, events=(started,))
+    return _Opening(run_dir, "started", built.parts, end_seq=-1, events=(started,))
 
 
 def _plan_resume(
@@ -299,9 +273,8 @@ def _plan_resume(
     if refusal and not fork:
         raise RunError(refusal)
     point = point_of(current)
-    if refusal and logged_config.tokenizer != config.tokenizer:  # at any step: its data is already tokenised
-        raise RunError(f"{run_dir}: tokenizer: a run's tokenizer is fixed when it starts (a fork keeps it too); "
-                       "start a new run for another tokenizer")
+    if refusal and (problem := tokenizer_problem(logged_config, config)):  # at any step: its data is tokenised
+        raise RunError(f"{run_dir}: {problem}")
     if refusal and point.checkpoint and (problem := continuation_problem(logged_config, config, point.state.num_growths)):
         raise RunError(f"{run_dir}: {problem}")
     end = LogEnd(folded.end_seq, current.step, lambda: max((r.event.step for r in log.records()), default=0))
@@ -314,56 +287,26 @@ def _plan_resume(
             1,
         )
     going_on = config if refusal else logged_config
-    # The data the run recorded, checked (cheaply) before anything is built: a dataset the new config
-    # declares differently is a change on record (ConfigChanged's identities), not a surprise.
-    unchanged = replace_config_data(going_on, logged_config)
-    changes = check_data(unchanged, current, place)
-    if changes:
-        raise DataChanged(changes)
-    adopt_cpu_capability(current.cpu_capability)  # before the first tensor is computed
-    if message := adopt_threads(point.state.num_threads, threads):  # the count it goes on from, or --threads
+    site = site_of(current, num_threads=point.state.num_threads)  # the count it goes on from, or --threads
+    placement, message = enter_site(going_on, site, threads)  # compute.device = "auto": where the run computed
+    if message:
         note(message)
-    adopt_device(current.device)  # compute.device = "auto" goes on where the run computed
-    placement = placement_for(going_on)
-    check_compute(going_on, placement)
-    prepare_device(going_on)
-    # Built for the config the run goes on under (the new one when forking in place, so that the old
-    # config's datasets, perhaps moved since, are never opened), from the restore point's tensors.
-    parts = build_parts(going_on, run_dir, point.state, open_datasets(going_on, place))
-    resumed = RunResumed(
-        step=point.state.step,
-        tokens=point.state.tokens,
-        checkpoint=point.checkpoint,
-        superseded_first_seq=point.seq + 1,
-        superseded_last_seq=folded.end_seq,
-        config_hash=point.state.config_hash,
-        device=device_record(placement.device),
-        world_size=placement.world_size,
-        num_threads=torch.get_num_threads(),
-    )
-    events: tuple[Event, ...] = (resumed,)
+    # The data the run recorded is checked (cheaply) before anything is built: a dataset the new config
+    # declares differently is a change on record (ConfigChanged's identities), not a surprise. Built for
+    # the config the run goes on under (the new one when forking in place, so that the old config's
+    # datasets, perhaps moved since, are never opened), from the restore point's tensors.
+    unchanged = replace_config_data(going_on, logged_config)
+    built = assemble(going_on, run_dir, point.state, place, recorded=unchanged, checked=current)
+    computed = Computed(device_record(placement.device), placement.world_size, torch.get_num_threads())
+    data = None
+    if refusal and current.behaviours.data_identity:
+        data = {"data": identities(config, place, current.data, logged_config), "tokenizer": place.tokenizer.identity}
     try:  # every check before the first record
-        state_after = apply(current, resumed)
-        if refusal:
-            change = ConfigChanged(
-                step=state_after.step,
-                tokens=state_after.tokens,
-                config=config,
-                config_hash=config_hash(config),
-                previous_hash=state_after.config_hash,
-                **(
-                    {"data": identities(config, place, current.data, logged_config), "tokenizer": place.tokenizer.identity}
-                    if "data_identity" in current.features
-                    else {}
-                ),
-            )
-            apply(state_after, change)
-            events = (resumed, change)
-    except IllegalTransition as exc:
-        # The new config cannot go on from here (2, a config problem); the log's own resume cannot (1).
-        raise RunError(f"{run_dir}: cannot {'fork in place' if refusal else 'resume'}: {exc}", 2 if refusal else 1) from None
+        events = resume_records(current, point, folded.end_seq, computed, config if refusal else None, data)
+    except EntryRefused as exc:
+        raise RunError(f"{run_dir}: {exc}", exc.exit_code) from None
     return _Opening(
-        run_dir, "resumed", parts, end_seq=folded.end_seq, state=current, events=events, folded=folded,
+        run_dir, "resumed", built.parts, end_seq=folded.end_seq, state=current, events=events, folded=folded,
         restore_seq=point.seq, restore_step=point.state.step,
     )
 

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from rewind.engine.fork import open_fork
-    from rewind.engine.session import RunError, adopt_threads
+    from rewind.engine.parts import RunError
     from rewind.states.config import config_differences, config_from_dict
     from rewind.states.overrides import apply_overrides, parse_override
     from rewind.stores.eventlog import LogLockedError, LogNotFoundError
@@ -59,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
         # A path given with --set is the user's, relative to where they stand (the parent's are absolute).
         return resolve_data_paths(config_from_dict(raw, source=f"{args.run_dir} config with --set"), Path.cwd())
 
+    notes: list[str] = []
     try:
-        run, state, point = open_fork(args.run_dir, args.at_step, config_of_child, args.new_run, num_threads=args.threads)
+        run, state, point = open_fork(
+            args.run_dir, args.at_step, config_of_child, args.new_run, num_threads=args.threads, note=notes.append
+        )
     except LogNotFoundError:
         raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
     except RunError as exc:
@@ -73,6 +76,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"  (no intact checkpoint at step {args.at_step}; {point.step} is the last one before it)", file=sys.stderr)
     for line in config_differences(point.config, run.parts.config):
         print(f"  config: {line}", file=sys.stderr)
-    if note := adopt_threads(point.state.num_threads, args.threads):
+    for note in notes:
         print(f"  {note}", file=sys.stderr)
     return drive_and_report(run, state, args.new_run, max_steps=args.max_steps, progress=not args.no_progress)

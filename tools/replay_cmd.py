@@ -31,9 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rewind.engine.placement import adopt_device, join_process_group, leave_process_group
+    from rewind.engine.assemble import adopt_site
+    from rewind.engine.parts import RunError
+    from rewind.engine.placement import join_process_group, leave_process_group
     from rewind.engine.replay import ReplayError, replay
-    from rewind.engine.session import RunError, adopt_cpu_capability, adopt_threads
+    from rewind.states.entry import site_of
     from rewind.states.fold import fold
     from rewind.states.history import config_in_force
     from rewind.tools.runlog import load_records
@@ -42,9 +44,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--rtol {args.rtol}: must be a finite number >= 0")
     records = load_records(args.run_dir)
     folded = fold(e for _, e in records)
-    adopt_cpu_capability(folded.cpu_capability)
-    adopt_device(folded.device, or_cpu=True)  # compute.device = "auto": where the run computed, if here
-    if note := adopt_threads(folded.num_threads):
+    # Before the first tensor; compute.device = "auto": where the run computed, if this machine has it.
+    if note := adopt_site(site_of(folded, reading=True)):
         print(f"rewind: {note}", file=sys.stderr)
     # The last step replayed, for the bar's total (replay refuses a --to-step past the log before any step).
     last = folded.step if args.to_step is None else args.to_step

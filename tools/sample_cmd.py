@@ -61,44 +61,42 @@ class CheckpointModel:
     state: Any  # the folded state at the checkpoint's restore point (rewind.states.state.State)
 
 
-def choose_checkpoint(run_dir: str, live: list, at_step: int | None):
-    """The live checkpoint to load: the last one, or the one committed at `at_step`."""
-    if not live:
+def choose_checkpoint(run_dir: str, points: list, at_step: int | None):
+    """The restore point of the live checkpoint to load (`points`: those of the live checkpoints, in log
+    order): the last one, or the last committed at `at_step`."""
+    from rewind.states.entry import choose_point
+
+    if not points:
         raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
-    if at_step is None:
-        return live[-1]
-    chosen = [ref for ref in live if ref.step == at_step]
-    if not chosen:
-        steps = ", ".join(str(s) for s in sorted({ref.step for ref in live}))
+    chosen = choose_point(points, step=at_step)
+    if chosen is None:
+        steps = ", ".join(str(s) for s in sorted({p.state.step for p in points}))
         raise UsageError(
             f"--at-step {at_step}: no checkpoint at that step (retention keeps only some); "
             f"checkpoints exist at steps {steps}"
         )
-    return chosen[-1]
+    return chosen
 
 
 def model_at(run_dir: str, at_step: int | None) -> CheckpointModel:
     """The model of the run's last live checkpoint, or of the one at step `at_step`, built as a resume
     from it would build it: the layout of the restore point the checkpoint makes, the config in force
     there (replay chooses them the same way). Files are checked against the hashes the log recorded."""
+    from rewind.engine.assemble import adopt_site
     from rewind.engine.checkpointing import load_model
-    from rewind.engine.placement import adopt_device
-    from rewind.engine.session import adopt_cpu_capability, adopt_threads
+    from rewind.states.entry import checkpoint_points, site_of
     from rewind.states.fold import fold
-    from rewind.states.history import config_in_force, effective, restore_points
+    from rewind.states.history import config_in_force, effective
     from rewind.stores.checkpoints import CheckpointStore
 
     records = effective(load_records(run_dir))
     state = fold(e for _, e in records)
     # The run's kernels and thread count, as replay adopts them: the same figures as the run's own
     # boundary evaluation of this checkpoint, bit for bit, on the machine it ran on.
-    adopt_cpu_capability(state.cpu_capability)
-    adopt_device(state.device, or_cpu=True)  # compute.device = "auto": where the run computed, if here
-    adopt_threads(state.num_threads)
-    ref = choose_checkpoint(run_dir, sorted(state.live_checkpoints, key=lambda c: c.step), at_step)
-    point = next((p for p in restore_points(records) if p.checkpoint == ref.checkpoint), None)
-    if point is None:
-        raise CommandError(f"{run_dir}: checkpoint {ref.checkpoint} is not a restore point of the log", 1)
+    adopt_site(site_of(state, reading=True))  # compute.device = "auto": where the run computed, if here
+    live = {c.checkpoint: c for c in state.live_checkpoints}
+    point = choose_checkpoint(run_dir, [p for p in checkpoint_points(records) if p.checkpoint in live], at_step)
+    ref = live[point.checkpoint]
     config = config_in_force(records[: point.index])
     model = load_model(config, CheckpointStore(run_dir), ref.checkpoint, ref.files, point.state.layout)[0]
     return CheckpointModel(model=model, config=config, checkpoint=ref.checkpoint, step=ref.step, state=point.state)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewind.engine import session
+from rewind.engine import placement
 from rewind.states.events import RunStarted
 from rewind.stores.runs import read_seq_events
 from tests.conftest import EXAMPLES
@@ -76,12 +76,12 @@ def test_a_run_resumed_on_a_machine_with_wider_kernels_computes_with_the_ones_it
 def test_kernels_that_cannot_be_adopted_are_a_warning_not_a_silent_change(monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    with pytest.warns(session.CapabilityChanged, match="started with AVX512 CPU kernels and this process computes with AVX2"):
-        session.adopt_cpu_capability("AVX512")
+    with pytest.warns(placement.CapabilityChanged, match="started with AVX512 CPU kernels and this process computes with AVX2"):
+        placement.adopt_cpu_capability("AVX512")
     assert os.environ["ATEN_CPU_CAPABILITY"] == "avx512"  # asked for, in case torch had not chosen yet
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        session.adopt_cpu_capability("")  # a run of a release that did not record them: nothing known
+        placement.adopt_cpu_capability("")  # a run of a release that did not record them: nothing known
         assert "ATEN_CPU_CAPABILITY" not in os.environ
-        session.adopt_cpu_capability("AVX2")  # the kernels this process has: no warning
+        placement.adopt_cpu_capability("AVX2")  # the kernels this process has: no warning

@@ -1,0 +1,87 @@
+"""The live objects of an entry into a run, built one way for every entry point that computes (start,
+resume, fork, replay; the decision of what to enter is rewind.states.entry's).
+
+`adopt_site` adopts where the run computes (CPU kernels, device, thread count) before the first tensor
+(`enter_site` also refuses what this process cannot compute); `assemble` checks the data the run
+recorded and opens its datasets, then builds model, optimizer, reference and caches from the folded
+state and its checkpoint (rewind.engine.parts.build_parts) or, at a run's start, from the seed or the
+pretrained weights. The read-only opens adopt the site here too: sample and eval then load only the
+checkpoint's model (rewind.engine.checkpointing.load_model); export computes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rewind.engine.parts import Parts, build_parts, fresh_parts, open_datasets, starting_weights
+from rewind.engine.placement import (
+    Placement,
+    adopt_cpu_capability,
+    adopt_device,
+    adopt_threads,
+    check_compute,
+    forget_adopted_device,
+    placement_for,
+    prepare_device,
+)
+from rewind.engine.rundata import DataChanged, check_data
+from rewind.engine.userdata import DataPlace
+from rewind.states.config import Config
+from rewind.states.entry import Site
+from rewind.states.state import State
+
+
+def adopt_site(site: Site | None, threads: int = 0) -> str:
+    """Compute where the run computes: a new run (`site` None) where this process is, with its own thread
+    count or `threads` (> 0: the user's --threads); an existing one with the CPU kernels, device and
+    thread count on record (or `threads`). Returns what the user should know about the thread count ("":
+    nothing). Must run before the first tensor is computed (torch fixes its CPU kernels then)."""
+    if site is None:
+        forget_adopted_device()  # not one a resume earlier in this process adopted
+        return adopt_threads(0, threads)
+    adopt_cpu_capability(site.cpu_capability)
+    note = adopt_threads(site.num_threads, threads)
+    adopt_device(site.device, or_cpu=site.reading)
+    return note
+
+
+def enter_site(config: Config, site: Site | None, threads: int = 0) -> tuple[Placement, str]:
+    """Adopt `site` (`adopt_site`) and refuse what this process cannot compute as `config` asks
+    (PlacementError), with the process-wide settings its device needs made: (placement, note)."""
+    note = adopt_site(site, threads)
+    placement = placement_for(config)
+    check_compute(config, placement)
+    prepare_device(config)
+    return placement, note
+
+
+@dataclass(frozen=True)
+class Assembled:
+    parts: Parts
+    pretrained: str  # the identity of the weights the run started from ("": the seed's)
+
+
+def assemble(
+    config: Config,
+    run_dir: str,
+    state: State | None,
+    place: DataPlace,
+    *,
+    recorded: Config | None = None,
+    checked: State | None = None,
+) -> Assembled:
+    """The live objects of `config` at `state` (None: a run's start, from the seed's or the pretrained
+    weights), reading the data at `place`, in the process `enter_site` prepared. The data the run
+    recorded is checked first (DataChanged), as `recorded` declares it (default `config`) against
+    `checked`'s record (default `state`'s); then the datasets are opened and the objects built (a
+    checkpoint that does not load: CheckpointError)."""
+    if state is not None:
+        changes = check_data(recorded or config, checked or state, place)
+        if changes:
+            raise DataChanged(changes)
+    datasets = open_datasets(config, place)
+    if state is None:
+        pretrained = starting_weights(config, None)
+        parts = fresh_parts(config, run_dir, datasets, pretrained)
+        return Assembled(parts, pretrained.identity if pretrained is not None else "")
+    return Assembled(build_parts(config, run_dir, state, datasets), state.pretrained)
