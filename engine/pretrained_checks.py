@@ -7,7 +7,7 @@ block_size "64" is one line naming the file and the field, never a TypeError dee
 export's layout must hold exactly the blocks its architecture says (num_blocks = 10**9 would build a
 billion-entry table). Then each weight file's header, which says every tensor's shape, is held to the
 shapes the run's model needs, before a tensor is read: a q/k/v or gate/up of another shape is named
-instead of failing in torch.cat. rewind.engine.pretrained raises PretrainedError with these lines.
+instead of failing in torch.cat. rewind.engine.pretrained and pretrained_llama raise PretrainedError with these lines.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class RopeParameters(msgspec.Struct, kw_only=True):
 
 class LlamaJson(msgspec.Struct, kw_only=True):
     """The keys of a Llama config.json that rewind compares with the run's config, typed. An absent key
-    keeps the meaning rewind.engine.pretrained.llama_mismatch gives it; null only where transformers
+    keeps the meaning rewind.engine.pretrained_llama.llama_mismatch gives it; null only where transformers
     writes it."""
 
     model_type: str | msgspec.UnsetType | None = UNSET
@@ -131,3 +131,20 @@ def header_problem(
         if tuple(shape) != expected[name]:
             return f"pretrained: {where}: {name} is {shape[:8]} in its header, the config's model's {list(expected[name])}"
     return ""
+
+
+def number(value: object) -> object:
+    """A JSON number as a float (to compare 10000 with 10000.0); anything else, or an integer past a
+    float's range, as it is (it then differs from every value a config can hold)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return value
+    return value
+
+
+def shown(value: object) -> str:
+    """A value from a user's file in a message: its repr, cut short."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else f"an integer of {len(str(abs(value)))} digits"
+    return text if len(text) <= 80 else text[:77] + "..."

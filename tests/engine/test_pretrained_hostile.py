@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rewind.engine import pretrained as pretrained_module
+from rewind.engine import pretrained_files
 from rewind.engine.layout import build_plain, eval_mode
 from rewind.engine.pretrained import PretrainedError, load_pretrained
 from rewind.states.config import ArchitectureSection, Config, RunSection
@@ -58,7 +58,7 @@ def refused(path: Path, config: Config = CONFIG) -> str:
     """load_pretrained's one line, with no tensor read (safetensors' loader is never reached)."""
     read = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pretrained_module, "_read_weights", lambda *a: read.append(a))
+        patch.setattr(pretrained_files, "read_weights", lambda *a: read.append(a))
         with pytest.raises(PretrainedError) as caught:
             load_pretrained(str(path), config)
     message = str(caught.value)

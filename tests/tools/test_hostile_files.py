@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from rewind.engine import documents, hf_llama, pretrained, tokenizer
+from rewind.engine import documents, hf_llama, pretrained_files, tokenizer
 from rewind.engine.documents import DocumentError, iter_documents
 from rewind.engine.pretrained import PretrainedError, expected_shapes, load_pretrained
 from rewind.engine.tokenizer import TokenizerError, load_tokenizer, train_bpe
@@ -217,7 +217,7 @@ def shrink_caps() -> None:
     for module, name in [
         (datamanifest, "MAX_MANIFEST_BYTES"), (datamanifest, "MAX_TOKENIZER_BYTES"),
         (documents, "MAX_DOCUMENT_BYTES"), (activations, "MAX_META_BYTES"), (tokenizer, "MAX_TOKENIZER_BYTES"),
-        (pretrained, "MAX_JSON_BYTES"), (configfile, "MAX_CONFIG_BYTES"),
+        (pretrained_files, "MAX_JSON_BYTES"), (configfile, "MAX_CONFIG_BYTES"),
     ]:
         assert hasattr(module, name), (module, name)
         setattr(module, name, SMALL_CAP)
