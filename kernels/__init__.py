@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import sys
 
+import torch  # (not triton: importing torch does not import it)
+
 
 def _interpret_triton_without_cuda() -> None:
     if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules:
         return
-    import torch
-
     if not torch.cuda.is_available():  # compiled Triton kernels need a GPU; the interpreter runs on CPU tensors
         os.environ["TRITON_INTERPRET"] = "1"
 

@@ -22,7 +22,7 @@ import re
 from typing import TYPE_CHECKING
 
 from rewind.stores import confine
-from rewind.stores.checkpoints import CheckpointCorrupt, CheckpointError
+from rewind.stores.checkpoints import CheckpointCorrupt, CheckpointError, CheckpointStore
 from rewind.stores.fsio import filesystem, fsync_dir
 from rewind.stores.manifest import checked_tensors
 
@@ -114,8 +114,6 @@ class TrunkStore:
 def checkpoint_weights(run_dir: str, name: str, files: dict[str, str] | None) -> dict[str, dict[str, torch.Tensor]]:
     """A checkpoint's model by role, whole: `model` holds every base weight (its own and the frozen
     stacks' from RUN/trunks/), `adapters` the LoRA tensors (empty without). Unwrapped names."""
-    from rewind.stores.checkpoints import CheckpointStore
-
     store = CheckpointStore(run_dir)
     manifest = store.load_manifest(name)
     present = {entry.name.removesuffix(SUFFIX) for entry in manifest.files}
