@@ -39,12 +39,12 @@ from rewind.stores.datamanifest import (
     MANIFEST_FILE,
     DataManifest,
     ManifestError,
-    PreparedWriter,
     check_prepared,
     dtype_for,
     read_manifest,
 )
 from rewind.stores.fsio import decode_json
+from rewind.stores.preparedwriter import PreparedWriter
 
 # Characters per encode_batch call, and how many calls run at once. Measured on the standard library's
 # .py files (13 MB) with an 8192-id BPE on 2 cores, as a fraction of one encode_batch call over all of

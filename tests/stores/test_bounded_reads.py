@@ -25,8 +25,8 @@ from rewind.stores.datamanifest import (
     MAX_MANIFEST_BYTES,
     ManifestError,
     check_prepared,
-    write_prepared,
 )
+from rewind.stores.preparedwriter import write_prepared
 from tests.stores.isolated import Isolated
 
 

@@ -13,14 +13,13 @@ from rewind.states.data_identity import SourceFile
 from rewind.stores.datamanifest import (
     FORMAT,
     ManifestError,
-    PreparedWriter,
     check_prepared,
     dtype_for,
     is_prepared,
     manifest_hash,
     read_manifest,
-    write_prepared,
 )
+from rewind.stores.preparedwriter import PreparedWriter, write_prepared
 
 SOURCE = SourceFile(path="/data/a.jsonl", size=10, fingerprint="f" * 64, sha256="a" * 64)
 TOKENIZER_JSON = '{"pretend": "tokenizer"}'
@@ -134,7 +133,7 @@ def test_a_failure_before_the_rename_leaves_nothing(tmp_path, monkeypatch):
     def refuse(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("rewind.stores.datamanifest.os.rename", refuse)
+    monkeypatch.setattr("rewind.stores.preparedwriter.os.rename", refuse)
     with pytest.raises(OSError, match="No space"):
         prepared(tmp_path)
     assert os.listdir(tmp_path) == [] and not out.exists()
@@ -186,7 +185,7 @@ def test_a_failed_replacement_keeps_the_old_directory(tmp_path, monkeypatch):
             raise OSError(5, "Input/output error")
         real_rename(source, target)
 
-    monkeypatch.setattr("rewind.stores.datamanifest.os.rename", fail_into_place)
+    monkeypatch.setattr("rewind.stores.preparedwriter.os.rename", fail_into_place)
     with pytest.raises(OSError, match="Input/output"):
         prepared(tmp_path, text_field="body", overwrite=True)
     assert read_manifest(out) == first and check_prepared(out, full=True) == []

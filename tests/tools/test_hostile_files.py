@@ -37,7 +37,8 @@ from rewind.engine.tokens import TokenFileError, open_stream
 from rewind.states.config import ArchitectureSection, Config, ConfigError, RunSection
 from rewind.stores import activations, datamanifest
 from rewind.stores.activations import ActivationCache, CacheError, CacheSpec
-from rewind.stores.datamanifest import ManifestError, check_prepared, read_manifest, write_prepared
+from rewind.stores.datamanifest import ManifestError, check_prepared, read_manifest
+from rewind.stores.preparedwriter import write_prepared
 from rewind.tools import configfile
 from rewind.tools.configfile import load_config
 from rewind.tools.errors import UsageError
