@@ -62,8 +62,8 @@ HEADER = struct.Struct("<4sIHQHI")  # magic, length, version, seq, flags, header
 HEADER_SIZE = HEADER.size
 HEADER_V1 = struct.Struct("<4sIHQ")  # magic, length, version, seq
 HEADER_SIZE_V1 = HEADER_V1.size
-_CHECKED_HEADER = struct.Struct("<4sIHQH")  # the part of a format-2 header its CRC covers
-_LENGTH_VERSION_SEQ = struct.Struct("<4xIHQ")  # the header without its magic (both formats)
+CHECKED_HEADER = struct.Struct("<4sIHQH")  # the part of a format-2 header its CRC covers
+LENGTH_VERSION_SEQ = struct.Struct("<4xIHQ")  # the header without its magic (both formats)
 TRAILER = struct.Struct("<I")  # crc
 FRAME_OVERHEAD = HEADER_SIZE + TRAILER.size
 END_OF_GROUP = 1  # flags bit
@@ -77,7 +77,7 @@ MAX_FRAME = MAX_PAYLOAD + FRAME_OVERHEAD
 # Register one whenever SCHEMA_VERSION is bumped; a log is only readable if the whole chain exists.
 UPCASTERS: dict[int, Callable[[dict], dict]] = {}
 
-_extend = google_crc32c.extend
+crc_extend = google_crc32c.extend
 
 
 class LogError(Exception):
@@ -173,9 +173,9 @@ def encode_frame(
         )
     if frame_format == 1:
         body = HEADER_V1.pack(MAGIC_V1, len(payload), version, seq) + payload
-        return body + TRAILER.pack(_extend(RESIDUE, body))
-    head = _CHECKED_HEADER.pack(MAGIC, len(payload), version, seq, END_OF_GROUP if end_of_group else 0)
-    return head + TRAILER.pack(_extend(RESIDUE, head)) + payload + TRAILER.pack(_extend(RESIDUE, payload))
+        return body + TRAILER.pack(crc_extend(RESIDUE, body))
+    head = CHECKED_HEADER.pack(MAGIC, len(payload), version, seq, END_OF_GROUP if end_of_group else 0)
+    return head + TRAILER.pack(crc_extend(RESIDUE, head)) + payload + TRAILER.pack(crc_extend(RESIDUE, payload))
 
 
 class FrameEncoder:
@@ -195,11 +195,11 @@ class FrameEncoder:
             raise ValueError(
                 f"event payload of {len(payload)} bytes exceeds the {MAX_PAYLOAD >> 20} MiB frame limit"
             )
-        head = _CHECKED_HEADER.pack(MAGIC, len(payload), self._version, seq, 0)
+        head = CHECKED_HEADER.pack(MAGIC, len(payload), self._version, seq, 0)
         buffer += head
-        buffer += TRAILER.pack(_extend(RESIDUE, head))
+        buffer += TRAILER.pack(crc_extend(RESIDUE, head))
         buffer += payload
-        self.last_crc = crc = _extend(RESIDUE, payload)  # = the CRC of the whole frame (module doc)
+        self.last_crc = crc = crc_extend(RESIDUE, payload)  # = the CRC of the whole frame (module doc)
         buffer += TRAILER.pack(crc)
         return len(payload) + FRAME_OVERHEAD
 
@@ -207,10 +207,10 @@ class FrameEncoder:
 def mark_end_of_group(buffer: bytearray, offset: int) -> None:
     """Set END_OF_GROUP on the format-2 frame at `offset` of `buffer`, in place. Only the header CRC
     changes: the trailer is the payload's CRC (module doc)."""
-    fields = list(_CHECKED_HEADER.unpack_from(buffer, offset))
+    fields = list(CHECKED_HEADER.unpack_from(buffer, offset))
     fields[4] |= END_OF_GROUP
-    head = _CHECKED_HEADER.pack(*fields)
-    buffer[offset : offset + HEADER_SIZE] = head + TRAILER.pack(_extend(RESIDUE, head))
+    head = CHECKED_HEADER.pack(*fields)
+    buffer[offset : offset + HEADER_SIZE] = head + TRAILER.pack(crc_extend(RESIDUE, head))
 
 
 def parse_header(data: bytes, offset: int) -> Header:
@@ -222,7 +222,7 @@ def parse_header(data: bytes, offset: int) -> Header:
         if left < HEADER_SIZE:
             raise BadFrame(f"incomplete record header ({left} of {HEADER_SIZE} bytes)")
         _, length, version, seq, flags, crc = HEADER.unpack_from(data, offset)
-        if _extend(RESIDUE, data[offset : offset + HEADER_SIZE - 4]) != crc:
+        if crc_extend(RESIDUE, data[offset : offset + HEADER_SIZE - 4]) != crc:
             raise BadFrame("header CRC mismatch")
         start, closing = offset + HEADER_SIZE, bool(flags & END_OF_GROUP)
         frame_format = 2
@@ -247,7 +247,7 @@ def parse_frame(data: bytes, offset: int) -> Frame:
         raise BadFrame(f"incomplete record ({len(data) - offset} of {header.end - offset} bytes)", header)
     # Format 2: the header checked to RESIDUE, so the payload's CRC is the frame's (module doc).
     start = offset if header.format == 1 else header.payload_start
-    if _extend(RESIDUE, data[start : header.payload_end]) != TRAILER.unpack_from(data, header.payload_end)[0]:
+    if crc_extend(RESIDUE, data[start : header.payload_end]) != TRAILER.unpack_from(data, header.payload_end)[0]:
         raise BadFrame("CRC mismatch" if header.format == 1 else "payload CRC mismatch", header)
     return Frame(
         header.seq, header.version, header.payload_start, header.payload_end, header.end, header.closing

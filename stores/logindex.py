@@ -34,9 +34,9 @@ import msgspec
 
 from rewind.states.events import RunResumed
 from rewind.stores.codec import (
-    _LENGTH_VERSION_SEQ,
     HEADER_SIZE,
     HEADER_SIZE_V1,
+    LENGTH_VERSION_SEQ,
     MAGIC,
     MAGIC_V1,
     MAX_FRAME,
@@ -318,7 +318,7 @@ def first_record_seq(source: SegmentSource) -> int | None:
     head = source.read(0, HEADER_SIZE)
     if len(head) < HEADER_SIZE_V1 or head[:4] not in (MAGIC, MAGIC_V1):
         return None
-    return _LENGTH_VERSION_SEQ.unpack_from(head)[2]
+    return LENGTH_VERSION_SEQ.unpack_from(head)[2]
 
 
 # -- verification --------------------------------------------------------------------------------

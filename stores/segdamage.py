@@ -23,7 +23,7 @@ from __future__ import annotations
 import msgspec
 
 from rewind.stores.codec import (
-    _CHECKED_HEADER,
+    CHECKED_HEADER,
     FRAME_OVERHEAD,
     HEADER_SIZE,
     MAGIC,
@@ -36,7 +36,7 @@ from rewind.stores.codec import (
     Frame,
     LogCorruptError,
     SchemaUnreadable,
-    _extend,
+    crc_extend,
     parse_frame,
     parse_header,
 )
@@ -200,7 +200,7 @@ def _complete_despite_header(source: SegmentSource, offset: int) -> bool:
     head = source.read(offset, HEADER_SIZE)
     if len(head) < HEADER_SIZE or _bit_distance(head[:4], MAGIC) > 2:
         return False
-    length = _CHECKED_HEADER.unpack_from(head)[1]
+    length = CHECKED_HEADER.unpack_from(head)[1]
     ends = {source.size}
     if length <= MAX_PAYLOAD:
         ends.add(offset + FRAME_OVERHEAD + length)
@@ -208,7 +208,7 @@ def _complete_despite_header(source: SegmentSource, offset: int) -> bool:
     if following is not None:
         ends.add(following)
     return any(
-        _extend(RESIDUE, source.read(offset + HEADER_SIZE, end - offset - HEADER_SIZE)) == RESIDUE
+        crc_extend(RESIDUE, source.read(offset + HEADER_SIZE, end - offset - HEADER_SIZE)) == RESIDUE
         for end in sorted(ends)
         if offset + FRAME_OVERHEAD <= end <= min(source.size, offset + MAX_FRAME)
     )

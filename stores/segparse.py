@@ -32,7 +32,7 @@ from rewind.stores.codec import (
     Record,
     SchemaUnreadable,
     UnsupportedSchemaError,
-    _extend,
+    crc_extend,
     frame_size,
     parse_frame,
 )
@@ -347,7 +347,7 @@ def _parse_fast(
     if offset > len(data):  # the last frame runs past the window's slack (or the segment's end)
         return None
     chunk = data if offset == len(data) else data[:offset]  # extend() takes no memoryview
-    if _extend(RESIDUE, chunk) != RESIDUE:
+    if crc_extend(RESIDUE, chunk) != RESIDUE:
         return None
     return _Parsed(items, begin + offset, begin + closed, num_closed, begin + last, begin + last_closed)
 

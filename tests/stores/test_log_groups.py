@@ -16,7 +16,7 @@ import pytest
 
 from rewind.states.events import SCHEMA_VERSION
 from rewind.stores.codec import (
-    _CHECKED_HEADER,
+    CHECKED_HEADER,
     FRAME_OVERHEAD,
     HEADER_SIZE,
     MAGIC,
@@ -27,7 +27,7 @@ from rewind.stores.codec import (
     LogCorruptError,
     LogError,
     UnreadableSegmentError,
-    _extend,
+    crc_extend,
     encode_frame,
     parse_header,
 )
@@ -317,8 +317,8 @@ def test_a_header_that_checks_out_but_claims_a_huge_length_is_never_believed(loc
     itself, before anything of that size is read."""
     events = sample_events(3)
     sizes = write(local_run, [events])
-    head = _CHECKED_HEADER.pack(MAGIC, MAX_PAYLOAD + 1, SCHEMA_VERSION, len(events), 1)
-    frame = head + TRAILER.pack(_extend(RESIDUE, head)) + b"garbage!" * 40
+    head = CHECKED_HEADER.pack(MAGIC, MAX_PAYLOAD + 1, SCHEMA_VERSION, len(events), 1)
+    frame = head + TRAILER.pack(crc_extend(RESIDUE, head)) + b"garbage!" * 40
     with pytest.raises(BadFrame, match=f"implausible record length {MAX_PAYLOAD + 1}"):
         parse_header(frame, 0)
     path = segment_path(local_run)
