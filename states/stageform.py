@@ -122,17 +122,19 @@ def _fill(raw: dict[str, Any]) -> None:
     stages = raw.get("stages")
     if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
         return
-    if any("beta" in s for s in stages):
+    if any(s.get("beta") is not None for s in stages):
         for stage in stages:
-            stage.setdefault("beta", 0.0)
+            if stage.get("beta") is None:
+                stage["beta"] = 0.0
     overlap = _fade_overlap(raw)
     if (
-        any("overlap" in s for s in stages[:-1])
+        any(s.get("overlap") is not None for s in stages[:-1])
         and isinstance(overlap, int | float)
         and not isinstance(overlap, bool)
     ):
         for stage in stages[:-1]:
-            stage.setdefault("overlap", overlap)
+            if stage.get("overlap") is None:
+                stage["overlap"] = overlap
 
 
 def _name_growth_stages(raw: dict[str, Any]) -> list[str]:
@@ -224,7 +226,7 @@ def flat_for_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, A
         isinstance(stages, list)
         and all(isinstance(s, dict) and set(s) - {"name", "strategy"} <= plain for s in stages)
         and all(not s.get("name") and s.get("strategy", "pretrain") == "pretrain" for s in stages)
-        and all("overlap" not in s for s in stages[-1:])
+        and all(s.get("overlap") is None for s in stages[-1:])
     ):
         raise ConfigError(
             [
@@ -237,11 +239,13 @@ def flat_for_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, A
     columns = {
         TOKENS: [s.get("tokens", 0) for s in stages],
         DATASETS: [s.get("datasets", []) for s in stages],
-        BETAS: [s.get("beta", 0.0) for s in stages] if any("beta" in s for s in stages) else [],
+        BETAS: [_given(s, "beta", 0.0) for s in stages]
+        if any(s.get("beta") is not None for s in stages)
+        else [],
         REFRESHES: [i for i, s in enumerate(stages) if s.get("refresh_reference") is True],
         RESETS: [i for i, s in enumerate(stages) if s.get("reset_optimizer") is True],
-        OVERLAPS: [s.get("overlap", _fade_overlap(raw)) for s in stages[:-1]]
-        if any("overlap" in s for s in stages[:-1])
+        OVERLAPS: [_given(s, "overlap", _fade_overlap(raw)) for s in stages[:-1]]
+        if any(s.get("overlap") is not None for s in stages[:-1])
         else [],
     }
     for path, value in columns.items():
@@ -251,6 +255,12 @@ def flat_for_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, A
                 node = node.setdefault(part, {})
             node[path[-1]] = value
     return out
+
+
+def _given(stage: dict[str, Any], key: str, default: Any) -> Any:
+    """A record's value, `default` where it is left out (absent, or None as a Config's builtins hold it)."""
+    value = stage.get(key)
+    return default if value is None else value
 
 
 def _fade_overlap(raw: dict[str, Any]) -> Any:

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from rewind.engine.parts import RunError
     from rewind.states.config import config_differences, config_from_dict
     from rewind.states.overrides import apply_overrides, parse_override
+    from rewind.states.stageform import flat_for_overrides
     from rewind.stores.eventlog import LogLockedError, LogNotFoundError
     from rewind.tools.configfile import load_config, resolve_data_paths
     from rewind.tools.train_cmd import drive_and_report
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     def config_of_child(parent_config):
         if args.config is not None:
             return chosen
-        raw = apply_overrides(msgspec.to_builtins(parent_config), args.overrides)
+        parent = flat_for_overrides(msgspec.to_builtins(parent_config), args.overrides)
+        raw = apply_overrides(parent, args.overrides)
         # A path given with --set is the user's, relative to where they stand (the parent's are absolute).
         return resolve_data_paths(config_from_dict(raw, source=f"{args.run_dir} config with --set"), Path.cwd())
 

@@ -18,7 +18,8 @@ from rewind.states.config import (
     dumps_config,
     loads_config,
 )
-from rewind.states.stageform import identity
+from rewind.states.overrides import apply_overrides
+from rewind.states.stageform import flat_for_overrides, identity
 from rewind.states.strategies import configs
 from rewind.states.tomlwrite import dumps
 
@@ -104,6 +105,10 @@ def test_a_flat_override_on_a_record_config_means_what_it_meant_on_a_flat_one(co
     by_lists = loads_config(dumps(as_flat(config)), overrides=[f"training.tokens={budgets}"])
     assert [s.tokens for s in by_records.stages] == budgets
     assert by_records == by_lists
+    # As `rewind fork --set` applies it: to the parent's logged config, as builtins (None where left out).
+    sets = [f"training.tokens={budgets}"]
+    forked = config_from_dict(apply_overrides(flat_for_overrides(msgspec.to_builtins(config), sets), sets))
+    assert forked == by_records
 
 
 def test_the_two_forms_read_as_one_config():

@@ -45,7 +45,21 @@ def field_paths(info: Any = None, path: str = "") -> list[str]:
     return [path]
 
 
-PATHS = field_paths()
+# The flat per-stage lists a config may still be written with, and --set may still name on tiny.toml's
+# [[stages]] records (rewind.states.stageform.flat_for_overrides).
+FLAT_PATHS = [
+    "training.tokens",
+    "training.tokens[0]",
+    "training.datasets",
+    "training.datasets[0]",
+    "training.datasets[0][0].name",
+    "optimization.kl.betas",
+    "optimization.kl.betas[0]",
+    "optimization.kl.reference_update_stages",
+    "optimization.reset_optimizer_stages",
+    "training.fade.per_boundary_overlap",
+]
+PATHS = field_paths() + FLAT_PATHS
 
 
 def toml_scalars() -> st.SearchStrategy[str]:
@@ -91,8 +105,8 @@ def assert_refused_cleanly(code: int, out: str, err: str) -> None:
 
 
 def test_the_walk_finds_every_section_and_indexed_paths():
-    for path in ("run.seed", "training.fade.overlap", "training.datasets[0][0].name", "training.tokens[0]",
-                 "optimization.kl.betas[0]", "data.mine.path", "logging.keep_last_checkpoints"):
+    for path in ("run.seed", "training.fade.overlap", "stages[0].datasets[0].name", "stages[0].tokens",
+                 "stages[0].beta", "stages[0].reset_optimizer", "data.mine.path", "logging.keep_last_checkpoints"):
         assert path in PATHS, path
     # Every leaf path of a full config is found (the walk misses no field).
     flat = msgspec.to_builtins(load_config(TINY))

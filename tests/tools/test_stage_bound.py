@@ -15,6 +15,7 @@ import pytest
 from rewind.states import schedule as schedule_module
 from rewind.states.config import Config, config_hash
 from rewind.states.events import RUN_FEATURES, RunResumed, RunStarted, StageEntered, StepCommitted
+from rewind.states.stageform import to_stage_form
 from rewind.states.state import ForkSeed
 from rewind.states.validation import MAX_STAGES
 from rewind.stores.eventlog import EventLog
@@ -62,7 +63,7 @@ def test_a_config_with_too_many_stages_is_one_line_by_field_path(tmp_path, no_sc
 def forged_run(run: Path, num_stages: int) -> None:
     """A log written by rewind's own writer whose RunStarted carries a config of `num_stages` stages
     (decoded without the config check, as a log's record is), a stage entered and two steps."""
-    config = msgspec.convert(tomllib.loads(config_text(num_stages)), Config)
+    config = msgspec.convert(to_stage_form(tomllib.loads(config_text(num_stages)))[0], Config)
     tps = config.tokens_per_step
     with EventLog.open(run, "w") as log:
         log.append(
@@ -90,7 +91,7 @@ def forged_run(run: Path, num_stages: int) -> None:
 
 def test_a_forged_log_with_too_many_stages_is_refused_by_every_reader_in_one_line(tmp_path, no_schedule):
     forged_run(tmp_path / "run", TOO_MANY)
-    expect = "its config is not one rewind accepts: training.tokens: at most 1,000 stages (one budget each), got 1,001"
+    expect = "its config is not one rewind accepts: stages: at most 1,000 stages (one budget each), got 1,001"
     for command in (["log", "--steps", "1:2"], ["state"], ["timeline"], ["resume", "--no-progress"]):
         code, out, err = run_cli(command[0], tmp_path / "run", *command[1:])
         assert code == 1 and len(err.strip().splitlines()) == 1, (command, out, err)
@@ -112,7 +113,7 @@ def test_a_run_at_the_bound_is_read_as_any_other(tmp_path):
 
 @pytest.mark.parametrize("field", ["num_stages", "fades_started", "pending_refreshes"])
 def test_a_fork_seed_with_more_stages_than_a_config_may_have_is_refused(field):
-    config = msgspec.convert(tomllib.loads(config_text(3)), Config)
+    config = msgspec.convert(to_stage_form(tomllib.loads(config_text(3)))[0], Config)
     checker = RecordChecker(config)
     value = TOO_MANY if field == "num_stages" else list(range(TOO_MANY))
     seed = ForkSeed(stage=0, num_stages_entered=1, **{field: value})
