@@ -36,7 +36,7 @@ from rewind.engine.pretrained_files import PretrainedError
 from rewind.engine.pretrained_llama import CONFIG_NAME, llama_directory
 from rewind.states.config import ArchitectureSection, Config, ObjectiveSection
 from rewind.states.state import ModelLayout
-from rewind.stores.fsio import decode_json
+from rewind.stores.untrusted import decode_json
 
 FORMAT_KEY, FORMAT = "rewind.format", "1"
 ARCHITECTURE_KEY, OBJECTIVE_KEY, LAYOUT_KEY = "rewind.architecture", "rewind.objective", "layout"

@@ -16,7 +16,8 @@ import safetensors.torch
 import torch
 
 from rewind.engine.pretrained_checks import header_problem
-from rewind.stores.fsio import decode_json, filesystem, open_regular
+from rewind.stores.fsio import filesystem
+from rewind.stores.untrusted import decode_json, open_regular
 
 # config.json and the shard index: a few KB and a few hundred KB in real models.
 MAX_JSON_BYTES = 16 << 20

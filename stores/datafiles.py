@@ -6,7 +6,7 @@ the last block included), so it reads at most 1 MiB of any file. It notices a fi
 extended or re-tokenised; an edit that keeps the size and touches none of the sampled blocks is what
 `rewind verify --data` (the full sha256) is for.
 
-A local file is read only if it is a regular file (rewind.stores.fsio.open_regular): a token file
+A local file is read only if it is a regular file (rewind.stores.untrusted.open_regular): a token file
 replaced by a FIFO would block a resume's fingerprint forever, one linked to /dev/zero would never let
 `rewind verify --data` finish hashing.
 """
@@ -17,7 +17,8 @@ import hashlib
 import os
 
 from rewind.states.data_identity import SourceFile
-from rewind.stores.fsio import filesystem, open_regular
+from rewind.stores.fsio import filesystem
+from rewind.stores.untrusted import open_regular
 
 NUM_FINGERPRINT_BLOCKS = 16
 FINGERPRINT_BLOCK = 64 * 1024

@@ -31,10 +31,9 @@ from rewind.states.data_identity import SourceFile
 from rewind.stores.fsio import (
     FilesystemUnavailable,
     Location,
-    decode_json,
     filesystem,
-    open_regular,
 )
+from rewind.stores.untrusted import decode_json, open_regular
 
 FORMAT = 1
 MANIFEST_FILE = "manifest.json"

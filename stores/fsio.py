@@ -13,10 +13,8 @@ Raw-fd helpers (`write_all`, `sync_fd`, `fsync_dir`) are module functions so tha
 replace them to simulate a full disk or a crash between write and sync.
 
 Files a user or a run directory supplies (a tokenizer.json, a manifest, a config.json, a token file)
-are read through `open_regular` / `Location.read_bounded` / `read_json`: only a regular file (a FIFO
-would block the reader, /dev/zero never ends; a link is followed to what must be a regular file), at
-most a byte cap stated per kind of file (a `RefusedFile` otherwise), and JSON through msgspec with
-nesting too deep or text not UTF-8 refused as malformed.
+are read through `Location.read_bounded` / `read_json` (built on rewind.stores.untrusted): only a
+regular file, at most a byte cap stated per kind of file, JSON through msgspec.
 
 Errors: a URL whose filesystem cannot be had (its fsspec backend is not installed, or the protocol is
 unknown) raises `FilesystemUnavailable`, a `LogError`, naming the package to install. What the
@@ -34,10 +32,15 @@ import stat
 from typing import NamedTuple
 
 import fsspec
-import msgspec
 from fsspec.spec import AbstractFileSystem
 
 from rewind.stores.codec import LogError
+
+# Re-exported (`X as X`): the readers of untrusted files have always imported them from here.
+from rewind.stores.untrusted import RefusedFile as RefusedFile
+from rewind.stores.untrusted import decode_json as decode_json
+from rewind.stores.untrusted import open_regular as open_regular
+from rewind.stores.untrusted import too_large
 
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
@@ -72,13 +75,6 @@ _NO_LINK_ERRNOS = frozenset(
 
 class FilesystemUnavailable(LogError):
     """The filesystem of a URL cannot be used here: unknown protocol, or its backend is not installed."""
-
-
-class RefusedFile(OSError):
-    """A file rewind will not read: not a regular file, or larger than a file of its kind may be.
-
-    An OSError (errno EINVAL, EISDIR or EFBIG; `strerror` says why, `filename` names the file), so that
-    every caller that already puts a failed read in one line ("PATH: cannot read: REASON") says it."""
 
 
 # Read at a time by the bounded readers (a cap is checked before each piece, never after the whole).
@@ -160,13 +156,13 @@ class Location(NamedTuple):
         if not self.is_local:  # (object stores hold no FIFOs or devices: only the size is checked)
             size = int(self.fs.size(self.path))
             if size > max_bytes:
-                raise _too_large(size, max_bytes, self.url)
+                raise too_large(size, max_bytes, self.url)
             data = self.fs.cat_file(self.path, start=0, end=max_bytes + 1)
         else:
             fd, info = open_regular(self.path)
             try:
                 if info.st_size > max_bytes:
-                    raise _too_large(info.st_size, max_bytes, self.path)
+                    raise too_large(info.st_size, max_bytes, self.path)
                 pieces: list[bytes] = []
                 num_read = 0
                 while num_read <= max_bytes and (piece := os.read(fd, min(_READ_PIECE, max_bytes + 1 - num_read))):
@@ -307,55 +303,6 @@ def _unavailable(url: str, exc: Exception) -> FilesystemUnavailable:
                 f"(pip install {package})"
             )
     return FilesystemUnavailable(f"{url}: cannot open this filesystem: {exc}")
-
-
-def open_regular(path: str) -> tuple[int, os.stat_result]:
-    """(fd, its stat) of the local file at `path`, opened for reading only if it is a regular file
-    (links followed): RefusedFile for a directory, FIFO, device or socket. The kind is checked before
-    the open (opening some devices does something) and again on the descriptor (the name may have been
-    swapped in between); the open does not block (O_NONBLOCK: a FIFO's open would wait for a writer),
-    and reads do (cleared once the file is known to be regular). FileNotFoundError when absent."""
-    _refuse_irregular(os.stat(path).st_mode, path)
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags)
-    try:
-        info = os.fstat(fd)
-        _refuse_irregular(info.st_mode, path)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, info
-
-
-_IRREGULAR = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-              (stat.S_ISSOCK, "a socket"))
-
-
-def _refuse_irregular(mode: int, path: str) -> None:
-    if stat.S_ISREG(mode):
-        return
-    if stat.S_ISDIR(mode):
-        raise RefusedFile(errno.EISDIR, "is a directory, not a file", path)
-    kind = next((name for test, name in _IRREGULAR if test(mode)), "not a plain file")
-    raise RefusedFile(errno.EINVAL, f"{kind}, not a regular file", path)
-
-
-def _too_large(size: int, max_bytes: int, path: str) -> RefusedFile:
-    return RefusedFile(errno.EFBIG, f"{size:,} bytes, more than the {max_bytes:,} a file of its kind may hold", path)
-
-
-def decode_json(data: bytes | str, kind: object = object) -> object:
-    """msgspec's JSON decode of untrusted bytes (as `kind`, default any JSON), where a string that is not
-    UTF-8 and nesting deeper than the interpreter's recursion limit (a thousand levels: no file rewind
-    reads comes near) are a msgspec.DecodeError like any other malformed JSON, not a UnicodeDecodeError
-    or a RecursionError."""
-    try:
-        return msgspec.json.decode(data, type=kind)
-    except RecursionError:
-        raise msgspec.DecodeError("JSON is malformed: nested too deeply") from None
-    except UnicodeDecodeError as exc:
-        raise msgspec.DecodeError(f"JSON is malformed: not UTF-8 (byte {exc.start})") from None
 
 
 def read_json(location: Location, max_bytes: int, kind: object = object) -> object:
