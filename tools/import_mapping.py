@@ -271,7 +271,7 @@ def _kl(cfg: YamlConfig, job: str | None, num_stages: int, notes: Notes) -> dict
         cfg.mark("optimization/kl/beta")
         notes.none(
             "optimization/kl/beta",
-            "the two-stage KL trainer's single beta; write optimization.kl.betas per stage",
+            "the two-stage KL trainer's single beta; write each stage's beta",
         )
     if not betas and not stages:
         return {}

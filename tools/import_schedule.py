@@ -86,7 +86,7 @@ def lr_schedule(cfg: YamlConfig, job: str | None, num_stages: int, notes: Notes)
         opt["reset_optimizer_stages"] = list(range(1, num_stages))
         opt["reset_restarts_lr"] = True
         notes.say(
-            "optimization/reset_optimizer: true -> optimization.reset_optimizer_stages = every boundary, "
+            "optimization/reset_optimizer: true -> reset_optimizer = true in every stage after the first, "
             "reset_restarts_lr = true: the original's tx.init at each boundary clears the moments and the "
             "step count that drives its LR, so the LR it applies restarts from warmup (its logged LR does not)"
         )
