@@ -16,7 +16,7 @@ import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.stores import activations
+from rewind.stores import activations, cachefiles
 from rewind.stores.activations import (
     ActivationCache,
     CacheError,
@@ -95,7 +95,7 @@ def test_zarr_itself_reads_the_cache_and_its_checksum_agrees(url, dtype):
     cache = ActivationCache.create(url, spec)
     write_all(cache, values, chunks=[2, 0, 1])
     cache.mark_complete()
-    stored = zarr.open_array(activations._store(filesystem(url)), mode="r")
+    stored = zarr.open_array(cachefiles.zarr_store(filesystem(url)), mode="r")
     assert stored.metadata.zarr_format == 3
     assert stored.dtype == np.dtype("uint16" if dtype == "bfloat16" else "float32")
     bits = torch.uint16 if dtype == "bfloat16" else torch.int32
@@ -200,10 +200,10 @@ def test_records_follow_one_directory_sync_after_their_chunks_syncs(tmp_path, mo
     synced = lambda fd: trace.append(("sync", os.readlink(f"/proc/self/fd/{fd}")))  # noqa: E731
     monkeypatch.setattr(activations.fsio, "sync_fd", synced)
     monkeypatch.setattr(activations.fsio, "fsync_dir", lambda path: trace.append(("dir", path)))
-    write_records = activations._write_records
+    write_records = activations.write_records
     monkeypatch.setattr(
         activations,
-        "_write_records",
+        "write_records",
         lambda where, records: (trace.append(("records", sorted(records))), write_records(where, records)),
     )
     write_all(cache, values, chunks=[2, 0], flush=False)  # a group: flushed
@@ -373,7 +373,7 @@ def test_a_record_never_vouches_for_other_bytes(url):
     cache = ActivationCache.create(url, SPEC)
     write_all(cache, values)
     # The chunk rewritten behind the record's back, with a valid crc32c of its own.
-    stored = zarr.open_array(activations._store(filesystem(url)), mode="r+")
+    stored = zarr.open_array(cachefiles.zarr_store(filesystem(url)), mode="r+")
     stored[4:8] = values[4:8].view(torch.uint16).numpy() ^ np.uint16(1)
     with pytest.raises(CacheError, match=r"chunk 1 .* holds other bytes than its completion record vouches for"):
         ActivationCache.open(url).read_rows(4, 8)

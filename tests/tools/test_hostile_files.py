@@ -35,7 +35,7 @@ from rewind.engine.pretrained import PretrainedError, expected_shapes, load_pret
 from rewind.engine.tokenizer import TokenizerError, load_tokenizer, train_bpe
 from rewind.engine.tokens import TokenFileError, open_stream
 from rewind.states.config import ArchitectureSection, Config, ConfigError, RunSection
-from rewind.stores import activations, datamanifest
+from rewind.stores import cachefiles, datamanifest
 from rewind.stores.activations import ActivationCache, CacheError, CacheSpec
 from rewind.stores.datamanifest import ManifestError, check_prepared, read_manifest
 from rewind.stores.preparedwriter import write_prepared
@@ -217,7 +217,7 @@ def shrink_caps() -> None:
     """Every cap SMALL_CAP (in the worker), so that a file past it is a small sparse file."""
     for module, name in [
         (datamanifest, "MAX_MANIFEST_BYTES"), (datamanifest, "MAX_TOKENIZER_BYTES"),
-        (documents, "MAX_DOCUMENT_BYTES"), (activations, "MAX_META_BYTES"), (tokenizer, "MAX_TOKENIZER_BYTES"),
+        (documents, "MAX_DOCUMENT_BYTES"), (cachefiles, "MAX_META_BYTES"), (tokenizer, "MAX_TOKENIZER_BYTES"),
         (pretrained_files, "MAX_JSON_BYTES"), (configfile, "MAX_CONFIG_BYTES"),
     ]:
         assert hasattr(module, name), (module, name)
