@@ -133,17 +133,15 @@ def prepare_adapters(run_dir: str, out_dir: str, hf_dir: str) -> Prepared:
     from safetensors.torch import save
 
     from rewind.engine import hf_models
-    from rewind.states.fold import fold
     from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
+    from rewind.tools.export_cmd import checkpointed_state
     from rewind.tools.export_hf import expressible
 
     weights_path, config_path = check_out_dir(out_dir)
     records = load_records(run_dir)
-    state = fold(e for _, e in records)
+    state = checkpointed_state(run_dir, records)
     ref = state.last_checkpoint
-    if ref is None:
-        raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
     family = expressible(config_in_force(records), "--adapters")
     tensors = checkpoint_weights(run_dir, ref.checkpoint, ref.files)["adapters"]
     if not tensors:

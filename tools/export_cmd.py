@@ -91,7 +91,8 @@ def export_metrics(run_dir: str) -> int:
 
 
 def checkpointed_state(run_dir: str, records: list | None = None):
-    """The run's folded state, which has a committed checkpoint (CommandError, exit 1, when it has none)."""
+    """The run's folded state, which has a committed checkpoint (CommandError, exit 1, when it has none):
+    every export writes its last one, the checkpoint a resume would go on from."""
     from rewind.states.fold import fold
 
     state = fold(e for _, e in (load_records(run_dir) if records is None else records))

@@ -78,17 +78,15 @@ def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True) -> PreparedHf:
 
     from rewind.engine import hf_models
     from rewind.engine.hf_llama import Unmapped
-    from rewind.states.fold import fold
     from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
     from rewind.tools.export_adapters import checkpoint_layout
+    from rewind.tools.export_cmd import checkpointed_state
 
     target = check_hf_dir(out_dir)
     records = load_records(run_dir)
-    state = fold(e for _, e in records)
+    state = checkpointed_state(run_dir, records)
     ref = state.last_checkpoint
-    if ref is None:
-        raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
     config = config_in_force(records)
     family = expressible(config, "--hf")
     layout = checkpoint_layout(state)
