@@ -29,7 +29,7 @@ from rewind.engine.step import dropout_seed, micro_batches
 from rewind.states.config import Config, config_hash
 from rewind.states.events import ActivationsCached
 from rewind.states.plan import CacheTrunk
-from rewind.states.state import CacheRef, State
+from rewind.states.state import State
 from rewind.stores import cachenames
 from rewind.stores.activations import ActivationCache, CacheError, CacheSpec
 from rewind.stores.cachenames import CACHE_DIR
@@ -125,13 +125,13 @@ class TrunkReader:
     """Opens the state's cache once per process and hands each step its rows."""
 
     def __init__(self) -> None:
-        self._opened: tuple[CacheRef, ActivationCache] | None = None
+        self._opened: tuple[ActivationsCached, ActivationCache] | None = None
 
     def rows(self, parts: Parts, state: State, step: int) -> torch.Tensor | None:
         """The cached trunk outputs of step `step` (batch, seq, width), or None when the state has no
         cache covering it (training then runs the trunk)."""
         ref = state.activation_cache
-        if ref is None or not ref.path or not ref.first_step <= step < ref.first_step + ref.num_steps:
+        if ref is None or not ref.path or not ref.step <= step < ref.step + ref.num_steps:
             return None
         if self._opened is None or self._opened[0] != ref:
             try:
@@ -144,7 +144,7 @@ class TrunkReader:
                 # trunk is recomputed, which gives the same bits, only slower.
                 return None
         cache = self._opened[1]
-        start, stop = cache.chunk_rows(step - ref.first_step)
+        start, stop = cache.chunk_rows(step - ref.step)
         try:
             return cache.read_rows(start, stop)
         except CacheError:

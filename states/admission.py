@@ -145,7 +145,7 @@ def state_problem(state: State, config: Config) -> str:
         or threads_problem(state.num_threads)
         or capability_problem(state.cpu_capability)
         or placement_problem(state.device, state.world_size)
-        or (cache_path_problem(cache.path, cache.version, cache.first_step) if cache is not None else "")
+        or (cache_path_problem(cache.path, cache.version, cache.step) if cache is not None else "")
     )
 
 

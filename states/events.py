@@ -24,7 +24,7 @@ import msgspec
 from rewind.states.config import Config, InitMode, Precision, StackPosition, TrunkChoice
 from rewind.states.data_identity import DataIdentity
 from rewind.states.features import RUN_FEATURES, Features  # noqa: F401 (RUN_FEATURES: what RunStarted.features may hold)
-from rewind.states.state import CheckpointReason, ForkSeed
+from rewind.states.shapes import CheckpointReason, ModelLayout, OptimizerResetRef, Reference
 
 # Bumped whenever an event changes incompatibly; the log frames carry it and the codec upcasts.
 # 1: rewind 0.1 (RunResumed carried the whole restored State). 2: RunResumed carries no state; a fork's
@@ -201,6 +201,54 @@ class RunStopped(Event, frozen=True, kw_only=True, tag="RunStopped"):
     """The process stopped before the end on purpose (Ctrl-C, non-finite loss): resumable."""
 
     reason: str
+
+
+class ForkSeed(msgspec.Struct, frozen=True, kw_only=True):
+    """What a fork's own log cannot derive: the parent's control state at the fork checkpoint.
+
+    A wire type of its own (not `State`), so that the state's shape can change freely; the fold checks
+    it against the child's config before adopting it. Every field is the `State` field of the same name
+    and type, copied by name both ways (`rewind.states.resumes`): a field a fork must carry is declared
+    here and nowhere else."""
+
+    config_hash: str = ""
+    # The parent's config-derived figures (0 / [] = the child's own): a fork whose config changes them
+    # is then refused by its ConfigChanged, naming what changed, as an in-place fork would be.
+    tokens_per_step: int = 0
+    num_stages: int = 0
+    num_steps: int = 0
+    reference_update_stages: list[int] = []
+    stage: int
+    num_stages_entered: int
+    fades_started: list[int] = []
+    fades_ended: list[int] = []
+    pending_refreshes: list[int] = []
+    reference: Reference | None = None
+    layout: ModelLayout | None = None
+    num_layers: int = 0
+    num_growths: int = 0
+    cursors: dict[str, int] = {}
+    last_loss: float | None = None
+    num_skipped_steps: int = 0
+    live_checkpoints: list[CheckpointCommitted] = []
+    last_evaluated_boundary: int = -2
+    last_validated_step: int = -1
+    # What the child must compute as the parent did (an unchanged fork is the parent, bit for bit). A
+    # seed written before these were recorded decodes as a parent without them, which it was.
+    features: list[str] = []
+    pending_optimizer_resets: list[int] = []
+    last_optimizer_reset: OptimizerResetRef | None = None
+
+
+# The seed's config-derived fields: unset (0, "", []) they are the child's own.
+SEED_FALLS_BACK_TO_CHILD = (
+    "config_hash",
+    "tokens_per_step",
+    "num_stages",
+    "num_steps",
+    "reference_update_stages",
+    "num_layers",
+)
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="RunResumed"):

@@ -27,7 +27,7 @@ from rewind.states.events import (
 )
 from rewind.states.growth import GrowthError, current_layout, grown_layout
 from rewind.states.schedule import Schedule
-from rewind.states.state import CacheRef, CheckpointRef, OptimizerResetRef, Reference, State
+from rewind.states.state import OptimizerResetRef, Reference, State
 from rewind.states.transition import IllegalTransition, mutates, require
 
 replace = msgspec.structs.replace
@@ -147,15 +147,7 @@ def activations_cached(state: State, event: ActivationsCached) -> State:
     layout = current_layout(state)
     require(event.version == layout.version, event, f"the trunk is at version {layout.version}")
     require(event.num_steps >= 0 and event.num_rows >= 0, event, "counts must be >= 0")
-    cache = CacheRef(
-        version=event.version,
-        first_step=event.step,
-        num_steps=event.num_steps,
-        num_rows=event.num_rows,
-        path=event.path,
-        num_bytes=event.num_bytes,
-    )
-    return replace(state, activation_cache=cache)
+    return replace(state, activation_cache=event)
 
 
 @mutates(EpochStarted)
@@ -211,18 +203,10 @@ def evaluated(state: State, event: Evaluated) -> State:
 @mutates(CheckpointCommitted)
 def checkpoint_committed(state: State, event: CheckpointCommitted) -> State:
     require(event.step == state.step, event, f"a checkpoint labelled {event.step} at step {state.step}")
-    ref = CheckpointRef(
-        checkpoint=event.checkpoint,
-        step=event.step,
-        tokens=event.tokens,
-        reason=event.reason,
-        manifest_sha256=event.manifest_sha256,
-        files=event.files,
-    )
     return replace(
         state,
-        last_checkpoint=ref,
-        live_checkpoints=[*state.live_checkpoints, ref],
+        last_checkpoint=event,
+        live_checkpoints=[*state.live_checkpoints, event],
         grown_since_checkpoint=False,
     )
 

@@ -1,7 +1,7 @@
 """The control state of a run: what `fold(events)` computes. Small, frozen, no tensors.
 
-`apply` lives in `rewind.states.fold`; this module only defines the shapes, so that events (a fork's
-`RunResumed` carries a `ForkSeed`) and the fold can both import them.
+`apply` lives in `rewind.states.fold`; this module only defines the shape. Where the state keeps what an
+event recorded (the checkpoints, the activation cache), it holds the event itself, not a copy of fields.
 
 The state is derived data: it is never written into the log. (Caches of it may sit beside the log, see
 `rewind.stores.snapshots`; they are rebuilt from the log whenever they are missing or do not decode, so
@@ -10,80 +10,36 @@ renaming a field here never strands a run.)
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
 from rewind.states.data_identity import DataIdentity
+from rewind.states.events import SEED_FALLS_BACK_TO_CHILD, ActivationsCached, CheckpointCommitted, ForkSeed
 from rewind.states.features import Features
+from rewind.states.shapes import (
+    BaseMode,
+    CheckpointReason,
+    ModelLayout,
+    OptimizerResetRef,
+    Reference,
+    StackLayout,
+)
 
-CheckpointReason = Literal["interval", "boundary", "reference", "final", "stop"]
-# How a stack's base weights are held: trained, fixed, or fixed and quantised to NF4 (bitsandbytes).
-BaseMode = Literal["trainable", "frozen", "nf4"]
-
-
-class Reference(msgspec.Struct, frozen=True, kw_only=True):
-    stage: int
-    step: int
-    checkpoint: str
-    layout: ModelLayout | None = None  # the model's structure then (None: the initial model)
-
-
-class CheckpointRef(msgspec.Struct, frozen=True, kw_only=True):
-    checkpoint: str
-    step: int
-    tokens: int
-    reason: CheckpointReason
-    manifest_sha256: str
-    files: dict[str, str] = {}
-
-
-class OptimizerResetRef(msgspec.Struct, frozen=True, kw_only=True):
-    """The last OptimizerReset: the LR schedule counts from `step` when `lr_restarted`."""
-
-    stage: int
-    step: int
-    lr_restarted: bool
-
-
-class StackLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """One stack of the model as the log made it. `stack` is its identity (0 = the initial stack, then
-    1, 2, ... in the order they joined), independent of where it sits, so a prepend renames nothing:
-    parameter names, optimizer moments, dropout streams and checkpoint keys follow the identity."""
-
-    stack: int
-    num_blocks: int
-    base: BaseMode = "trainable"
-    dtype: Literal["fp32", "bf16"] = "fp32"  # its base weights' dtype (an nf4 base is fp32 before quantising)
-    adapter_rank: int = 0  # LoRA adapters on its linear layers (0 = none)
-    adapter_alpha: float = 0.0
-    adapters_train: bool = False
-    joined_step: int = 0
-
-
-class ModelLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """The model's structure and what of it trains: everything needed to build it before loading any
-    tensor. `stacks` run from the input side to the output side; `version` counts the growths (the
-    trunk's version, which names its activation cache)."""
-
-    stacks: list[StackLayout]
-    embed_trains: bool = True
-    head_trains: bool = True  # the final norm and the head
-    version: int = 0
-    growth: int = -1  # the config.growth entry that made it (-1 = the initial model)
-
-
-class CacheRef(msgspec.Struct, frozen=True, kw_only=True):
-    """A complete activation cache of the trunk of layout `version`: one chunk per step, for the steps
-    [first_step, first_step + num_steps), in the order training reads them."""
-
-    version: int
-    first_step: int
-    num_steps: int
-    num_rows: int
-    path: str = ""  # relative to the run directory ("" in a dry-run)
-    num_bytes: int = 0
-
+# Defined with the events (a fork's seed) or beside them (shapes), and imported from here too.
+__all__ = [
+    "SEED_FALLS_BACK_TO_CHILD",
+    "BaseMode",
+    "CheckpointReason",
+    "ForkSeed",
+    "ModelLayout",
+    "OptimizerResetRef",
+    "Reference",
+    "StackLayout",
+    "State",
+    "Superseded",
+    "anchor_checkpoint",
+    "control_summary",
+    "reference_to_restore",
+]
 
 class Superseded(msgspec.Struct, frozen=True, kw_only=True):
     """Log records [first_seq, last_seq] stopped counting when the run resumed from `checkpoint`."""
@@ -92,54 +48,6 @@ class Superseded(msgspec.Struct, frozen=True, kw_only=True):
     last_seq: int
     checkpoint: str
     step: int
-
-
-class ForkSeed(msgspec.Struct, frozen=True, kw_only=True):
-    """What a fork's own log cannot derive: the parent's control state at the fork checkpoint.
-
-    A wire type of its own (not `State`), so that the state's shape can change freely; the fold checks
-    it against the child's config before adopting it. Every field is the `State` field of the same name
-    and type, copied by name both ways (`rewind.states.resumes`): a field a fork must carry is declared
-    here and nowhere else."""
-
-    config_hash: str = ""
-    # The parent's config-derived figures (0 / [] = the child's own): a fork whose config changes them
-    # is then refused by its ConfigChanged, naming what changed, as an in-place fork would be.
-    tokens_per_step: int = 0
-    num_stages: int = 0
-    num_steps: int = 0
-    reference_update_stages: list[int] = []
-    stage: int
-    num_stages_entered: int
-    fades_started: list[int] = []
-    fades_ended: list[int] = []
-    pending_refreshes: list[int] = []
-    reference: Reference | None = None
-    layout: ModelLayout | None = None
-    num_layers: int = 0
-    num_growths: int = 0
-    cursors: dict[str, int] = {}
-    last_loss: float | None = None
-    num_skipped_steps: int = 0
-    live_checkpoints: list[CheckpointRef] = []
-    last_evaluated_boundary: int = -2
-    last_validated_step: int = -1
-    # What the child must compute as the parent did (an unchanged fork is the parent, bit for bit). A
-    # seed written before these were recorded decodes as a parent without them, which it was.
-    features: list[str] = []
-    pending_optimizer_resets: list[int] = []
-    last_optimizer_reset: OptimizerResetRef | None = None
-
-
-# The seed's config-derived fields: unset (0, "", []) they are the child's own.
-SEED_FALLS_BACK_TO_CHILD = (
-    "config_hash",
-    "tokens_per_step",
-    "num_stages",
-    "num_steps",
-    "reference_update_stages",
-    "num_layers",
-)
 
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
@@ -173,12 +81,14 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     # A growth happened after the last checkpoint: that checkpoint (even one at this very step, taken
     # for the boundary before the growth) does not hold the model, so a reference refresh needs another.
     grown_since_checkpoint: bool = False
-    activation_cache: CacheRef | None = None  # complete and valid for the current trunk
+    # The last ActivationsCached: a complete cache of the current trunk, one chunk per step for the steps
+    # [step, step + num_steps), in the order training reads them.
+    activation_cache: ActivationsCached | None = None
     cursors: dict[str, int] = {}
     last_loss: float | None = None
     num_skipped_steps: int = 0
-    last_checkpoint: CheckpointRef | None = None
-    live_checkpoints: list[CheckpointRef] = []
+    last_checkpoint: CheckpointCommitted | None = None
+    live_checkpoints: list[CheckpointCommitted] = []  # committed and not deleted, in commit order
     last_evaluated_boundary: int = -2  # -2 = none yet, -1 = before training
     last_validated_step: int = -1
     stopped_reason: str = ""

@@ -213,7 +213,7 @@ def _stack_lines(run_dir: str, state: Any, config: Any) -> list[str]:
         status = cache_status(filesystem(run_dir).join(*cache.path.split("/")).url)
         lines.append(
             _line("trunk cache", f"{cache.path}: {status}, {cache.num_rows:,} rows for steps "
-                  f"{cache.first_step:,}..{cache.first_step + cache.num_steps - 1:,}, {cache.num_bytes / 2**20:.1f} MiB")
+                  f"{cache.step:,}..{cache.step + cache.num_steps - 1:,}, {cache.num_bytes / 2**20:.1f} MiB")
         )
     return lines
 

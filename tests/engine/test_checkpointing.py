@@ -14,7 +14,7 @@ from rewind.engine.rundata import place_of
 from rewind.states.events import CheckpointCommitted, ReferenceRefreshed
 from rewind.states.fold import fold
 from rewind.states.history import config_in_force
-from rewind.states.state import CheckpointRef, Reference, State
+from rewind.states.state import Reference, State
 from rewind.stores.checkpoints import MANIFEST, CheckpointError, CheckpointStore
 from rewind.stores.runs import read_seq_events
 from tests.engine.test_loop import one_torch_thread, run_cli, straight_run, train_args
@@ -73,10 +73,10 @@ def test_a_stopped_and_resumed_run_names_its_checkpoints_as_the_straight_run(str
 
 
 def test_the_reference_digest_is_its_live_checkpoints_manifest_hash():
-    ref = CheckpointRef(
+    ref = CheckpointCommitted(
         checkpoint="00000004-0a0b0c0d", step=4, tokens=64, reason="reference", manifest_sha256="ab" * 32
     )
-    other = CheckpointRef(
+    other = CheckpointCommitted(
         checkpoint="00000008-01020304", step=8, tokens=128, reason="interval", manifest_sha256="cd" * 32
     )
     reference = Reference(stage=1, step=4, checkpoint=ref.checkpoint)

@@ -38,7 +38,7 @@ from rewind.states.plan import (
     started_state,
 )
 from rewind.states.schedule import Schedule
-from rewind.states.state import SEED_FALLS_BACK_TO_CHILD, CheckpointRef, ForkSeed, Reference, State
+from rewind.states.state import SEED_FALLS_BACK_TO_CHILD, ForkSeed, Reference, State
 from rewind.states.strategies import configs, cut_points, engine_logs, simulate_run
 from rewind.states.transition import MUTATORS
 
@@ -229,7 +229,7 @@ def test_only_a_fork_may_seed_its_state():
     forked = replace(started, parent_run="/runs/parent")
     with pytest.raises(IllegalTransition, match="does not hold checkpoint c"):
         apply(forked, event)
-    ref = CheckpointRef(checkpoint="c", step=4, tokens=64, reason="interval", manifest_sha256="0" * 64)
+    ref = CheckpointCommitted(checkpoint="c", step=4, tokens=64, reason="interval", manifest_sha256="0" * 64)
     good = replace(event, step=4, tokens=64, seed=replace(seed, live_checkpoints=[ref], cursors={"grammar": 9}))
     assert apply(forked, good).cursors == {"grammar": 9} and apply(forked, good).last_checkpoint == ref
     with pytest.raises(IllegalTransition, match="cursors must be >= 0"):
@@ -413,6 +413,12 @@ def test_a_fork_adopts_every_field_of_its_seed():
     assert (child.num_steps, child.config_hash) == (forked.num_steps, forked.config_hash)
 
 
+def test_the_state_holds_the_events_it_keeps_not_copies():
+    committed = CheckpointCommitted(step=0, tokens=0, checkpoint="c0", manifest_sha256="0" * 64, files={"a": "b"})
+    state = apply(started_and_entered(), committed)
+    assert state.last_checkpoint is committed and state.live_checkpoints[-1] is committed
+
+
 def test_an_event_type_without_a_mutator_is_illegal():
     class Unregistered(StageEntered, frozen=True, kw_only=True, tag="Unregistered"):
         pass
@@ -424,9 +430,9 @@ def test_an_event_type_without_a_mutator_is_illegal():
 # --- retention and duties ------------------------------------------------------------------------------
 
 
-def live(*specs: tuple[str, int, str]) -> list[CheckpointRef]:
+def live(*specs: tuple[str, int, str]) -> list[CheckpointCommitted]:
     return [
-        CheckpointRef(checkpoint=name, step=step, tokens=step * 16, reason=reason, manifest_sha256="")
+        CheckpointCommitted(checkpoint=name, step=step, tokens=step * 16, reason=reason, manifest_sha256="")
         for name, step, reason in specs
     ]
 
@@ -472,8 +478,8 @@ def test_duties_after_each_step_of_a_small_run():
     def duty(step: int, **fields):
         return pending_duty(replace(state, step=step, **fields), schedule)
 
-    def at(step: int, reason: str) -> CheckpointRef:
-        return CheckpointRef(checkpoint=f"c{step}", step=step, tokens=0, reason=reason, manifest_sha256="")
+    def at(step: int, reason: str) -> CheckpointCommitted:
+        return CheckpointCommitted(checkpoint=f"c{step}", step=step, tokens=0, reason=reason, manifest_sha256="")
 
     assert duty(3) is None
     assert duty(4) == TakeCheckpoint("interval")
@@ -498,7 +504,7 @@ def test_decide_asks_for_a_checkpoint_before_a_reference_refresh_that_has_none()
     _, state = started_state(CONFIG)
     due = replace(state, pending_refreshes=[0], num_stages_entered=1, stage=0)
     assert decide(due, schedule) == TakeCheckpoint("reference")
-    held = CheckpointRef(checkpoint="c0", step=0, tokens=0, reason="reference", manifest_sha256="")
+    held = CheckpointCommitted(checkpoint="c0", step=0, tokens=0, reason="reference", manifest_sha256="")
     refresh = ReferenceRefreshed(step=0, tokens=0, stage=0, checkpoint="c0")  # the checkpoint it holds
     assert decide(replace(due, last_checkpoint=held), schedule) == refresh
 

@@ -30,7 +30,7 @@ from rewind.states.plan import (
     started_state,
 )
 from rewind.states.schedule import Schedule
-from rewind.states.state import CacheRef, ModelLayout, State
+from rewind.states.state import ModelLayout, State
 
 # tps = 2 * 8 = 16 tokens, 10 steps a stage, N = 50; stage i is entered at step 10 * i (no fades).
 STAGES = 5
@@ -237,9 +237,11 @@ def test_a_cache_covers_the_steps_to_the_next_growth_and_a_growth_or_config_chan
     cached = [i for i, e in enumerate(events) if isinstance(e, ActivationsCached)]
     assert len(cached) == 2
     state = fold(events[: cached[0] + 1])
-    assert state.activation_cache == CacheRef(version=1, first_step=10, num_steps=20, num_rows=40)
+    assert state.activation_cache == ActivationsCached(step=10, tokens=160, version=1, num_steps=20, num_rows=40)
     assert fold(events[: appended[1][0] + 1]).activation_cache is None
-    assert fold(events[: cached[1] + 1]).activation_cache == CacheRef(version=2, first_step=30, num_steps=20, num_rows=40)
+    assert fold(events[: cached[1] + 1]).activation_cache == ActivationsCached(
+        step=30, tokens=480, version=2, num_steps=20, num_rows=40
+    )
     same = config_hash(TWO_APPENDS)
     changed = apply(state, ConfigChanged(step=10, tokens=160, config=TWO_APPENDS, config_hash=same, previous_hash=same))
     assert changed.activation_cache is None and changed.layout == state.layout

@@ -45,7 +45,7 @@ from rewind.states.events import (
     Validated,
 )
 from rewind.states.stageform import to_stage_form
-from rewind.states.state import CheckpointRef, ForkSeed, Reference
+from rewind.states.state import ForkSeed, Reference
 from rewind.stores.codec import FRAME_FORMAT, MAGIC, MAGIC_V1
 from rewind.stores.eventlog import EventLog, verify_log
 
@@ -109,7 +109,7 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
         num_tokens=1 << 19,
     )
     data_on_record = {"data": {"corpus": corpus}, "tokenizer": HASH} if version >= 5 else {}
-    checkpoint = CheckpointRef(
+    checkpoint = CheckpointCommitted(
         checkpoint="00000120-3fa85f64",
         step=120,
         tokens=61440,

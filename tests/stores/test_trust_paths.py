@@ -90,11 +90,12 @@ def test_a_snapshot_whose_cache_path_leaves_the_run_is_not_used():
     """A snapshot is a cache of the fold: one naming a cache no record could name is passed over (the
     log is folded instead, and its records are checked)."""
     from rewind.states.admission import state_problem
-    from rewind.states.state import CacheRef, State
+    from rewind.states.events import ActivationsCached
+    from rewind.states.state import State
 
     config = loads_config(TINY)
-    ref = CacheRef(
-        version=1, first_step=10, num_steps=10, num_rows=80, path=cache_path(1, 10, "0123456789ab")
+    ref = ActivationsCached(
+        step=10, tokens=640, version=1, num_steps=10, num_rows=80, path=cache_path(1, 10, "0123456789ab")
     )
     assert state_problem(State(activation_cache=ref), config) == ""
     forged = msgspec.structs.replace(ref, path="../other/cache/trunk-1.zarr")
