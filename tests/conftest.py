@@ -5,6 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Speed is measured by `rewind bench`, never by a unit test: no hypothesis example fails for taking long
+# (on a shared 2-core machine a slow example is load, not a defect).
+settings.register_profile("rewind", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("rewind")
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
