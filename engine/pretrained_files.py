@@ -59,22 +59,32 @@ def safetensors_header(path: str) -> tuple[dict, int]:
         head = os.pread(fd, 8, 0)
         (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
         if not 2 <= length <= min(MAX_HEADER_BYTES, info.st_size - 8):
-            raise PretrainedError(f"pretrained: {path} is not a readable safetensors file (no header of a possible length)")
+            raise PretrainedError(
+                f"pretrained: {path} is not a readable safetensors file (no header of a possible length)"
+            )
         data = os.pread(fd, length, 8)
     finally:
         os.close(fd)
     try:
         header = decode_json(data, dict[str, dict])
     except msgspec.DecodeError as exc:
-        raise PretrainedError(f"pretrained: {path} is not a readable safetensors file (its header: {exc})") from None
+        raise PretrainedError(
+            f"pretrained: {path} is not a readable safetensors file (its header: {exc})"
+        ) from None
     end = 0
     for name, entry in header.items():
         offsets = entry.get("data_offsets")
         if name == "__metadata__":
             continue
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise PretrainedError(f"pretrained: {path} is not a readable safetensors file (tensor {name[:80]!r} has no place)")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise PretrainedError(
+                f"pretrained: {path} is not a readable safetensors file (tensor {name[:80]!r} has no place)"
+            )
         end = max(end, offsets[1])
     if 8 + length + end != info.st_size:
         raise PretrainedError(

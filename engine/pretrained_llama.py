@@ -22,7 +22,9 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def llama_directory(directory: str, config: Config, expected: dict[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], str]:
+def llama_directory(
+    directory: str, config: Config, expected: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, torch.Tensor], str]:
     config_path = os.path.join(directory, CONFIG_NAME)
     try:
         hf = pretrained_files.read_json(config_path)
@@ -60,7 +62,9 @@ def weight_files(directory: str) -> list[str]:
             raise PretrainedError(f"pretrained: {index_path} is not a shard index ({exc})") from None
         for shard in shards:
             if not isinstance(shard, str) or os.path.basename(shard) != shard:
-                raise PretrainedError(f"pretrained: {index_path} names a shard outside the directory: {shard!r}")
+                raise PretrainedError(
+                    f"pretrained: {index_path} names a shard outside the directory: {shard!r}"
+                )
         return [os.path.join(directory, shard) for shard in shards]
     single = os.path.join(directory, WEIGHTS_NAME)
     if os.path.lexists(single):
@@ -107,17 +111,26 @@ def llama_mismatch(hf: dict, config: Config, where: str) -> str | None:
     if arch.norm != "rmsnorm":
         return f"pretrained: {where} is a Llama (RMSNorm), architecture.norm is {arch.norm!r}"
     if arch.mlp != "swiglu":
-        return f"pretrained: {where} is a Llama (SwiGLU MLP), architecture.mlp is {arch.mlp!r}; set mlp = \"swiglu\""
+        return f'pretrained: {where} is a Llama (SwiGLU MLP), architecture.mlp is {arch.mlp!r}; set mlp = "swiglu"'
     num_heads = hf.get("num_attention_heads")
     head_size = arch.d_model // arch.num_heads
     pairs = [
         ("vocab_size", hf.get("vocab_size"), "architecture.vocab_size", arch.vocab_size),
         ("hidden_size", hf.get("hidden_size"), "architecture.d_model", arch.d_model),
-        ("intermediate_size", hf.get("intermediate_size"), "architecture.d_ff (0 = 4 * d_model)", hf_llama.d_ff_of(arch)),
+        (
+            "intermediate_size",
+            hf.get("intermediate_size"),
+            "architecture.d_ff (0 = 4 * d_model)",
+            hf_llama.d_ff_of(arch),
+        ),
         ("num_hidden_layers", hf.get("num_hidden_layers"), "architecture.num_layers", arch.num_layers),
         ("num_attention_heads", num_heads, "architecture.num_heads", arch.num_heads),
-        ("num_key_value_heads", hf.get("num_key_value_heads", num_heads), "architecture.num_heads (rewind has a "
-         "key/value head per query head)", arch.num_heads),
+        (
+            "num_key_value_heads",
+            hf.get("num_key_value_heads", num_heads),
+            "architecture.num_heads (rewind has a key/value head per query head)",
+            arch.num_heads,
+        ),
         ("head_dim", hf.get("head_dim", head_size), "d_model / num_heads", head_size),
         ("hidden_act", hf.get("hidden_act", "silu"), "rewind's SwiGLU gate", "silu"),
         ("rms_norm_eps", number(hf.get("rms_norm_eps", 1e-6)), "rewind's norm eps", NORM_EPS),

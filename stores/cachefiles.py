@@ -132,7 +132,9 @@ def spec_of(location: Location, array: zarr.Array) -> CacheSpec:
 
     fields = dict(array.attrs).get(ATTRIBUTE)
     if not isinstance(fields, dict) or fields.get("format") != FORMAT_VERSION:
-        raise CacheError(f"{location.url}: a zarr array, but not a rewind activation cache (format {FORMAT_VERSION})")
+        raise CacheError(
+            f"{location.url}: a zarr array, but not a rewind activation cache (format {FORMAT_VERSION})"
+        )
     fields = {k: v for k, v in fields.items() if k != "format"}
     try:
         spec = CacheSpec(**fields)
@@ -169,9 +171,15 @@ def check_array_meta(location: Location) -> None:
     while levels:
         depth += 1
         if depth > MAX_META_DEPTH:
-            raise CacheError(f"{location.url}: not a readable zarr v3 array: {ARRAY_META} nests deeper than {MAX_META_DEPTH} levels")
-        levels = [v for node in levels if isinstance(node, dict | list)
-                  for v in (node.values() if isinstance(node, dict) else node)]
+            raise CacheError(
+                f"{location.url}: not a readable zarr v3 array: {ARRAY_META} nests deeper than {MAX_META_DEPTH} levels"
+            )
+        levels = [
+            v
+            for node in levels
+            if isinstance(node, dict | list)
+            for v in (node.values() if isinstance(node, dict) else node)
+        ]
 
 
 def zarr_store(location: Location) -> zarr.storage.StoreLike:

@@ -64,8 +64,10 @@ class PreparedWriter:
     def __init__(self, out_dir: str | os.PathLike[str], *, dtype: str, overwrite: bool = False):
         location = location_of(out_dir)
         if not location.is_local:
-            raise ManifestError(f"{out_dir}: a prepared directory is written on a local filesystem (it is "
-                                "renamed into place, which object stores cannot do)")
+            raise ManifestError(
+                f"{out_dir}: a prepared directory is written on a local filesystem (it is "
+                "renamed into place, which object stores cannot do)"
+            )
         if dtype not in DTYPES:
             raise ManifestError(f"unknown token dtype {dtype!r} (expected uint16 or uint32)")
         self.out_dir = location.path

@@ -41,8 +41,12 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
     return fd, info
 
 
-_IRREGULAR = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-              (stat.S_ISSOCK, "a socket"))
+_IRREGULAR = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def refuse_irregular(mode: int, path: str) -> None:
@@ -55,7 +59,9 @@ def refuse_irregular(mode: int, path: str) -> None:
 
 
 def too_large(size: int, max_bytes: int, path: str) -> RefusedFile:
-    return RefusedFile(errno.EFBIG, f"{size:,} bytes, more than the {max_bytes:,} a file of its kind may hold", path)
+    return RefusedFile(
+        errno.EFBIG, f"{size:,} bytes, more than the {max_bytes:,} a file of its kind may hold", path
+    )
 
 
 def decode_json(data: bytes | str, kind: object = object) -> object:
