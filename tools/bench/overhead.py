@@ -30,11 +30,11 @@ import torch
 
 from rewind.engine.cursors import split_rows
 from rewind.engine.loop import drive
-from rewind.engine.parts import build_model
+from rewind.engine.layout import build_model
 from rewind.engine.registry import DatasetRegistry
 from rewind.engine.session import open_run
 from rewind.engine.step import StepResult, build_optimizer, train_step
-from rewind.states.config import loads_config
+from rewind.states.config_reading import loads_config
 from rewind.states.schedule import Schedule
 
 # The demo's model size; one stage, no validation and no interval checkpoints: the steady state of a
@@ -68,18 +68,18 @@ def _bare_step_times(config, num_steps: int) -> list[float]:
     sequential indices (no cursors), no log, no metrics."""
     schedule = Schedule(config)
     datasets = DatasetRegistry(config)
-    model = build_model(config)
+    model = build_model(config, None)
     optimizer = build_optimizer(model, config)
     mixture = config.stages[0].datasets
     shares = split_rows(mixture, config.training.batch_size)
     times = []
     for k in range(num_steps):
         began = time.perf_counter()
-        parts = [
+        pieces = [
             datasets[s.name].batch("train", np.arange(k * n, (k + 1) * n)) for s, n in zip(mixture, shares, strict=True)
         ]
-        tokens = torch.cat([p[0] for p in parts])
-        mask = torch.cat([p[1] for p in parts])
+        tokens = torch.cat([p[0] for p in pieces])
+        mask = torch.cat([p[1] for p in pieces])
         train_step(model, optimizer, tokens, mask, config=config, lr=schedule.lr(k), beta=0.0, reference=None, step=k)
         times.append(time.perf_counter() - began)
     return times
