@@ -4,7 +4,8 @@ checkpoint (a fork, in place or not), whose weights must still fit the model it 
 
 from __future__ import annotations
 
-from rewind.states.config import Config, config_differences, config_hash
+from rewind.states.config import Config
+from rewind.states.config_identity import config_differences, config_hash
 from rewind.states.entry import tokenizer_problem
 
 

@@ -37,8 +37,8 @@ from rewind.engine.tokenizer import (
     train_bpe,
 )
 from rewind.engine.userdata import DataPlace, dataset_identity
+from rewind.states.check_data import TEXT_KINDS
 from rewind.states.config import Config
-from rewind.states.data_checks import TEXT_KINDS
 from rewind.states.data_identity import DataIdentity, identity_changes
 from rewind.states.state import State
 from rewind.stores.datafiles import bytes_identity

@@ -33,7 +33,8 @@ from rewind.engine.rundata import (
     replace_config_data,
     start_place,
 )
-from rewind.states.config import Config, config_hash
+from rewind.states.config import Config
+from rewind.states.config_identity import config_hash
 from rewind.states.entry import Computed, EntryRefused, resume_records, site_of, tokenizer_problem
 from rewind.states.events import RUN_FEATURES, Event, RunStarted
 from rewind.states.history import point_of, skip_ranges

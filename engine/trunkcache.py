@@ -26,7 +26,8 @@ from rewind.engine.parts import Parts
 from rewind.engine.placement import in_sharded_run, model_device
 from rewind.engine.ranks import is_writer, shared_event
 from rewind.engine.step import dropout_seed, micro_batches
-from rewind.states.config import Config, config_hash
+from rewind.states.config import Config
+from rewind.states.config_identity import config_hash
 from rewind.states.events import ActivationsCached
 from rewind.states.plan import CacheTrunk
 from rewind.states.state import State

@@ -33,8 +33,8 @@ from rewind.engine.datasets import DatasetError, PairDataset, WindowedDataset, p
 from rewind.engine.documents import DocumentError, expand_inputs, iter_pairs
 from rewind.engine.tokenizer import ByteTokenizer, TextTokenizer
 from rewind.engine.tokens import RowSplit, TokenFileError, TokenStream, open_stream
+from rewind.states.check_data import STDLIB_PLACEHOLDER
 from rewind.states.config import DataSource
-from rewind.states.data_checks import STDLIB_PLACEHOLDER
 from rewind.states.data_identity import DataIdentity, SourceFile
 from rewind.stores.confine import plain_name_problem
 from rewind.stores.datafiles import file_identity

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import re
 
+from rewind.states.check_stages import MAX_STAGES
 from rewind.states.config import Config
+from rewind.states.config_rules import check_config
 from rewind.states.events import (
     RUN_FEATURES,
     ActivationsCached,
@@ -42,7 +44,6 @@ from rewind.states.events import (
 )
 from rewind.states.schedule import Schedule
 from rewind.states.state import ForkSeed, State
-from rewind.states.validation import MAX_STAGES, check_config
 
 # More CPU threads than any machine rewind runs on has: a recorded count beyond it is not a real run's,
 # and handing it to torch.set_num_threads crashes the OpenMP runtime.

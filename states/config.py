@@ -1,33 +1,20 @@
-"""Typed run configuration: frozen msgspec structs decoded from TOML.
+"""Typed run configuration: frozen msgspec structs decoded from TOML (the schema).
 
 Keys follow the ABCD trainer's names (`training.fade.overlap`, `optimization.kl`, ...) so its users
-feel at home; a stage is one `[[stages]]` record. The ABCD trainer's flat per-stage lists
-(`training.tokens`, `training.datasets`, ...) are still read: `rewind.states.stageform` translates them
-to stages before anything else looks at the config. Decoding never stops at the first problem: the raw
-TOML is walked against the struct types (`rewind.states.checking`), then the cross-field rules run
-(`rewind.states.validation`), and `ConfigError` carries every problem, each naming its dotted field
-path (as the user wrote it: a flat list's entry in a flat config). This module holds the schema,
-parsing, and a config's identity (`config_hash`).
-
-Pure: the caller reads the file (see `rewind.tools.configfile`); this module only parses text.
+feel at home; a stage is one `[[stages]]` record. A config is read (TOML, then the flat per-stage
+lists translated to stages, then its types walked, then its rules checked, every problem at once) by
+`rewind.states.config_reading`; its identity (`config_hash`) is `rewind.states.config_identity`.
+This module holds the schema only, and `dumps_config` (its TOML text).
 """
 
 from __future__ import annotations
 
-import tomllib
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
-from rewind.states.checking import as_written, collect_type_problems, field_of, without
-
-# A config's identity and differences (re-exported: they are read as the config's own).
-from rewind.states.config_identity import canonical as canonical
-from rewind.states.config_identity import config_differences as config_differences
-from rewind.states.config_identity import config_hash as config_hash
-from rewind.states.config_identity import flatten as flatten
-from rewind.states.validation import BUILTIN_DATASETS as BUILTIN_DATASETS
-from rewind.states.validation import check_config, unrecordable_ints
+from rewind.states.config_error import ConfigError as ConfigError  # (re-exported: the config's own error)
+from rewind.states.tomlwrite import dumps
 
 CurveName = Literal["linear", "cosine", "sigmoid"]
 LrScheduleName = Literal["wsds", "wsd", "cosine", "sgdr", "constant", "cosine_rewarm"]
@@ -49,6 +36,11 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 ComputePrecision = Literal["fp32", "bf16-autocast", "bf16-mixed"]
 LossKernel = Literal["logits", "chunked", "triton"]
 StrategyName = Literal["pretrain"]  # how a stage trains (the post-training issue adds sft, dpo, grpo)
+
+# Embedded synthetic datasets the engine generates in code (no download). Their names live here so
+# that a config can be checked without importing torch; the engine's registry asserts it matches.
+BUILTIN_DATASETS: tuple[str, ...] = ("grammar", "reverse", "sort", "add")
+
 
 class Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Base of every config section: immutable, and unknown keys are an error, never ignored."""
@@ -282,72 +274,6 @@ class Config(Struct):
         return set(BUILTIN_DATASETS) | set(self.data)
 
 
-class ConfigError(Exception):
-    """Every problem found in a config, each as 'dotted.path: what is wrong'."""
-
-    def __init__(self, problems: list[str], source: str = "config"):
-        self.problems = list(problems)
-        self.source = source
-        super().__init__(f"{source}: " + "; ".join(self.problems))
-
-    def lines(self) -> list[str]:
-        return [f"{self.source}: {p}" for p in self.problems]
-
-
-def loads_config(text: str, source: str = "config", overrides: list[str] | None = None) -> Config:
-    """Parse TOML text into a Config, reporting every problem at once as a ConfigError."""
-    # Imported here: the override module raises this module's ConfigError.
-    from rewind.states.overrides import TomlLimitError, apply_overrides, read_toml
-    from rewind.states.stageform import flat_for_overrides
-
-    try:
-        raw = read_toml(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"not valid TOML: {exc}"], source) from None
-    except TomlLimitError as exc:
-        raise ConfigError([f"cannot read the TOML: {exc}"], source) from None
-    if overrides:
-        raw = apply_overrides(flat_for_overrides(raw, overrides), overrides)
-    return config_from_dict(raw, source)
-
-
-def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
-    """A Config from a raw table of either form (`[[stages]]` records or the flat per-stage lists,
-    translated here: `rewind.states.stageform`), or every problem with it as one ConfigError."""
-    from rewind.states.stageform import to_stage_form
-
-    raw, said, flat = to_stage_form(raw)
-    problems = collect_type_problems(raw, Config)
-    # An integer the log cannot hold is dropped like a mistyped key: no rule computes with it (nor prints it).
-    mistyped = {field_of(p) for p in problems}
-    problems += [p for p in unrecordable_ints(raw) if field_of(p) not in mistyped]
-    if problems or said:
-        # Still report the cross-field problems: drop the mistyped keys (their problem is already
-        # said), check what remains, and keep only findings about fields that were not dropped.
-        dropped = sorted({field_of(p) for p in problems})
-        sanitized = without(raw, dropped)
-        try:
-            rest = check_config(msgspec.convert(sanitized, Config))
-        except msgspec.ValidationError:
-            rest = []
-        # Stage-range rules are meaningless once the stages were dropped.
-        stages_unknown = "stages" in dropped
-        problems += [
-            p
-            for p in rest
-            if not any(field_of(p).startswith(d) for d in dropped)
-            and not (stages_unknown and "out of range" in p)
-        ]
-        raise ConfigError(as_written(said, problems, flat), source)
-    config = msgspec.convert(raw, Config)
-    problems = check_config(config)
-    if problems:
-        raise ConfigError(as_written([], problems, flat), source)
-    return config
-
-
 def dumps_config(config: Config) -> str:
     """TOML text for a config (round-trips through `loads_config`)."""
-    from rewind.states.tomlwrite import dumps
-
     return dumps(msgspec.to_builtins(config))  # a stage's beta or overlap left out (None) is not written

@@ -2,31 +2,82 @@
 
 The identity is the sha256 of a canonical JSON form in which every field left at its default is left
 out, and the stages count as the flat per-stage lists they were written as before `[[stages]]`
-(`rewind.states.stageform.identity`). Pure; `rewind.states.config` re-exports these.
+(`identity`). Pure.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-if TYPE_CHECKING:
-    from rewind.states.config import Config
+from rewind.states.config import Config
+from rewind.states.stageform import BETAS, DATASETS, OVERLAPS, REFRESHES, RESETS, TOKENS
 
 
 def config_hash(config: Config) -> str:
     """Identity of a config: sha256 of its canonical JSON, in which every field left at its default is
     omitted. So a release that adds a field with a default gives every existing config the same hash,
     while a release that changes a default changes the hash of exactly the configs that relied on it.
-    The stages count as the flat lists they were written as before `[[stages]]` (`stageform.identity`), so that
+    The stages count as the flat lists they were written as before `[[stages]]` (`identity`), so that
     change left every hash as it was. Compare hashes computed by the same code (a resume hashes the
     logged config as decoded now)."""
-    from rewind.states.stageform import identity  # (stageform reads the config module, which imports this)
-
     return hashlib.sha256(msgspec.json.encode(identity(config))).hexdigest()
+
+
+def identity(config: Config) -> Any:
+    """The canonical form a config's hash is computed from: `canonical`, with the stages given as the
+    flat per-stage lists (`flat_lists`)."""
+    tree = canonical(msgspec.structs.replace(config, stages=[]))
+    for path, value in flat_lists(config).items():
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return _sorted(tree)
+
+
+def _sorted(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {key: _sorted(tree[key]) for key in sorted(tree)}
+    if isinstance(tree, list):
+        return [_sorted(item) for item in tree]
+    return tree
+
+
+def flat_lists(config: Config) -> dict[tuple[str, ...], Any]:
+    """The config's stages as the flat lists (each left out where it would be empty, as the flat
+    form's defaults were), plus `stages` with each stage's name and strategy where any is set: the
+    canonical form a config's identity is computed from."""
+    stages = config.stages
+    lists: dict[tuple[str, ...], Any] = {
+        TOKENS: [s.tokens for s in stages],
+        DATASETS: [canonical(s.datasets) for s in stages],
+        BETAS: [canonical(s.beta or 0.0) for s in stages] if any(s.beta is not None for s in stages) else [],
+        REFRESHES: [i for i, s in enumerate(stages) if s.refresh_reference],
+        RESETS: [i for i, s in enumerate(stages) if s.reset_optimizer],
+        OVERLAPS: [canonical(config.fade_overlap(i)) for i in range(len(stages) - 1)]
+        if any(s.overlap is not None for s in stages[:-1])
+        else [],
+    }
+    labels = [
+        canonical(
+            msgspec.structs.replace(
+                s,
+                tokens=0,
+                datasets=[],
+                beta=None,
+                refresh_reference=False,
+                reset_optimizer=False,
+                overlap=None,
+            )
+        )
+        for s in stages
+    ]
+    lists[("stages",)] = labels if any(labels) else []
+    return {path: value for path, value in lists.items() if value}
 
 
 def canonical(value: Any) -> Any:

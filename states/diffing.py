@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from rewind.states.config import Config, config_differences
+from rewind.states.config import Config
+from rewind.states.config_identity import config_differences
 from rewind.states.diffmetrics import MetricsAccumulator, UnorderedSteps, abs_delta, merge_by_step
 from rewind.states.diffreport import (
     CONTENT_TYPES,

@@ -19,7 +19,8 @@ from itertools import chain
 import msgspec
 
 from rewind.states.compare import first_difference
-from rewind.states.config import Config, config_differences
+from rewind.states.config import Config
+from rewind.states.config_identity import config_differences
 from rewind.states.diffmetrics import MetricsAccumulator, UnorderedSteps, merge_by_step
 from rewind.states.diffreport import (
     CONTENT_TYPES,

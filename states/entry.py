@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from rewind.states.config import Config, config_hash
+from rewind.states.config import Config
+from rewind.states.config_identity import config_hash
 from rewind.states.events import ConfigChanged, Event, ForkOrigin, RunResumed, RunStarted
 from rewind.states.fold import IllegalTransition, apply, fold, seed_of
 from rewind.states.history import RestorePoint, SeqEvent, restore_points

@@ -32,7 +32,7 @@ from rewind.states.events import StackAppended
 from rewind.states.state import ModelLayout, StackLayout, State
 
 if TYPE_CHECKING:
-    from rewind.states.config import Config, GrowthStep, LoraSection
+    from rewind.states.config import Config, LoraSection
     from rewind.states.schedule import Schedule
 
 replace = msgspec.structs.replace
@@ -46,14 +46,6 @@ def initial_layout(num_layers: int) -> ModelLayout:
 def current_layout(state: State) -> ModelLayout:
     """The layout a run has at `state` (its initial model until the first growth)."""
     return state.layout if state.layout is not None else initial_layout(state.num_layers)
-
-
-def join_step(step_spec: GrowthStep, schedule: Schedule) -> int:
-    """The step before which a growth happens: its stage's entry, or the first step starting at or
-    after its token count."""
-    if step_spec.at_stage >= 0:
-        return schedule.entry_steps[step_spec.at_stage]
-    return schedule.step_of(step_spec.at_tokens)
 
 
 def trunk_rank(lora: LoraSection, stack: int) -> int:

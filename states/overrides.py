@@ -6,7 +6,7 @@ the flat per-stage lists) `optimization.kl.betas[0]`, so a path copied from an e
 TOML value (`16`, `1e-3`, `[10, 20]`, `"text"`, `{name = "sort"}`); a bare word that is not TOML is
 taken as a string. A key that is missing creates its table; an index must name an existing entry
 (there is nothing sensible to fill a gap with), and an index into something that is not a list is an
-error naming the path. The result is then checked like the file itself (`rewind.states.config`).
+error naming the path. The result is then checked like the file itself (`rewind.states.config_reading`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 import tomllib
 from typing import Any
 
-from rewind.states.config import ConfigError
+from rewind.states.config_error import ConfigError
 
 SYNTAX = "dotted.key=VALUE (keys joined by '.', list entries as [i], VALUE a TOML value)"
 SOURCE = "override"

@@ -19,7 +19,8 @@ import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from rewind.states.config import Config, config_hash
+from rewind.states.config import Config
+from rewind.states.config_identity import config_hash
 from rewind.states.events import (
     RUN_FEATURES,
     ActivationsCached,

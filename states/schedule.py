@@ -23,9 +23,8 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from rewind.states.config import Config
+from rewind.states.config import Config, GrowthStep
 from rewind.states.features import Features
-from rewind.states.growth import join_step
 from rewind.states.lr import lr_at
 
 
@@ -123,8 +122,8 @@ class Schedule:
         self.fade_end_steps: tuple[int, ...] = tuple(self.fade_end_step(r) for r in self.fades)
         # entry_steps[i]: first step whose primary stage is >= i (num_steps if the run ends first).
         self.entry_steps: tuple[int, ...] = (0, *(self.stage_entry_step(i) for i in range(1, self.num_stages)))
-        # growth_steps[i]: the step before which config.growth[i] joins (rewind.states.growth.join_step).
-        self.growth_steps: tuple[int, ...] = tuple(join_step(g, self) for g in config.growth)
+        # growth_steps[i]: the step before which config.growth[i] joins (join_step).
+        self.growth_steps: tuple[int, ...] = tuple(self.join_step(g) for g in config.growth)
         self._transition_steps = self._find_transition_steps()
         self.warmup_from_zero = features is not None and not Features.of(features).lr_warmup_floor
         # Steps at which an optimizer reset restarts the LR curve (reset_restarts_lr): the entries of the
@@ -216,6 +215,13 @@ class Schedule:
         )
 
     # --- where things change ---------------------------------------------------------------------
+    def join_step(self, growth: GrowthStep) -> int:
+        """The step before which a growth happens: its stage's entry, or the first step starting at or
+        after its token count."""
+        if growth.at_stage >= 0:
+            return self.entry_steps[growth.at_stage]
+        return self.step_of(growth.at_tokens)
+
     def stage_entry_step(self, stage: int) -> int:
         """First step (<= num_steps) whose primary stage is >= `stage`; num_steps if none is."""
         lo, hi = 0, self.num_steps

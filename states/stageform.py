@@ -6,9 +6,9 @@ existed give the same facts as six flat lists indexed by stage (`training.tokens
 `optimization.reset_optimizer_stages`, `training.fade.per_boundary_overlap`): users' files,
 `import-config` outputs of earlier releases and the configs inside old runs' logs. `to_stage_form`
 translates such a raw table once, where a config is read, so nothing past it knows the flat form;
-`flat_path` names a problem found in the translated config by the flat entry the user wrote; and
-`flat_lists` gives a config's stages back as those lists, which is what its identity (`config_hash`)
-is computed from, so no config's hash changed when stages became records.
+and `flat_path` names a problem found in the translated config by the flat entry the user wrote. A
+config's identity (`config_hash`) is computed from its stages given back as those lists
+(`rewind.states.config_identity.flat_lists`), so no config's hash changed when stages became records.
 
 Pure (no I/O), like the rest of `rewind.states`.
 """
@@ -16,15 +16,11 @@ Pure (no I/O), like the rest of `rewind.states`.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import msgspec
-
-from rewind.states.checking import collect_type_problems
+from rewind.states.check_types import collect_type_problems
+from rewind.states.config_error import ConfigError
 from rewind.states.overrides import PathPart, deep_copy, parse_override, shown
-
-if TYPE_CHECKING:
-    from rewind.states.config import Config
 
 # Each flat list, and the stage field its i-th entry (or, for the lists of stage indices, the
 # presence of i) becomes.
@@ -177,46 +173,9 @@ def flat_path(problem: str) -> str:
     return f"{_FLAT_PATH.get(field or '', 'training.tokens')}[{index}]{rest}"
 
 
-def flat_lists(config: Config) -> dict[tuple[str, ...], Any]:
-    """The config's stages as the flat lists (each left out where it would be empty, as the flat
-    form's defaults were), plus `stages` with each stage's name and strategy where any is set: the
-    canonical form a config's identity is computed from."""
-    from rewind.states.config_identity import canonical
-
-    stages = config.stages
-    lists: dict[tuple[str, ...], Any] = {
-        TOKENS: [s.tokens for s in stages],
-        DATASETS: [canonical(s.datasets) for s in stages],
-        BETAS: [canonical(s.beta or 0.0) for s in stages] if any(s.beta is not None for s in stages) else [],
-        REFRESHES: [i for i, s in enumerate(stages) if s.refresh_reference],
-        RESETS: [i for i, s in enumerate(stages) if s.reset_optimizer],
-        OVERLAPS: [canonical(config.fade_overlap(i)) for i in range(len(stages) - 1)]
-        if any(s.overlap is not None for s in stages[:-1])
-        else [],
-    }
-    labels = [
-        canonical(
-            msgspec.structs.replace(
-                s,
-                tokens=0,
-                datasets=[],
-                beta=None,
-                refresh_reference=False,
-                reset_optimizer=False,
-                overlap=None,
-            )
-        )
-        for s in stages
-    ]
-    lists[("stages",)] = labels if any(labels) else []
-    return {path: value for path, value in lists.items() if value}
-
-
 def flat_for_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """`raw` written flat when an override sets a flat list (`--set training.tokens=[...]`) on a config
     whose stages are records, so that the override means what it always meant; else `raw` itself."""
-    from rewind.states.config import ConfigError
-
     stages = raw.get("stages")
     flat = [text for text in overrides if _is_flat(_path_of(text))]
     if stages is None or not flat:
@@ -269,8 +228,6 @@ def _fade_overlap(raw: dict[str, Any]) -> Any:
 
 
 def _path_of(text: str) -> list[PathPart]:
-    from rewind.states.config import ConfigError
-
     try:
         return parse_override(text)[0]
     except ConfigError:  # a malformed override is reported by apply_overrides, with the others
@@ -300,25 +257,3 @@ def _pop(raw: dict[str, Any], path: tuple[str, ...]) -> None:
         if parent[part]:
             break
         del parent[part]
-
-
-def identity(config: Config) -> Any:
-    """The canonical form a config's hash is computed from: `canonical`, with the stages given as the
-    flat per-stage lists (`flat_lists`)."""
-    from rewind.states.config_identity import canonical
-
-    tree = canonical(msgspec.structs.replace(config, stages=[]))
-    for path, value in flat_lists(config).items():
-        node = tree
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return _sorted(tree)
-
-
-def _sorted(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {key: _sorted(tree[key]) for key in sorted(tree)}
-    if isinstance(tree, list):
-        return [_sorted(item) for item in tree]
-    return tree

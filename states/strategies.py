@@ -17,8 +17,8 @@ this module, so the library itself never depends on hypothesis.
 Example: a property test of your own config.
 
     from hypothesis import given
-    from rewind.states.checks import schedule_warnings
-    from rewind.states.config import loads_config
+    from rewind.states.check_schedule import schedule_warnings
+    from rewind.states.config_reading import loads_config
     from rewind.states.schedule import Schedule
     from rewind.states.strategies import config_variants, token_positions
 
@@ -43,7 +43,9 @@ from typing import Any
 import msgspec
 from hypothesis import strategies as st
 
-from rewind.states.config import BUILTIN_DATASETS, Config, config_from_dict, config_hash
+from rewind.states.config import BUILTIN_DATASETS, Config
+from rewind.states.config_identity import config_hash
+from rewind.states.config_reading import config_from_dict
 from rewind.states.events import (
     CheckpointCommitted,
     CheckpointDeleted,

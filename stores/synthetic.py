@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rewind.states.config import config_hash, loads_config
+from rewind.states.config_identity import config_hash
+from rewind.states.config_reading import loads_config
 from rewind.states.events import (
     CheckpointCommitted,
     CheckpointDeleted,

@@ -7,7 +7,8 @@ import os
 import stat
 from pathlib import Path
 
-from rewind.states.config import Config, ConfigError, loads_config
+from rewind.states.config import Config, ConfigError
+from rewind.states.config_reading import loads_config
 from rewind.tools.errors import UsageError
 
 # Configs are a few kilobytes; a file far past this is a wrong path (a dataset, a log), and reading
@@ -93,7 +94,7 @@ def resolve_data_paths(config: Config, base: Path) -> Config:
     the current directory. URLs, absolute paths and `{stdlib}` paths stay as they are."""
     import msgspec
 
-    from rewind.states.data_checks import STDLIB_PLACEHOLDER
+    from rewind.states.check_data import STDLIB_PLACEHOLDER
 
     def resolved(path: str) -> str:
         if not path or "://" in path or path.startswith(STDLIB_PLACEHOLDER) or Path(path).expanduser().is_absolute():

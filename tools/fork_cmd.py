@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
 
     from rewind.engine.fork import open_fork
     from rewind.engine.parts import RunError
-    from rewind.states.config import config_differences, config_from_dict
+    from rewind.states.config_identity import config_differences
+    from rewind.states.config_reading import config_from_dict
     from rewind.states.overrides import apply_overrides, parse_override
     from rewind.states.stageform import flat_for_overrides
     from rewind.stores.eventlog import LogLockedError, LogNotFoundError

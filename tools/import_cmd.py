@@ -66,7 +66,8 @@ def render(config: dict[str, Any], source: str) -> str:
 def check_imported(config: dict[str, Any], source: str) -> None:
     """UsageError (one line, every problem) if rewind's config rules refuse the imported config: a
     value the original accepted that rewind does not (a rate of 0, betas of the wrong length, ...)."""
-    from rewind.states.config import ConfigError, config_from_dict
+    from rewind.states.config import ConfigError
+    from rewind.states.config_reading import config_from_dict
 
     try:
         config_from_dict(config, source)

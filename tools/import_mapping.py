@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rewind.states.validation import BUILTIN_DATASETS
+from rewind.states.config import BUILTIN_DATASETS
 from rewind.tools.errors import UsageError
 from rewind.tools.import_schedule import lr_schedule, trainer_of
 from rewind.tools.import_yaml import MISSING, Notes, YamlConfig, short_repr

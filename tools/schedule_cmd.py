@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from rewind.states.checks import schedule_warnings
+from rewind.states.check_schedule import schedule_warnings
 from rewind.states.events import Event, event_to_dict
 from rewind.states.plan import plan
 from rewind.states.schedule import Ramp, Schedule

@@ -76,7 +76,7 @@ def stage_rows(timeline) -> list[dict]:
 
 def markers(timeline) -> list[dict]:
     """Control markers in token order (then log order). Checkpoints are summarised separately."""
-    from rewind.states.config import config_differences
+    from rewind.states.config_identity import config_differences
     from rewind.states.events import (
         ConfigChanged,
         FadeEnded,

@@ -181,7 +181,7 @@ def _train_here(config, run_dir: str, *, fork: bool, max_steps: int | None, prog
 def finished_under_another_config(logged, new) -> str:
     """"" when `new` is the config the run logged (by identity, as a resume decides), else the fields
     that differ, 'path: old -> new' joined by '; ' (the first four, then how many more)."""
-    from rewind.states.config import config_differences, config_hash
+    from rewind.states.config_identity import config_differences, config_hash
 
     if config_hash(logged) == config_hash(new):
         return ""

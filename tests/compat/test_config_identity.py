@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rewind.states.config import config_hash
+from rewind.states.config_identity import config_hash
 from rewind.states.events import ConfigChanged, RunStarted
 from rewind.stores.eventlog import EventLog
 from rewind.tools.configfile import load_config

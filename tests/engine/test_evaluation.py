@@ -15,7 +15,7 @@ from rewind.engine.evaluation import Evaluation, evaluate, evaluate_dataset, val
 from rewind.engine.model import GPT
 from rewind.engine.tokenizer import ByteTokenizer
 from rewind.kernels.losses import fused_losses
-from rewind.states.config import config_from_dict
+from rewind.states.config_reading import config_from_dict
 from rewind.states.events import Evaluated
 from rewind.stores.metrics import project
 

@@ -16,7 +16,7 @@ from rewind.engine.growth import grow
 from rewind.engine.parts import fresh_parts, open_datasets
 from rewind.engine.step import train_step
 from rewind.engine.userdata import DataPlace
-from rewind.states.config import loads_config
+from rewind.states.config_reading import loads_config
 from rewind.states.events import ActivationsCached, StackAppended
 from rewind.states.growth import grown_layout, growth_event, initial_layout
 from rewind.stores import activations

@@ -478,7 +478,7 @@ def test_a_run_that_skips_most_of_its_updates_fails_with_one_line(tmp_path, monk
 
 def test_a_run_that_skips_some_updates_finishes_with_a_warning(tmp_path, monkeypatch):
     from rewind.engine.session import open_run
-    from rewind.states.config import loads_config
+    from rewind.states.config_reading import loads_config
 
     poison_steps(monkeypatch, {1, 4})  # 2 of 9: more than 10%, not more than half
     config = loads_config(TINY.read_text(), overrides=list(SHORT))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewind.states.config import loads_config
+from rewind.states.config_reading import loads_config
 from rewind.stores.codec import encode_frame
 from rewind.stores.runs import read_seq_events
 from tests.engine.test_loop import OVERRIDES, TINY, run_cli, train_args

@@ -10,7 +10,8 @@ from itertools import zip_longest
 from typing import Any
 
 from rewind.states.compare import first_difference, floats_equal
-from rewind.states.config import Config, config_differences
+from rewind.states.config import Config
+from rewind.states.config_identity import config_differences
 from rewind.states.diffing import abs_delta
 from rewind.states.diffreport import (
     CONTENT_TYPES,

@@ -5,7 +5,7 @@ fade weights, rows, LR, KL weight, the control events and when they fall -- from
 sharing no code with `Schedule`, and compares it with what `Schedule.step_plan` and `plan` produce. A
 violation means the schedule code disagrees with the spec. This is a test helper: the property tests
 in `test_checks.py` run it over generated configs, and break the code on purpose to see that it notices.
-(What a user gets from `rewind schedule --check` is the warnings in `rewind.states.checks`.)
+(What a user gets from `rewind schedule --check` is the warnings in `rewind.states.check_schedule`.)
 
 Every step is checked when N <= 200_000. Beyond, a 1M-step config is sampled to keep the tests quick:
 every step near a change (entries, ramp edges, LR phases), every fade step while the fades are short

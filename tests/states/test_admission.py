@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rewind.states.admission import Admission, cache_path_problem, plain_name_problem
-from rewind.states.config import loads_config
+from rewind.states.config_reading import loads_config
 from rewind.states.events import ActivationsCached, CheckpointCommitted, CheckpointDeleted, StepCommitted
 from rewind.states.strategies import simulate_run
 

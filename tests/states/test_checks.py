@@ -18,8 +18,8 @@ from hypothesis import given, settings
 
 import rewind.states.plan as plan_module
 import rewind.states.schedule as schedule_module
-from rewind.states.checks import schedule_warnings
-from rewind.states.config import loads_config
+from rewind.states.check_schedule import schedule_warnings
+from rewind.states.config_reading import loads_config
 from rewind.states.events import FadeEnded, FadeStarted
 from rewind.states.schedule import Schedule
 from rewind.states.strategies import config_variants, configs

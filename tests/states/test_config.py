@@ -6,15 +6,9 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 
-from rewind.states.config import (
-    Config,
-    ConfigError,
-    RunSection,
-    canonical,
-    config_hash,
-    dumps_config,
-    loads_config,
-)
+from rewind.states.config import Config, ConfigError, RunSection, dumps_config
+from rewind.states.config_identity import canonical, config_hash
+from rewind.states.config_reading import loads_config
 from rewind.states.overrides import apply_overrides, parse_override
 from rewind.states.strategies import configs
 

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rewind.states.config import ConfigError, loads_config
+from rewind.states.config import ConfigError
+from rewind.states.config_reading import loads_config
 from rewind.states.schedule import Schedule
 from tests.engine.test_loop import TINY
 

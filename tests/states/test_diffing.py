@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.states.config import config_hash, loads_config
+from rewind.states.config_identity import config_hash
+from rewind.states.config_reading import loads_config
 from rewind.states.diffing import (
     CONTENT_TYPES,
     abs_delta,

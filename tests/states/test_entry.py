@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from rewind.states.config import config_hash, loads_config
+from rewind.states.config_identity import config_hash
+from rewind.states.config_reading import loads_config
 from rewind.states.entry import (
     Computed,
     EntryRefused,

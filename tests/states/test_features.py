@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from rewind.states import events
-from rewind.states.config import loads_config
+from rewind.states.config_reading import loads_config
 from rewind.states.events import RunStarted
 from rewind.states.features import RUN_FEATURES, Features
 from rewind.states.fold import apply

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.states.config import loads_config
+from rewind.states.config_reading import loads_config
 from rewind.states.events import (
     EVENT_TYPES,
     CheckpointCommitted,

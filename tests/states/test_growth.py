@@ -9,7 +9,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rewind.states.config import Config, ConfigError, LoraSection, config_hash, loads_config
+from rewind.states.config import Config, ConfigError, LoraSection
+from rewind.states.config_identity import config_hash
+from rewind.states.config_reading import loads_config
 from rewind.states.events import (
     ActivationsCached,
     CheckpointCommitted,

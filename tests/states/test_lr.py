@@ -13,8 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.states.checks import schedule_warnings
-from rewind.states.config import ConfigError, OptimizationSection, canonical, loads_config
+from rewind.states.check_schedule import schedule_warnings
+from rewind.states.config import ConfigError, OptimizationSection
+from rewind.states.config_identity import canonical
+from rewind.states.config_reading import loads_config
 from rewind.states.events import OptimizerReset, RunStarted, StageEntered
 from rewind.states.fold import apply
 from rewind.states.lr import lr_at, stage_span

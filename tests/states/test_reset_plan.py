@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.states.config import Config, loads_config
+from rewind.states.config import Config
+from rewind.states.config_reading import loads_config
 from rewind.states.events import (
     CheckpointCommitted,
     Evaluated,

@@ -17,13 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rewind.states import plan as plan_module
-from rewind.states.config import ConfigError, loads_config
+from rewind.states.check_stages import MAX_STAGES
+from rewind.states.config import ConfigError
+from rewind.states.config_reading import loads_config
+from rewind.states.config_rules import check_config
 from rewind.states.events import FadeEnded, FadeStarted
 from rewind.states.plan import boundary_ending_at, fade_due, plan
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
 from rewind.states.strategies import configs, token_positions
-from rewind.states.validation import MAX_STAGES, check_config
 
 replace = msgspec.structs.replace
 SMALL = configs(max_stages=8, max_steps=300)

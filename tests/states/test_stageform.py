@@ -9,17 +9,11 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 
-from rewind.states.config import (
-    Config,
-    ConfigError,
-    config_differences,
-    config_from_dict,
-    config_hash,
-    dumps_config,
-    loads_config,
-)
+from rewind.states.config import Config, ConfigError, dumps_config
+from rewind.states.config_identity import config_differences, config_hash, identity
+from rewind.states.config_reading import config_from_dict, loads_config
 from rewind.states.overrides import apply_overrides
-from rewind.states.stageform import flat_for_overrides, identity
+from rewind.states.stageform import flat_for_overrides
 from rewind.states.strategies import configs
 from rewind.states.tomlwrite import dumps
 

@@ -8,7 +8,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rewind.states.config import loads_config
+from rewind.states.config_reading import loads_config
 from rewind.states.events import CheckpointCommitted, RunResumed
 from rewind.states.fold import fold
 from rewind.states.history import config_in_force

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rewind.states.config import loads_config
+from rewind.states.config_reading import loads_config
 from rewind.states.events import ActivationsCached, ForkOrigin, RunStarted
 from rewind.stores.cachenames import cache_path
 from rewind.stores.trust import RecordChecker

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from rewind.states.config import Config, loads_config
+from rewind.states.config import Config
+from rewind.states.config_reading import loads_config
 from rewind.states.events import Event, StepCommitted
 from rewind.stores.eventlog import EventLog
 

@@ -15,7 +15,8 @@ import msgspec
 import pytest
 
 from rewind.states.compare import first_difference
-from rewind.states.config import Config, config_hash
+from rewind.states.config import Config
+from rewind.states.config_identity import config_hash
 from rewind.states.diffing import diff_streams
 from rewind.states.diffreport import CONTENT_TYPES
 from rewind.states.events import (

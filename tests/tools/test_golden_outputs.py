@@ -31,7 +31,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rewind.states.config import Config, loads_config
+from rewind.states.config import Config
+from rewind.states.config_reading import loads_config
 from rewind.states.events import Event, StepCommitted
 from rewind.states.fold import fold
 from rewind.states.strategies import simulate_run

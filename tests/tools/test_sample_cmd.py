@@ -17,7 +17,7 @@ import pytest
 
 from rewind.engine.sampling import generate
 from rewind.engine.tokenizer import ByteTokenizer, train_bpe
-from rewind.states.config import config_from_dict
+from rewind.states.config_reading import config_from_dict
 from rewind.states.events import CheckpointCommitted
 from rewind.stores.runs import read_seq_events
 from rewind.tools.cli import main

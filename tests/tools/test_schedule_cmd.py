@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rewind.states.checks import schedule_warnings
+from rewind.states.check_schedule import schedule_warnings
 from rewind.states.schedule import Schedule
 from rewind.tools.configfile import load_config
 from tests.conftest import EXAMPLES, REPO

@@ -13,11 +13,12 @@ import msgspec
 import pytest
 
 from rewind.states import schedule as schedule_module
-from rewind.states.config import Config, config_hash
+from rewind.states.check_stages import MAX_STAGES
+from rewind.states.config import Config
+from rewind.states.config_identity import config_hash
 from rewind.states.events import RUN_FEATURES, RunResumed, RunStarted, StageEntered, StepCommitted
 from rewind.states.stageform import to_stage_form
 from rewind.states.state import ForkSeed
-from rewind.states.validation import MAX_STAGES
 from rewind.stores.eventlog import EventLog
 from rewind.stores.trust import RecordChecker
 from tests.engine.test_loop import run_cli

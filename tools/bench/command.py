@@ -95,7 +95,7 @@ def _run_gpu(args: argparse.Namespace) -> int:
 
 
 def _bench_config(num_steps: int):
-    from rewind.states.config import loads_config
+    from rewind.states.config_reading import loads_config
 
     # Five stages with cosine fades over half of each smaller neighbour: the worst case for a walker.
     budgets = [num_steps * w // 10 for w in (4, 2, 2, 1, 1)]
@@ -131,7 +131,7 @@ def _walk_every_step(schedule) -> int:
 
 
 def _stages_config(num_stages: int):
-    from rewind.states.config import loads_config
+    from rewind.states.config_reading import loads_config
 
     # 16 steps a stage, every boundary faded: a transition every few steps.
     return loads_config(
@@ -165,9 +165,9 @@ def _build_and_plan_s(num_stages: int) -> float:
 
 
 def bench_schedule(quick: bool = False) -> dict:
+    from rewind.states.check_stages import MAX_STAGES
     from rewind.states.plan import plan
     from rewind.states.schedule import Schedule
-    from rewind.states.validation import MAX_STAGES
 
     big = 100_000 if quick else 1_000_000
     small = 10_000 if quick else 100_000

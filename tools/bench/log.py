@@ -24,7 +24,8 @@ from typing import Any
 
 import msgspec
 
-from rewind.states.config import Config, Sampling, Stage, config_hash
+from rewind.states.config import Config, Sampling, Stage
+from rewind.states.config_identity import config_hash
 from rewind.states.events import AnyEvent, RunStarted, StageEntered, StepCommitted
 from rewind.stores import fsio
 from rewind.stores.codec import HEADER_SIZE, TRAILER, encode_frame

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from rewind.engine.cursors import split_rows
-from rewind.engine.loop import drive
 from rewind.engine.layout import build_model
+from rewind.engine.loop import drive
 from rewind.engine.registry import DatasetRegistry
 from rewind.engine.session import open_run
 from rewind.engine.step import StepResult, build_optimizer, train_step

@@ -1,6 +1,6 @@
 """The rules a growth plan, its adapters and the training objective must satisfy, as config problems.
 
-Called by `rewind.states.validation.check_config`, so a plan that cannot fit (a join past the end, two
+Called by `rewind.states.config_rules.check_config`, so a plan that cannot fit (a join past the end, two
 growths at one step, a copy of more blocks than exist, a rank table that disagrees with the number of
 stacks, full training of a quantised stack) is reported before anything runs, each problem naming its
 field path. The plan is checked by performing it: every growth's event is built and folded into the
@@ -9,10 +9,9 @@ layout, exactly as the run will do it, so a rule the fold enforces cannot be mis
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rewind.states.config import Config
+from rewind.states.config import Config
+from rewind.states.growth import GrowthError, caches_trunk, grown_layout, growth_event, initial_layout
+from rewind.states.schedule import Schedule
 
 LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
 
@@ -33,13 +32,19 @@ def growth_problems(config: Config, schedule_ok: bool) -> list[str]:
         if given != 1:
             entries.append(f"{at}: give exactly one of at_stage and at_tokens")
         if spec.at_stage >= 0 and not 0 < spec.at_stage < max(n, 1):
-            entries.append(f"{at}.at_stage: stage {spec.at_stage} is out of range 1..{n - 1} (stage 0 is the initial model)")
+            entries.append(
+                f"{at}.at_stage: stage {spec.at_stage} is out of range 1..{n - 1} (stage 0 is the initial model)"
+            )
         if spec.num_blocks <= 0:
             entries.append(f"{at}.num_blocks: must be positive, got {spec.num_blocks}")
         if spec.anchor and spec.position != "prepend":
-            entries.append(f"{at}.anchor: only a prepended stack can keep the head fixed (the loss flows through it)")
+            entries.append(
+                f"{at}.anchor: only a prepended stack can keep the head fixed (the loss flows through it)"
+            )
         if spec.init == "identity" and spec.precision == "nf4":
-            entries.append(f"{at}.init: identity needs exact zeros in the new output projections, which nf4 cannot hold")
+            entries.append(
+                f"{at}.init: identity needs exact zeros in the new output projections, which nf4 cannot hold"
+            )
     problems += entries
     if entries or blocking or not schedule_ok:
         return problems
@@ -48,9 +53,6 @@ def growth_problems(config: Config, schedule_ok: bool) -> list[str]:
 
 def _plan_problems(config: Config) -> list[str]:
     """Perform the plan on layouts: join steps in order and inside the run, each growth foldable."""
-    from rewind.states.growth import GrowthError, caches_trunk, grown_layout, growth_event, initial_layout
-    from rewind.states.schedule import Schedule
-
     schedule = Schedule(config)
     problems: list[str] = []
     layout = initial_layout(config.architecture.num_layers)
@@ -60,12 +62,18 @@ def _plan_problems(config: Config) -> list[str]:
         step = schedule.growth_steps[i]
         field = "at_stage" if spec.at_stage >= 0 else "at_tokens"
         if not 0 < step < schedule.num_steps:
-            problems.append(f"{at}.{field}: joins at step {step}, outside the run's steps 1..{schedule.num_steps - 1}")
+            problems.append(
+                f"{at}.{field}: joins at step {step}, outside the run's steps 1..{schedule.num_steps - 1}"
+            )
         elif step <= previous and i > 0:
-            problems.append(f"{at}.{field}: joins at step {step}, not after growth[{i - 1}] (step {previous})")
+            problems.append(
+                f"{at}.{field}: joins at step {step}, not after growth[{i - 1}] (step {previous})"
+            )
         previous = step
         try:
-            layout = grown_layout(layout, growth_event(config, i, layout, step, step * schedule.tokens_per_step))
+            layout = grown_layout(
+                layout, growth_event(config, i, layout, step, step * schedule.tokens_per_step)
+            )
         except GrowthError as exc:
             problems.append(f"{at}: {exc}")
             break

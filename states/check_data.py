@@ -1,11 +1,10 @@
-"""The rules for a config's data, tokenizer and pretrained sections (see rewind.states.validation)."""
+"""The rules for a config's data sources (`[data.NAME]`) and its tokenizer: names, paths, the
+validation split, prompt/response fields, and what a trained tokenizer is trained on. Called by
+`rewind.states.config_rules.check_config`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rewind.states.config import Config
+from rewind.states.config import BUILTIN_DATASETS, Config
 
 TEXT_KINDS = ("text", "jsonl", "parquet")  # documents the run tokenises (kind "tokens" is already token ids)
 # In a data path, the Python standard library's directory (the engine substitutes it): a real corpus on
@@ -15,12 +14,13 @@ STDLIB_PLACEHOLDER = "{stdlib}"
 MIN_TRAINED_VOCAB = 257
 
 
-def data_problems(config: Config, builtin: tuple[str, ...]) -> list[str]:
+def data_problems(config: Config) -> list[str]:
+    """Each data source's problems, by name, then the tokenizer's."""
     problems: list[str] = []
     add = problems.append
     for name, source in config.data.items():
         where = f"data.{name}"
-        if name in builtin:
+        if name in BUILTIN_DATASETS:
             add(f"{where}: the name is taken by a built-in dataset")
         if not source.path:
             add(f"{where}.path: must not be empty")
@@ -32,7 +32,9 @@ def data_problems(config: Config, builtin: tuple[str, ...]) -> list[str]:
         pairs = (source.prompt_field, source.response_field)
         if any(pairs):
             if source.kind not in ("jsonl", "parquet"):
-                add(f"{where}.prompt_field: prompt/response pairs need kind jsonl or parquet, not {source.kind!r}")
+                add(
+                    f"{where}.prompt_field: prompt/response pairs need kind jsonl or parquet, not {source.kind!r}"
+                )
             elif not all(pairs):
                 missing = "response_field" if source.prompt_field else "prompt_field"
                 add(f"{where}.{missing}: prompt_field and response_field go together")
@@ -44,16 +46,24 @@ def data_problems(config: Config, builtin: tuple[str, ...]) -> list[str]:
     text_datasets = [n for n, s in config.data.items() if s.kind in TEXT_KINDS and not s.prompt_field]
     if tok.train_vocab_size:
         if tok.path:
-            add("tokenizer.train_vocab_size: a tokenizer is either read from tokenizer.path or trained, not both")
+            add(
+                "tokenizer.train_vocab_size: a tokenizer is either read from tokenizer.path or trained, not both"
+            )
         if tok.train_vocab_size < MIN_TRAINED_VOCAB:
-            add(f"tokenizer.train_vocab_size: must be >= {MIN_TRAINED_VOCAB} (256 bytes and at least one merge), "
-                f"got {tok.train_vocab_size}")
+            add(
+                f"tokenizer.train_vocab_size: must be >= {MIN_TRAINED_VOCAB} (256 bytes and at least one merge), "
+                f"got {tok.train_vocab_size}"
+            )
         if tok.train_vocab_size > config.architecture.vocab_size:
-            add(f"tokenizer.train_vocab_size: {tok.train_vocab_size} exceeds architecture.vocab_size "
-                f"{config.architecture.vocab_size}")
+            add(
+                f"tokenizer.train_vocab_size: {tok.train_vocab_size} exceeds architecture.vocab_size "
+                f"{config.architecture.vocab_size}"
+            )
         if not (tok.train_on or text_datasets):
-            add("tokenizer.train_vocab_size: no documents to train it on (declare a [data.NAME] of kind text, "
-                "or jsonl / parquet without prompt_field)")
+            add(
+                "tokenizer.train_vocab_size: no documents to train it on (declare a [data.NAME] of kind text, "
+                "or jsonl / parquet without prompt_field)"
+            )
     elif tok.train_on:
         add("tokenizer.train_on: only used with tokenizer.train_vocab_size")
     for i, name in enumerate(tok.train_on):
@@ -62,5 +72,7 @@ def data_problems(config: Config, builtin: tuple[str, ...]) -> list[str]:
         elif config.data[name].kind not in TEXT_KINDS:
             add(f"tokenizer.train_on[{i}]: {name!r} is of kind {config.data[name].kind!r}, not text")
         elif config.data[name].prompt_field:
-            add(f"tokenizer.train_on[{i}]: {name!r} holds prompt/response pairs; a tokenizer is trained on documents")
+            add(
+                f"tokenizer.train_on[{i}]: {name!r} holds prompt/response pairs; a tokenizer is trained on documents"
+            )
     return problems

@@ -1,32 +1,32 @@
-"""Walk raw decoded TOML against a msgspec type and collect *every* type problem with its path.
+"""A config's types and shapes: raw decoded TOML walked against a msgspec type, every type problem
+collected with its path; and the numbers anywhere in a config that nothing after the check could hold
+(NaN and infinities, integers past 64 bits).
 
 msgspec's own `convert` stops at the first error; researchers fixing a config want the whole list.
-`without` drops the mistyped fields so the cross-field rules can still run on what is left, and
-`as_written` names what they find as the user wrote the config.
-Leaves are checked with `msgspec.convert` itself, so the accepted values are exactly msgspec's.
+`without` drops the mistyped fields so the cross-field rules can still run on what is left
+(`rewind.states.config_reading`). Leaves are checked with `msgspec.convert` itself, so the accepted
+values are exactly msgspec's.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import msgspec
 from msgspec import inspect as mi
 
+from rewind.states.overrides import deep_copy, parse_path
+
+# The log is msgpack, whose integers are 64-bit: a config value beyond them cannot be recorded, and torch's
+# integers are int64. run.seed has a rule of its own (unsigned, below 2**64).
+INT64_RANGE = (-(1 << 63), 1 << 63)
+OWN_INT_RULES = frozenset({"run.seed"})
+
 
 def collect_type_problems(raw: Any, type_: Any, path: str = "") -> list[str]:
     return _walk(raw, mi.type_info(type_), path)
-
-
-def as_written(said: list[str], problems: list[str], flat: bool) -> list[str]:
-    """The problems named as the user wrote the config (a flat config's by its flat lists' entries),
-    leaving out what the translation already said about the same field."""
-    from rewind.states.stageform import flat_path
-
-    fields = {field_of(p) for p in said}
-    named = [flat_path(p) for p in problems] if flat else problems
-    return said + [p for p in named if not any(field_of(p).startswith(f) for f in fields)]
 
 
 def field_of(problem: str) -> str:
@@ -36,8 +36,6 @@ def field_of(problem: str) -> str:
 
 
 def without(raw: dict[str, Any], paths: list[str]) -> dict[str, Any]:
-    from rewind.states.overrides import deep_copy, parse_path  # (overrides imports this module)
-
     pruned = deep_copy(raw)
     for path in paths:
         try:
@@ -55,6 +53,53 @@ def without(raw: dict[str, Any], paths: list[str]) -> dict[str, Any]:
         if isinstance(node, dict):
             node.pop(last, None)
     return pruned
+
+
+def non_finite_floats(value: Any, path: str = "") -> list[str]:
+    """'path: must be a finite number, got nan' for every NaN or infinity anywhere in the config: a
+    comparison with NaN is always false, so no range rule would ever catch one."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [f"{path}: must be a finite number, got {value}"]
+    if isinstance(value, msgspec.Struct):
+        return [
+            p
+            for f in msgspec.structs.fields(value)
+            for p in non_finite_floats(getattr(value, f.name), _join(path, f.encode_name))
+        ]
+    if isinstance(value, list | tuple):
+        return [p for i, item in enumerate(value) for p in non_finite_floats(item, f"{path}[{i}]")]
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in non_finite_floats(item, _join(path, str(key)))]
+    return []
+
+
+def unrecordable_ints(value: Any, path: str = "") -> list[str]:
+    """'path: must fit a signed 64-bit integer, ...' for every integer anywhere in the config that the
+    log (msgpack) or torch could not hold: nothing after the check could record or compute with it."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        if path in OWN_INT_RULES or INT64_RANGE[0] <= value < INT64_RANGE[1]:
+            return []
+        return [f"{path}: must fit a signed 64-bit integer (the log's integers), got {show_int(value)}"]
+    if isinstance(value, msgspec.Struct):
+        return [
+            p
+            for f in msgspec.structs.fields(value)
+            for p in unrecordable_ints(getattr(value, f.name), _join(path, f.encode_name))
+        ]
+    if isinstance(value, list | tuple):
+        return [p for i, item in enumerate(value) for p in unrecordable_ints(item, f"{path}[{i}]")]
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in unrecordable_ints(item, _join(path, str(key)))]
+    return []
+
+
+def show_int(value: int) -> str:
+    """An integer as a message shows it: whole when short, else its size (never thousands of digits)."""
+    if abs(value) < 10**30:
+        return str(value)
+    return f"a {'negative ' if value < 0 else ''}number of about {int(math.log10(abs(value))) + 1} digits"
 
 
 def _walk(value: Any, info: mi.Type, path: str) -> list[str]:
@@ -146,6 +191,11 @@ def _label(path: str) -> str:
 
 
 def _kind(value: Any) -> str:
-    return {dict: "a table", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a float"}.get(
-        type(value), type(value).__name__
-    )
+    return {
+        dict: "a table",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a float",
+    }.get(type(value), type(value).__name__)
