@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rewind.engine.assemble import assemble, enter_site
-from rewind.engine.continuation import continuation_problem
 from rewind.engine.journal import Journal
 from rewind.engine.loop import Run, record
 from rewind.engine.parts import RunError
@@ -32,6 +31,7 @@ from rewind.engine.rundata import (
     replace_config_data,
 )
 from rewind.engine.session import REWIND_VERSION, metrics_for, prepare_directory
+from rewind.states.check_continuation import continuation_problem
 from rewind.states.entry import (
     EntryRefused,
     ForkPoint,

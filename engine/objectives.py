@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from rewind.engine.rng import torch_generator
+from rewind.states.check_continuation import model_vocab_size as model_vocab_size  # (re-exported: its home)
+from rewind.states.check_continuation import num_time_levels as num_time_levels
 from rewind.states.config import ObjectiveSection
 
 MASK_PURPOSE = "mask"
@@ -46,19 +48,6 @@ def mask_token_id(vocab_size: int) -> int:
     """The mask token: one id past the data's vocabulary (the model gets one extra embedding row and
     logit for it when the objective masks). Data ids are in [0, vocab_size), so it never collides."""
     return vocab_size
-
-
-def model_vocab_size(objective: ObjectiveSection, vocab_size: int) -> int:
-    """Embedding rows and logits the model needs: the data's vocabulary, plus the mask token when the
-    objective masks."""
-    _check_kind(objective)
-    return vocab_size if objective.kind == "clm" else vocab_size + 1
-
-
-def num_time_levels(objective: ObjectiveSection) -> int:
-    """Rows of the time embedding: the diffusion levels when time is an input, else 0 (no embedding)."""
-    _check_kind(objective)
-    return objective.num_levels if objective.kind == "diffusion" and objective.time == "input" else 0
 
 
 def is_causal(objective: ObjectiveSection) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rewind.engine.assemble import assemble, enter_site
-from rewind.engine.continuation import config_mismatch, continuation_problem
+from rewind.engine.continuation import config_mismatch
 from rewind.engine.journal import FollowerJournal, Journal
 from rewind.engine.loop import Run, record
 from rewind.engine.parts import Parts, RunError, fresh_parts, open_datasets
@@ -33,6 +33,7 @@ from rewind.engine.rundata import (
     replace_config_data,
     start_place,
 )
+from rewind.states.check_continuation import continuation_problem
 from rewind.states.config import Config
 from rewind.states.config_identity import config_hash
 from rewind.states.entry import Computed, EntryRefused, resume_records, site_of, tokenizer_problem

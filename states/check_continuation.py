@@ -1,0 +1,92 @@
+"""A change of config against a run: whether a run can go on from a checkpoint under another config
+(a fork, in place or not), whose weights must still fit the model the new config describes.
+
+The shapes a config gives the weights are stated here once (`model_vocab_size`, `num_time_levels`):
+the engine builds its model with them, and this rule compares them. Pure; the engine refuses what it
+finds (`rewind.engine.session`, `rewind.engine.fork`).
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from rewind.states.config import Config, ObjectiveKind, ObjectiveSection
+from rewind.states.entry import tokenizer_problem
+
+
+def continuation_problem(old: Config, new: Config, num_growths: int = 0) -> str:
+    """Why a run cannot go on from a checkpoint of `old` under `new` ("" if it can): the architecture
+    fields that give the weights their shapes must stay, and so must the `num_growths` growths already
+    performed (the model is what they made; later ones may change). Dropout, RoPE base and the like may
+    change."""
+    if problem := tokenizer_problem(old, new):
+        return problem
+    done_before, done_after = old.growth[:num_growths], new.growth[:num_growths]
+    if done_before != done_after:
+        return (
+            f"growth[0..{num_growths - 1}] already happened and cannot change when continuing from a checkpoint "
+            f"(the new config has {len(new.growth)} growth entries; change only later ones)"
+        )
+    if num_growths and old.lora.targets != new.lora.targets:
+        return "lora.targets cannot change when continuing from a checkpoint of a grown model: its adapters sit on the old ones"
+    return objective_problem(old, new) or architecture_problem(old, new)
+
+
+def objective_problem(old: Config, new: Config) -> str:
+    """Why the objective's change would change the model's shape ("" if it would not)."""
+    shapes = {
+        "vocabulary": lambda c: model_vocab_size(c.objective, c.architecture.vocab_size),
+        "time levels": lambda c: num_time_levels(c.objective),
+    }
+    for what, shape in shapes.items():
+        before, after = shape(old), shape(new)
+        if before != after:
+            return (
+                f"objective: the model's {what} would change ({before} -> {after}) when continuing from a checkpoint "
+                "(a masked objective adds a mask token; time as input adds a time embedding)"
+            )
+    return ""
+
+
+def architecture_problem(old: Config, new: Config) -> str:
+    """The architecture fields that give the weights their shapes and differ ("" if none does)."""
+    before, after = weight_shaping(old), weight_shaping(new)
+    changed = [f"architecture.{k} ({before[k]} -> {after[k]})" for k in before if before[k] != after[k]]
+    if not changed:
+        return ""
+    return (
+        f"{', '.join(changed)} cannot change when continuing from a checkpoint: the weights have other shapes"
+    )
+
+
+def weight_shaping(config: Config) -> dict:
+    """The architecture fields the weights' shapes follow."""
+    a = config.architecture
+    return {
+        "vocab_size": a.vocab_size,
+        "num_layers": a.num_layers,
+        "d_model": a.d_model,
+        "d_ff": a.d_ff or 4 * a.d_model,
+        "norm": a.norm,
+        "mlp": a.mlp,
+    }
+
+
+def model_vocab_size(objective: ObjectiveSection, vocab_size: int) -> int:
+    """Embedding rows and logits the model needs: the data's vocabulary, plus the mask token when the
+    objective masks."""
+    known_kind(objective)
+    return vocab_size if objective.kind == "clm" else vocab_size + 1
+
+
+def num_time_levels(objective: ObjectiveSection) -> int:
+    """Rows of the time embedding: the diffusion levels when time is an input, else 0 (no embedding)."""
+    known_kind(objective)
+    return objective.num_levels if objective.kind == "diffusion" and objective.time == "input" else 0
+
+
+def known_kind(objective: ObjectiveSection) -> None:
+    """ValueError for a kind no objective has (a section built in code, never one a config check passed)."""
+    kinds = get_args(ObjectiveKind)
+    if objective.kind not in kinds:
+        raise ValueError(f"unknown objective.kind {objective.kind!r} (expected one of {', '.join(kinds)})")
