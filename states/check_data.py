@@ -4,7 +4,7 @@ validation split, prompt/response fields, and what a trained tokenizer is traine
 
 from __future__ import annotations
 
-from rewind.states.config import BUILTIN_DATASETS, Config
+from rewind.states.config import BUILTIN_DATASETS, Config, DataSource
 
 TEXT_KINDS = ("text", "jsonl", "parquet")  # documents the run tokenises (kind "tokens" is already token ids)
 # In a data path, the Python standard library's directory (the engine substitutes it): a real corpus on
@@ -16,33 +16,43 @@ MIN_TRAINED_VOCAB = 257
 
 def data_problems(config: Config) -> list[str]:
     """Each data source's problems, by name, then the tokenizer's."""
-    problems: list[str] = []
+    problems = [p for name, source in config.data.items() for p in source_problems(name, source)]
+    return problems + tokenizer_problems(config)
+
+
+def source_problems(name: str, source: DataSource) -> list[str]:
+    """The problems of `[data.NAME]` on its own."""
+    where, problems = f"data.{name}", []
     add = problems.append
-    for name, source in config.data.items():
-        where = f"data.{name}"
-        if name in BUILTIN_DATASETS:
-            add(f"{where}: the name is taken by a built-in dataset")
-        if not source.path:
-            add(f"{where}.path: must not be empty")
-        if source.validation_path:
-            if source.split:
-                add(f"{where}.split: the validation split comes from validation_path; leave split unset")
-        elif not 0.0 < source.validation_fraction < 1.0:
-            add(f"{where}.validation_fraction: must be in (0, 1), got {source.validation_fraction}")
-        pairs = (source.prompt_field, source.response_field)
-        if any(pairs):
-            if source.kind not in ("jsonl", "parquet"):
-                add(
-                    f"{where}.prompt_field: prompt/response pairs need kind jsonl or parquet, not {source.kind!r}"
-                )
-            elif not all(pairs):
-                missing = "response_field" if source.prompt_field else "prompt_field"
-                add(f"{where}.{missing}: prompt_field and response_field go together")
-            elif source.prompt_field == source.response_field:
-                add(f"{where}.response_field: must differ from prompt_field ({source.prompt_field!r})")
-        elif source.kind in ("jsonl", "parquet") and not source.text_field:
-            add(f"{where}.text_field: must not be empty")
-    tok = config.tokenizer
+    if name in BUILTIN_DATASETS:
+        add(f"{where}: the name is taken by a built-in dataset")
+    if not source.path:
+        add(f"{where}.path: must not be empty")
+    if source.validation_path:
+        if source.split:
+            add(f"{where}.split: the validation split comes from validation_path; leave split unset")
+    elif not 0.0 < source.validation_fraction < 1.0:
+        add(f"{where}.validation_fraction: must be in (0, 1), got {source.validation_fraction}")
+    pairs = (source.prompt_field, source.response_field)
+    if any(pairs):
+        if source.kind not in ("jsonl", "parquet"):
+            add(
+                f"{where}.prompt_field: prompt/response pairs need kind jsonl or parquet, not {source.kind!r}"
+            )
+        elif not all(pairs):
+            missing = "response_field" if source.prompt_field else "prompt_field"
+            add(f"{where}.{missing}: prompt_field and response_field go together")
+        elif source.prompt_field == source.response_field:
+            add(f"{where}.response_field: must differ from prompt_field ({source.prompt_field!r})")
+    elif source.kind in ("jsonl", "parquet") and not source.text_field:
+        add(f"{where}.text_field: must not be empty")
+    return problems
+
+
+def tokenizer_problems(config: Config) -> list[str]:
+    """`tokenizer`: read or trained (not both), and what a trained one is trained on."""
+    tok, problems = config.tokenizer, []
+    add = problems.append
     text_datasets = [n for n, s in config.data.items() if s.kind in TEXT_KINDS and not s.prompt_field]
     if tok.train_vocab_size:
         if tok.path:
