@@ -6,7 +6,7 @@ resume, fork, replay; the decision of what to enter is rewind.states.entry's).
 recorded and opens its datasets, then builds model, optimizer, reference and caches from the folded
 state and its checkpoint (rewind.engine.parts.build_parts) or, at a run's start, from the seed or the
 pretrained weights. The read-only opens adopt the site here too: sample and eval then load only the
-checkpoint's model (rewind.engine.checkpointing.load_model); export computes nothing.
+checkpoint's model (rewind.engine.checkpoint_model.load_model); export computes nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rewind.engine.placement import (
     prepare_device,
 )
 from rewind.engine.rundata import DataChanged, check_data
-from rewind.engine.userdata import DataPlace
+from rewind.engine.userdata import DataHome
 from rewind.states.config import Config
 from rewind.states.entry import Site
 from rewind.states.state import State
@@ -65,21 +65,21 @@ def assemble(
     config: Config,
     run_dir: str,
     state: State | None,
-    place: DataPlace,
+    home: DataHome,
     *,
     recorded: Config | None = None,
     checked: State | None = None,
 ) -> Assembled:
     """The live objects of `config` at `state` (None: a run's start, from the seed's or the pretrained
-    weights), reading the data at `place`, in the process `enter_site` prepared. The data the run
+    weights), reading the data at `home`, in the process `enter_site` prepared. The data the run
     recorded is checked first (DataChanged), as `recorded` declares it (default `config`) against
     `checked`'s record (default `state`'s); then the datasets are opened and the objects built (a
     checkpoint that does not load: CheckpointError)."""
     if state is not None:
-        changes = check_data(recorded or config, checked or state, place)
+        changes = check_data(recorded or config, checked or state, home)
         if changes:
             raise DataChanged(changes)
-    datasets = open_datasets(config, place)
+    datasets = open_datasets(config, home)
     if state is None:
         pretrained = starting_weights(config, None)
         parts = fresh_parts(config, run_dir, datasets, pretrained)

@@ -1,4 +1,5 @@
-"""Checkpoints of the live objects: which tensors a checkpoint holds, writing them, loading them back.
+"""Checkpoints of the live objects: which tensors a checkpoint holds, and writing them (reading one back:
+rewind.engine.checkpoint_model, and rewind.engine.parts for the live objects at a checkpoint).
 
 A checkpoint holds the model and the optimizer (AdamW moments included, keyed by parameter name). The KL
 reference is not copied into every checkpoint: it *is* the model of the checkpoint a ReferenceRefreshed
@@ -17,45 +18,34 @@ commits that record on the spot (rewind.engine.journal).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import NamedTuple
-
-import torch
-
 from rewind.engine import layout as layouts
-from rewind.engine import snapshot
-from rewind.engine.parts import Parts, assembled
+from rewind.engine.checkpoint_model import Groups
+from rewind.engine.parts import Parts
 from rewind.engine.ranks import is_writer, shared_event
-from rewind.engine.reference import reference_at
-from rewind.engine.registry import DatasetRegistry
-from rewind.engine.step import apply_hyperparameters
-from rewind.states.config import Config
+from rewind.engine.tensors import model_tensors, optimizer_tensors
 from rewind.states.events import CheckpointCommitted
-from rewind.states.state import CheckpointReason, ModelLayout, State, control_summary
+from rewind.states.state import CheckpointReason, State, control_summary
 from rewind.stores.checkpoints import (
     FORMAT_VERSION,
     FORMAT_WITH_LOG_SEQ,
     CheckpointError,
-    CheckpointStore,
     group_file,
 )
 from rewind.stores.trunks import TrunkStore, serialize
-
-Groups = dict[str, dict[str, torch.Tensor]]
 
 
 def model_groups(parts: Parts) -> Groups:
     """The model's tensors by role, under unwrapped names: `model` (base weights that are not a frozen
     stack's), `adapters` (LoRA, when there are any). A frozen or quantised stack's base weights are in
     parts.trunk_sources, stored once (`trunk_files`)."""
-    base, adapters = snapshot.base_and_adapters(parts.model, set(parts.trunk_sources))
+    base, adapters = layouts.base_and_adapters(parts.model, set(parts.trunk_sources))
     return {"model": base, "adapters": adapters} if adapters else {"model": base}
 
 
 def checkpoint_groups(parts: Parts) -> tuple[Groups, dict]:
     """The tensors a checkpoint holds, per group, and the optimizer's layout metadata."""
-    optimizer_tensors, optimizer_meta = snapshot.optimizer_tensors(parts.optimizer, parts.param_names)
-    return {**model_groups(parts), "optimizer": optimizer_tensors}, optimizer_meta
+    moments, optimizer_meta = optimizer_tensors(parts.optimizer, parts.param_names)
+    return {**model_groups(parts), "optimizer": moments}, optimizer_meta
 
 
 def trunk_files(parts: Parts) -> dict[str, str]:
@@ -115,67 +105,12 @@ def reference_digest(state: State) -> str:
     return held.manifest_sha256
 
 
-class Loaded(NamedTuple):
-    """A checkpoint's model and what came with it."""
-
-    model: torch.nn.Module
-    groups: Groups  # the checkpoint's tensor groups read (the optimizer's only when asked for)
-    meta: dict
-    sources: dict[int, dict[str, torch.Tensor]]  # the float weights of its fixed stacks
-    hashes: dict[int, str]  # their files' sha256
-
-
-def load_model(
-    config: Config,
-    store: CheckpointStore,
-    name: str,
-    files: dict[str, str] | None,
-    layout: ModelLayout | None,
-    *,
-    with_optimizer: bool = False,
-) -> Loaded:
-    """The model of `layout` with checkpoint `name`'s weights (the optimizer group only `with_optimizer`:
-    a reference needs none). Its base weights are the checkpoint's own and its frozen stacks' files
-    (RUN/trunks/), each checked against its hash."""
-    manifest = store.load_manifest(name)
-    present = {entry.name.removesuffix(".safetensors") for entry in manifest.files}
-    wanted = ("model", "adapters", "optimizer") if with_optimizer else ("model", "adapters")
-    groups = store.load(name, files, groups=[g for g in wanted if g in present])
-    meta = manifest.meta
-    trunks = TrunkStore(store.run_dir)
-    tensors = dict(groups["model"])
-    for digest in meta.get("trunks", {}).values():
-        tensors.update(trunks.load(digest))
-    hashes = {int(stack): digest for stack, digest in meta.get("trunks", {}).items()}
-    model, sources = layouts.model_from_weights(config, layout, tensors, groups.get("adapters", {}), complete=True)
-    return Loaded(model, groups, meta, sources, hashes)
-
-
-def load_checkpoint(config: Config, run_dir: str, state: State, datasets: DatasetRegistry) -> Parts:
-    """The live objects at the state's last checkpoint: its model (of the state's layout), an optimizer
-    over what it trains holding its moments, and its reference (if any) from the checkpoint the
-    reference points to. Every file is checked against the hashes the log recorded."""
-    ref = state.last_checkpoint
-    assert ref is not None
-    store = CheckpointStore(run_dir)
-    loaded = load_model(config, store, ref.checkpoint, ref.files, state.layout, with_optimizer=True)
-
-    def moments(optimizer, names) -> None:  # the saved moments, under the settings of the config in force
-        snapshot.load_optimizer_tensors(optimizer, names, loaded.groups["optimizer"], loaded.meta["optimizer"])
-        apply_hyperparameters(optimizer, config)
-
-    parts = assembled(
-        config, run_dir, datasets, loaded.model, moments=moments, sources=loaded.sources, hashes=loaded.hashes, store=store
-    )
-    return dataclasses.replace(parts, reference=reference_at(config, store, state, parts.model, loaded.sources))
-
-
 def tensor_hashes(parts: Parts, files: dict[str, str]) -> dict[str, str]:
     """(file name -> sha256) that a checkpoint of the live objects would record, for the groups named in
     `files` (the hashes a CheckpointCommitted recorded): replay checks live tensors against a logged
     checkpoint with it, even after retention deleted the files."""
     groups, _ = checkpoint_groups(parts)
     if parts.reference is not None:
-        groups["reference"] = snapshot.model_tensors(parts.reference)  # rewind 0.1 checkpoints hold it
+        groups["reference"] = model_tensors(parts.reference)  # rewind 0.1 checkpoints hold it
     wanted = {name.removesuffix(".safetensors") for name in files}
     return dict(group_file(group, tensors) for group, tensors in groups.items() if group in wanted)

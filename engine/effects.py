@@ -36,7 +36,7 @@ def apply_effect(parts: Parts, before: State, after: State, event: Event) -> Par
     match event:
         case ReferenceRefreshed():
             # The reference is the weights as they are now, which is what the checkpoint the event
-            # names holds: a resume loads it from there (checkpointing.load_checkpoint).
+            # names holds: a resume loads it from there (parts.load_checkpoint).
             fixed = reference.reference_of(parts.model, parts.config, current_layout(after), parts.trunk_sources)
             return dataclasses.replace(parts, reference=fixed)
         case OptimizerReset():
@@ -72,12 +72,12 @@ def rebuilt(parts: Parts, config: Config, state: State, *, carry_tensors: bool) 
     the tensors `parts` holds unless the run is still at its seed's weights. The model keeps its layout
     (growth is in the log, not the config); the reference keeps its weights and is rebuilt for `config`
     (its RoPE base, say), as a process starting under `config` builds it."""
-    place = parts.datasets.place  # the run's tokenizer and data directory, whatever the config
+    home = parts.datasets.home  # the run's tokenizer and data directory, whatever the config
     if not carry_tensors:  # still at the weights the run started from (the seed's or pretrained ones)
-        return fresh_parts(config, parts.run_dir, open_datasets(config, place), starting_weights(config, state))
+        return fresh_parts(config, parts.run_dir, open_datasets(config, home), starting_weights(config, state))
     new = transplant(parts, config, state.layout, plain_weights(parts))
     fixed = new.reference
     if parts.reference is not None and state.reference is not None:
         fixed = reference.rebuilt(parts.reference, config, state.reference.layout, parts.trunk_sources)
     # The config's own datasets, as a fresh start would open them.
-    return dataclasses.replace(new, datasets=open_datasets(config, place), reference=fixed)
+    return dataclasses.replace(new, datasets=open_datasets(config, home), reference=fixed)

@@ -27,14 +27,14 @@ from rewind.engine.rundata import (
     DataChanged,
     copy_run_data,
     identities,
-    read_only_place,
+    read_only_home,
     replace_config_data,
 )
 from rewind.engine.session import REWIND_VERSION, metrics_for, prepare_directory
 from rewind.states.check_continuation import continuation_problem
+from rewind.states.config import Config
 from rewind.states.entry import (
     EntryRefused,
-    ForkPoint,
     choose_point,
     fork_records,
     site_of,
@@ -42,7 +42,7 @@ from rewind.states.entry import (
 )
 from rewind.states.events import ForkOrigin, RunStarted
 from rewind.states.fold import fold
-from rewind.states.history import SeqEvent, config_in_force, effective, restore_points
+from rewind.states.history import RestorePoint, SeqEvent, config_in_force, effective, restore_points
 from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog
@@ -51,11 +51,11 @@ from rewind.stores.trunks import TrunkStore
 from rewind.stores.trust import RecordChecker
 
 
-def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) -> ForkPoint:
+def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) -> tuple[RestorePoint, Config]:
     """The last restore point at or before `at_step` whose checkpoint is live and intact on disk, the
     frozen stacks' files it names included (an older one is still a faithful starting point when a
     newer one is damaged: the checkpoint taken before a growth, at the same step as the one after it,
-    needs none of the files the growth froze), or the run's start."""
+    needs none of the files the growth froze), or the run's start; and the config in force there."""
     records = effective(records)  # the points index into these
     points = restore_points(records)
     live = {c.checkpoint for c in fold(e for _, e in records).live_checkpoints}  # not deleted by retention since
@@ -64,7 +64,7 @@ def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) ->
         ref = point.state.last_checkpoint
         assert ref is not None
         if not store.verify(ref.checkpoint, ref.files) and _trunks_intact(store, ref.checkpoint):
-            return ForkPoint(point.checkpoint, point.state.step, point.state, config_in_force(records[: point.index]))
+            return point, config_in_force(records[: point.index])
         held = [p for p in held if p is not point]  # damaged or missing on disk
     started = records[0][1]
     assert isinstance(started, RunStarted)
@@ -77,7 +77,7 @@ def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) ->
     # The start as it stands now: a crash before the first checkpoint restarts from scratch, maybe
     # under a changed config (RunResumed(checkpoint="") then ConfigChanged).
     start = [p for p in points if not p.checkpoint][-1]
-    return ForkPoint("", 0, start.state, config_in_force(records[: start.index]))
+    return start, config_in_force(records[: start.index])
 
 
 def _trunks_intact(store: CheckpointStore, name: str) -> bool:
@@ -123,7 +123,7 @@ def open_fork(
     metrics: bool = True,
     num_threads: int = 0,
     note: Callable[[str], None] = lambda line: None,
-) -> tuple[Run, State, ForkPoint]:
+) -> tuple[Run, State, RestorePoint, Config]:
     """Create the child run and return it ready to drive (log open and locked in run.journal).
 
     `config_of_child(parent_config) -> Config` makes the child's config from the parent's config in
@@ -140,32 +140,35 @@ def open_fork(
     if not 0 <= at_step <= last_step:
         raise RunError(f"--at-step {at_step}: {parent_dir} has reached step {last_step} (choose 0..{last_step})")
     parent_store = CheckpointStore(parent_dir)
-    point = fork_point(records, at_step, parent_store)
-    config = config_of_child(point.config)
+    point, parent_config = fork_point(records, at_step, parent_store)
+    config = config_of_child(parent_config)
     origin = ForkOrigin(
-        run=_run_identity(parent_dir), step=point.step, checkpoint=point.checkpoint, config_hash=point.state.config_hash
+        run=_run_identity(parent_dir),
+        step=point.state.step,
+        checkpoint=point.checkpoint,
+        config_hash=point.state.config_hash,
     )
     # The parent's tokenizer, and its data as it recorded it (a dataset the child declares as the parent
     # did must be unchanged); documents are tokenised into a scratch directory, copied into the child's
     # with its checkpoints: nothing is written to the parent.
     parent_state = point.state  # what the parent recorded of its data as of the fork point
-    if problem := tokenizer_problem(point.config, config):
+    if problem := tokenizer_problem(parent_config, config):
         raise RunError(f"cannot fork {parent_dir}: {problem}")
-    if point.checkpoint and (problem := continuation_problem(point.config, config, point.state.num_growths)):
-        raise RunError(f"cannot fork {parent_dir} at step {point.step}: {problem}")
+    if point.checkpoint and (problem := continuation_problem(parent_config, config, point.state.num_growths)):
+        raise RunError(f"cannot fork {parent_dir} at step {point.state.step}: {problem}")
     try:
-        place = read_only_place(parent_dir, parent_state)
-        recorded = identities(config, place, parent_state.data, point.config)
-        data = {"data": recorded, "tokenizer": place.tokenizer.identity}
-        preamble = fork_records(records[0][1], point, config, origin, num_threads, data, REWIND_VERSION)
+        home = read_only_home(parent_dir, parent_state)
+        recorded = identities(config, home, parent_state.data, parent_config)
+        data = {"data": recorded, "tokenizer": home.tokenizer.identity}
+        preamble = fork_records(records[0][1], point, parent_config, config, origin, num_threads, data, REWIND_VERSION)
         # The live objects for the child's config, from the parent's checkpoint, before the child's
         # directory is touched (a checkpoint that does not load must leave nothing behind).
         site = site_of(point.state, reading=True)  # the parent's kernels, device and thread count there
         _, message = enter_site(config, site, num_threads)
-        unchanged = replace_config_data(config, point.config)
-        built = assemble(config, parent_dir, fold(preamble[:2]), place, recorded=unchanged, checked=parent_state)
+        unchanged = replace_config_data(config, parent_config)
+        built = assemble(config, parent_dir, fold(preamble[:2]), home, recorded=unchanged, checked=parent_state)
     except EntryRefused as exc:
-        raise RunError(f"cannot fork {parent_dir} at step {point.step}: {exc}") from None
+        raise RunError(f"cannot fork {parent_dir} at step {point.state.step}: {exc}") from None
     except DataChanged as exc:
         raise RunError(f"cannot fork {parent_dir}: {exc}; its data changed since it recorded it", 1) from None
     except DATA_ERRORS as exc:
@@ -187,7 +190,7 @@ def open_fork(
         try:
             for ref in state.live_checkpoints:  # before the log names them
                 _copy_checkpoint(parent_store, child_store, ref)
-            copy_run_data(place, config, parent_dir, child_dir)
+            copy_run_data(home, config, parent_dir, child_dir)
         except CheckpointError as exc:
             raise RunError(f"{parent_dir}: cannot copy its checkpoint: {exc}", 1) from None
         run = Run(parts, Journal(log, metrics_for(child_dir, metrics), config.logging.report_interval))
@@ -196,7 +199,7 @@ def open_fork(
         state = State()
         for event in preamble:  # a config change rebuilds the live objects for the child's config
             state = record(run, state, event)
-        return run, state, point
+        return run, state, point, parent_config
     except BaseException:
         log.close()
         raise

@@ -26,6 +26,7 @@ from torch import nn
 
 from rewind.engine.model import GPT, init_new_stack
 from rewind.engine.rng import torch_generator
+from rewind.engine.tensors import TensorFitError, cpu_copy, load_model_tensors
 from rewind.states.config import Config
 from rewind.states.growth import initial_layout
 from rewind.states.state import ModelLayout
@@ -58,6 +59,21 @@ def stack_of(name: str) -> int | None:
 
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+def base_and_adapters(
+    model: nn.Module, leave_out: set[int] | frozenset[int] = frozenset()
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's weights split into base weights and LoRA adapters, both under unwrapped names, as whole
+    CPU copies; the base weights of the stacks in `leave_out` (frozen or NF4 trunks, whose float weights
+    are held apart) are left out. The one place the split is made: checkpoints, references, growth."""
+    base, adapters = {}, {}
+    for name, tensor in model.state_dict().items():
+        if is_adapter(name):
+            adapters[unwrapped(name)] = cpu_copy(tensor)
+        elif stack_of(name) not in leave_out:
+            base[unwrapped(name)] = cpu_copy(tensor)
+    return base, adapters
 
 
 def layout_of(config: Config, layout: ModelLayout | None) -> ModelLayout:
@@ -116,8 +132,6 @@ def model_from_weights(
     keeps its initialisation, and a carried one takes its parameter's dtype: peft gives a bf16 base bf16
     adapters and an NF4 base float32 ones, so a bf16 stack quantised later has its adapters widened,
     exactly)."""
-    from rewind.engine.snapshot import load_model_tensors
-
     plain = build_plain(config, layout)
     load_model_tensors(plain, weights)
     fixed = {s.stack for s in layout_of(config, layout).stacks if s.base != "trainable"}
@@ -201,18 +215,16 @@ def _inject_adapters(model: GPT, config: Config, layout: ModelLayout) -> None:
 
 def load_adapters(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
     """Copy adapter values (unwrapped names) into the model's adapters: exactly the same set of names,
-    shapes and dtypes, or a SnapshotError naming the difference."""
-    from rewind.engine.snapshot import SnapshotError
-
+    shapes and dtypes, or a TensorFitError naming the difference."""
     live = {unwrapped(name): p for name, p in model.named_parameters() if is_adapter(name)}
     if set(live) != set(tensors):
         missing, unexpected = sorted(set(live) - set(tensors)), sorted(set(tensors) - set(live))
-        raise SnapshotError(f"checkpoint adapters do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise TensorFitError(f"checkpoint adapters do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     with torch.no_grad():
         for name, parameter in live.items():
             given = tensors[name]
             if given.shape != parameter.shape or given.dtype != parameter.dtype:
-                raise SnapshotError(f"checkpoint adapter {name} is {given.dtype} {list(given.shape)}, the model's {parameter.dtype} {list(parameter.shape)}")
+                raise TensorFitError(f"checkpoint adapter {name} is {given.dtype} {list(given.shape)}, the model's {parameter.dtype} {list(parameter.shape)}")
             parameter.copy_(given)
 
 

@@ -152,7 +152,7 @@ def record(run: Run, state: State, event: Event) -> State:
 def checkpoint(run: Run, state: State, reason: CheckpointReason) -> State:
     # The data the steps read is still what the run opened: else it stops here, the steps since the
     # last commit are never committed, and no checkpoint vouches for them.
-    check_unchanged(run.parts.datasets.place, state.step)
+    check_unchanged(run.parts.datasets.home, state.step)
     run.journal.commit()  # everything before the checkpoint is durable before its files exist (journal)
     check_same_state(state)  # a sharded run's ranks still agree on what the checkpoint belongs to
     committed = write_checkpoint(run.parts, state, reason, log_seq=run.journal.durable_seq())
@@ -191,7 +191,7 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
         beta=plan.beta,
         reference=parts.reference,
         step=k,
-        trunk_rows=parts.trunk_reader.rows(parts, state, k),
+        trunk_rows=parts.trunk_reader.rows(parts.run_dir, state, k),
         stack_index=stack_index,
         num_stacks=num_stacks,
     )
@@ -235,7 +235,7 @@ def perform(run: Run, state: State, intent: Intent) -> State:
         case Validate():
             return record(run, state, Validated(**at, losses=validate(parts.model, parts.datasets, parts.config, state.step)))
         case Evaluate(boundary=boundary):
-            result = evaluate(parts.model, parts.datasets, parts.config, parts.datasets.place.token_num_bytes())
+            result = evaluate(parts.model, parts.datasets, parts.config, parts.datasets.home.token_num_bytes())
             # Bits per byte for running text; a task's or a response's figure is its accuracy.
             bits = {name: b for name, b in result.bits_per_byte.items() if not parts.datasets[name].has_answers}
             evaluated = Evaluated(**at, boundary=boundary, scores=result.scores, losses=result.losses, bits_per_byte=bits)

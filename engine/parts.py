@@ -11,29 +11,29 @@ resumed process holds exactly what the one that never stopped held.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from rewind.engine import layout as layouts
+from rewind.engine.checkpoint_model import load_model
 from rewind.engine.datasets import DatasetError
 from rewind.engine.model import GPT
 from rewind.engine.optimizer import AdamW
 from rewind.engine.placement import place
 from rewind.engine.pretrained import Pretrained, PretrainedError, apply_pretrained, load_pretrained
+from rewind.engine.reference import reference_at
 from rewind.engine.registry import DatasetRegistry
-from rewind.engine.step import build_optimizer
-from rewind.engine.userdata import DataPlace
+from rewind.engine.step import apply_hyperparameters, build_optimizer
+from rewind.engine.tensors import load_optimizer_tensors
+from rewind.engine.trunkreader import TrunkReader
+from rewind.engine.userdata import DataHome
 from rewind.states.config import Config
 from rewind.states.schedule import Schedule
 from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.trunks import serialize
-
-if TYPE_CHECKING:
-    from rewind.engine.trunkcache import TrunkReader
 
 
 class RunError(Exception):
@@ -64,13 +64,7 @@ class Parts:
     # trunk_hashes: the sha256 of each one's file. (The model's structure is the folded state's layout.)
     trunk_sources: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     trunk_hashes: dict[int, str] = field(default_factory=dict)
-    trunk_reader: TrunkReader = field(default_factory=lambda: _trunk_reader())
-
-
-def _trunk_reader() -> TrunkReader:
-    from rewind.engine.trunkcache import TrunkReader  # (it builds on Parts)
-
-    return TrunkReader()
+    trunk_reader: TrunkReader = field(default_factory=TrunkReader)
 
 
 def trunk_digests(sources: dict[int, dict[str, torch.Tensor]], known: dict[int, str]) -> dict[int, str]:
@@ -113,10 +107,10 @@ def assembled(
     )
 
 
-def open_datasets(config: Config, place: DataPlace) -> DatasetRegistry:
+def open_datasets(config: Config, home: DataHome) -> DatasetRegistry:
     """Open every dataset the config names now, so a bad one fails before any log is touched."""
     try:
-        datasets = DatasetRegistry(config, place)
+        datasets = DatasetRegistry(config, home)
         for stage in config.stages:
             for sampling in stage.datasets:
                 datasets[sampling.name]
@@ -144,11 +138,28 @@ def fresh_parts(
 def build_parts(config: Config, run_dir: str, state: State, datasets: DatasetRegistry) -> Parts:
     """The live objects a run has at `state`: built for `config`, with the tensors of the state's last
     checkpoint (its restore point) and of its reference, when it has them."""
-    from rewind.engine.checkpointing import load_checkpoint  # checkpointing builds on Parts
-
     if state.last_checkpoint is not None:
         return load_checkpoint(config, run_dir, state, datasets)
     return fresh_parts(config, run_dir, datasets, starting_weights(config, state))
+
+
+def load_checkpoint(config: Config, run_dir: str, state: State, datasets: DatasetRegistry) -> Parts:
+    """The live objects at the state's last checkpoint: its model (of the state's layout), an optimizer
+    over what it trains holding its moments, and its reference (if any) from the checkpoint the
+    reference points to. Every file is checked against the hashes the log recorded."""
+    ref = state.last_checkpoint
+    assert ref is not None
+    store = CheckpointStore(run_dir)
+    loaded = load_model(config, store, ref.checkpoint, ref.files, state.layout, with_optimizer=True)
+
+    def moments(optimizer, names) -> None:  # the saved moments, under the settings of the config in force
+        load_optimizer_tensors(optimizer, names, loaded.groups["optimizer"], loaded.meta["optimizer"])
+        apply_hyperparameters(optimizer, config)
+
+    parts = assembled(
+        config, run_dir, datasets, loaded.model, moments=moments, sources=loaded.sources, hashes=loaded.hashes, store=store
+    )
+    return replace(parts, reference=reference_at(config, store, state, parts.model, loaded.sources))
 
 
 def starting_weights(config: Config, state: State | None) -> Pretrained | None:

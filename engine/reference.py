@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from rewind.engine import layout as layouts
+from rewind.engine.checkpoint_model import load_model
 from rewind.engine.placement import is_sharded, place
-from rewind.engine.snapshot import base_and_adapters
 from rewind.states.config import Config
 from rewind.states.state import ModelLayout, State, reference_to_restore
 from rewind.stores.checkpoints import CheckpointStore
@@ -56,8 +56,6 @@ def reference_at(
 ) -> nn.Module | None:
     """The reference a run has at `state`, whose restore checkpoint's model is `model` (with `sources`):
     that model itself when the reference is that checkpoint, else the checkpoint it points to."""
-    from rewind.engine.checkpointing import load_model  # (checkpointing builds references through here)
-
     ref = reference_to_restore(state)
     if ref is None:
         return None
@@ -77,7 +75,7 @@ def _from_model(
     missing = nf4 - set(trunk_sources)
     if missing:  # cannot happen while stacks are never removed; said plainly if it ever does
         raise RuntimeError(f"the float weights of the reference's NF4 stacks {sorted(missing)} are not held")
-    weights, adapters = base_and_adapters(model, nf4)
+    weights, adapters = layouts.base_and_adapters(model, nf4)
     for stack in sorted(nf4):
         weights.update(trunk_sources[stack])
     return layouts.model_from_weights(config, layout, weights, adapters, complete=complete)[0]

@@ -1,6 +1,6 @@
 """Datasets by name for one run: the built-in tasks and `[data.NAME]`, opened on first use and kept.
 
-The registry carries the run's `DataPlace` (rewind.engine.userdata): its tokenizer (the built-in tasks
+The registry carries the run's `DataHome` (rewind.engine.userdata): its tokenizer (the built-in tasks
 are encoded through it too, so one run can mix a user's corpus with the tasks), where relative paths
 point and where documents are tokenised to. The set of names is the config's, so the cache is bounded.
 """
@@ -11,19 +11,19 @@ from collections.abc import Iterator, Mapping
 
 from rewind.engine import tasks
 from rewind.engine.datasets import BuiltinDataset, Dataset, DatasetError
-from rewind.engine.userdata import DataPlace, open_user_dataset
+from rewind.engine.userdata import DataHome, open_user_dataset
 from rewind.states.config import Config
 
 
-def open_dataset(name: str, config: Config, place: DataPlace | None = None) -> Dataset:
+def open_dataset(name: str, config: Config, home: DataHome | None = None) -> Dataset:
     """Open dataset `name`: a built-in, or `config.data[name]`."""
-    place = place or DataPlace()
+    home = home or DataHome()
     arch = config.architecture
     if name in config.data:
-        return open_user_dataset(name, config.data[name], arch.block_size, arch.vocab_size, place)
+        return open_user_dataset(name, config.data[name], arch.block_size, arch.vocab_size, home)
     if name in tasks.TASK_NAMES:
         # Byte level without a tokenizer file: the tasks' own fast path, the same ids.
-        encode = place.tokenizer.encode if place.tokenizer.identity else None
+        encode = home.tokenizer.encode if home.tokenizer.identity else None
         return BuiltinDataset(name, arch.block_size, arch.vocab_size, encode)
     known = ", ".join(sorted(config.dataset_names()))
     raise DatasetError(f"dataset {name!r}: unknown (known: {known})")
@@ -32,16 +32,16 @@ def open_dataset(name: str, config: Config, place: DataPlace | None = None) -> D
 class DatasetRegistry(Mapping[str, Dataset]):
     """The datasets a config can name, each opened on first use and then kept for the process."""
 
-    def __init__(self, config: Config, place: DataPlace | None = None):
+    def __init__(self, config: Config, home: DataHome | None = None):
         self.config = config
-        self.place = place or DataPlace()
+        self.home = home or DataHome()
         self._opened: dict[str, Dataset] = {}
 
     def __getitem__(self, name: str) -> Dataset:
         if name not in self._opened:
             if name not in self:
                 raise KeyError(name)
-            self._opened[name] = open_dataset(name, self.config, self.place)
+            self._opened[name] = open_dataset(name, self.config, self.home)
         return self._opened[name]
 
     def __contains__(self, name: object) -> bool:

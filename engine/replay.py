@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rewind.engine import snapshot
 from rewind.engine.assemble import assemble, enter_site
 from rewind.engine.checkpointing import checkpoint_groups, tensor_hashes
 from rewind.engine.effects import apply_effect
 from rewind.engine.loop import execute_step
 from rewind.engine.parts import Parts, RunError
 from rewind.engine.placement import PlacementError, adopt_threads
-from rewind.engine.rundata import DATA_ERRORS, DataChanged, place_of
+from rewind.engine.rundata import DATA_ERRORS, DataChanged, home_of
+from rewind.engine.tensors import model_tensors
 from rewind.states.compare import FieldDifference, first_difference
 from rewind.states.diffing import ComputeSite, compute_site
 from rewind.states.entry import checkpoint_points, choose_point, site_of
@@ -103,41 +103,41 @@ class ReplayReport:
     mismatch: Mismatch | None = None
 
 
-def choose_window(records: Sequence[SeqEvent], checkpoint: str | None) -> RestorePoint:
+def choose_start(records: Sequence[SeqEvent], checkpoint: str | None) -> RestorePoint:
     """The restore point named by `checkpoint` (a name, or the step of one), or the earliest whose files
     still exist (retention deletes old ones; the run's start needs none). The run's start counts only
     when its first weights came from the seed (not for a fork, whose first weights are a checkpoint)."""
     parent = records[0][1].parent if isinstance(records[0][1], RunStarted) else None
     from_seed = parent is None or not parent.checkpoint
     has_steps = any(isinstance(e, StepCommitted) for _, e in records)
-    windows = checkpoint_points(records)
+    points = checkpoint_points(records)
     if from_seed and has_steps:
         start = choose_point([p for p in restore_points(records) if not p.checkpoint], step=0, first=True)
-        windows = sorted([start, *windows] if start else windows, key=lambda p: p.index)
+        points = sorted([start, *points] if start else points, key=lambda p: p.index)
     deleted_names = _deleted(records)
-    usable = [w for w in windows if w.checkpoint not in deleted_names]
+    usable = [p for p in points if p.checkpoint not in deleted_names]
     if not usable:
         raise ReplayError("the run has no steps to replay yet, or no checkpoint to start from", 1)
     if checkpoint is None:
         return usable[0]
-    if checkpoint in ("start", "0") and windows[0].checkpoint == "":
-        return windows[0]
-    window = choose_point(windows, name=checkpoint, first=True)
-    if window is None and checkpoint.isdigit():
-        window = choose_point([w for w in windows if w.checkpoint], step=int(checkpoint), first=True)
-    if window is None:
+    if checkpoint in ("start", "0") and points[0].checkpoint == "":
+        return points[0]
+    point = choose_point(points, name=checkpoint, first=True)
+    if point is None and checkpoint.isdigit():
+        point = choose_point([p for p in points if p.checkpoint], step=int(checkpoint), first=True)
+    if point is None:
         raise ReplayError(f"--from-checkpoint {checkpoint}: no checkpoint of that name or step (known: {_names(usable)})")
-    if window.checkpoint in deleted_names:
+    if point.checkpoint in deleted_names:
         raise ReplayError(
-            f"checkpoint {window.checkpoint} was deleted by the retention policy at step "
-            f"{deleted_names[window.checkpoint]}; start from one of: {_names(usable)}",
+            f"checkpoint {point.checkpoint} was deleted by the retention policy at step "
+            f"{deleted_names[point.checkpoint]}; start from one of: {_names(usable)}",
             1,
         )
-    return window
+    return point
 
 
-def _names(windows: list[RestorePoint]) -> str:
-    return ", ".join(w.checkpoint or "the start (step 0)" for w in windows)
+def _names(points: list[RestorePoint]) -> str:
+    return ", ".join(p.checkpoint or "the start (step 0)" for p in points)
 
 
 def _deleted(records: Sequence[SeqEvent]) -> dict[str, int]:
@@ -156,29 +156,29 @@ def replay(
     """Re-execute the run in `run_dir`, whose log holds `records`, from a checkpoint up to `to_step`
     (inclusive); stops at the first mismatch."""
     records = effective(records)
-    window = choose_window(records, from_checkpoint)
+    point = choose_start(records, from_checkpoint)
     last_step = fold(e for _, e in records).step
     end_step = last_step if to_step is None else to_step
-    if not window.state.step < end_step <= last_step:
+    if not point.state.step < end_step <= last_step:
         raise ReplayError(
-            f"--to-step {end_step}: must be after the start (step {window.state.step}) and at most the last step "
+            f"--to-step {end_step}: must be after the start (step {point.state.step}) and at most the last step "
             f"logged ({last_step})"
         )
-    state = window.state
-    config = config_in_force(records[: window.index])
-    try:  # from the window's checkpoint, or the run's start, computing as the window did
+    state = point.state
+    config = config_in_force(records[: point.index])
+    try:  # from the point's checkpoint, or the run's start, computing as the run did there
         enter_site(config, site_of(state, reading=True))
-        parts = assemble(config, run_dir, state, place_of(run_dir, state)).parts
+        parts = assemble(config, run_dir, state, home_of(run_dir, state)).parts
     except DataChanged as exc:
         raise ReplayError(f"{exc}; the run's data changed since it recorded it (`rewind verify --data`)", 1) from None
     except (*DATA_ERRORS, PlacementError) as exc:
         raise ReplayError(str(exc), 2) from None
     except CheckpointError as exc:  # missing or damaged files: say which, never a traceback
-        raise ReplayError(f"cannot load checkpoint {window.checkpoint}: {exc}", 1) from None
-    report = ReplayReport(start_checkpoint=window.checkpoint, start_step=window.state.step, to_step=end_step)
+        raise ReplayError(f"cannot load checkpoint {point.checkpoint}: {exc}", 1) from None
+    report = ReplayReport(start_checkpoint=point.checkpoint, start_step=point.state.step, to_step=end_step)
     _note_site(report, state)
     deleted = _deleted(records)
-    for seq, logged in records[window.index :]:
+    for seq, logged in records[point.index :]:
         if logged.step > end_step:
             break
         if isinstance(logged, StepCommitted):
@@ -272,7 +272,7 @@ def _live_groups(parts: Parts, files: dict[str, str]) -> dict[str, dict[str, tor
     groups, before hashing)."""
     groups, _ = checkpoint_groups(parts)
     if parts.reference is not None and f"reference{SUFFIX}" in files:
-        groups["reference"] = snapshot.model_tensors(parts.reference)  # rewind 0.1 checkpoints hold it
+        groups["reference"] = model_tensors(parts.reference)  # rewind 0.1 checkpoints hold it
     return {group: tensors for group, tensors in groups.items() if f"{group}{SUFFIX}" in files}
 
 

@@ -4,10 +4,10 @@ that a resumed, forked or replayed run reads the data it started on.
     RUN/data/tokenizer.json   the run's tokenizer (absent: UTF-8 bytes), written when the run starts
     RUN/data/NAME/            documents of dataset NAME tokenised by it (rewind.engine.userdata)
 
-At a start (`start_place`) the tokenizer is read from `[tokenizer] path`, trained on the run's text
+At a start (`start_home`) the tokenizer is read from `[tokenizer] path`, trained on the run's text
 (`train_vocab_size`), or adopted from the prepared directories the config names, and copied into the run,
 so everything after (resume, sample, export) reads the run's own copy. Every later process builds its
-`DataPlace` from the run directory and the folded state (`place_of`): the run's tokenizer, and the
+`DataHome` from the run directory and the folded state (`home_of`): the run's tokenizer, and the
 validation carving the run started with (its features).
 
 The data is checked against the record when a process opens the run (`check_data`: sizes and
@@ -36,7 +36,7 @@ from rewind.engine.tokenizer import (
     read_tokenizer_bytes,
     train_bpe,
 )
-from rewind.engine.userdata import DataPlace, dataset_identity
+from rewind.engine.userdata import DataHome, dataset_identity
 from rewind.states.check_data import TEXT_KINDS
 from rewind.states.config import Config
 from rewind.states.data_identity import DataIdentity, identity_changes
@@ -82,8 +82,8 @@ def _default_split(state: State | None) -> str:
     return "random" if state is None or state.behaviours.data_identity else "tail"
 
 
-def place_of(run_dir: str, state: State, *, base_dir: str | None = None) -> DataPlace:
-    """The data place of an existing run, from its directory and folded state."""
+def home_of(run_dir: str, state: State, *, base_dir: str | None = None) -> DataHome:
+    """The data home of an existing run, from its directory and folded state."""
     path = tokenizer_path(run_dir)
     tokenizer: TextTokenizer = ByteTokenizer()
     if filesystem(path).exists():
@@ -91,23 +91,23 @@ def place_of(run_dir: str, state: State, *, base_dir: str | None = None) -> Data
     if tokenizer.identity != state.tokenizer and state.behaviours.data_identity:
         raise DataChanged([f"{path}: the run's tokenizer file changed since the run started "
                            f"({tokenizer.identity[:12] or 'absent'}, recorded {state.tokenizer[:12] or 'none'})"])
-    return DataPlace(tokenizer=tokenizer, data_dir=data_dir(run_dir), base_dir=base_dir, default_split=_default_split(state))
+    return DataHome(tokenizer=tokenizer, data_dir=data_dir(run_dir), base_dir=base_dir, default_split=_default_split(state))
 
 
-def read_only_place(run_dir: str, state: State) -> DataPlace:
-    """`place_of`, for a process that must not write to the run (a fork reading its parent, `rewind eval`):
+def read_only_home(run_dir: str, state: State) -> DataHome:
+    """`home_of`, for a process that must not write to the run (a fork reading its parent, `rewind eval`):
     documents the run tokenised are read from RUN/data, any other go to a scratch directory."""
-    return dataclasses.replace(place_of(run_dir, state), data_dir=None, reuse_dirs=tuple(filter(None, [data_dir(run_dir)])))
+    return dataclasses.replace(home_of(run_dir, state), data_dir=None, reuse_dirs=tuple(filter(None, [data_dir(run_dir)])))
 
 
-def start_place(config: Config, run_dir: str, *, base_dir: str | None = None) -> DataPlace:
-    """The data place of a run about to start: its tokenizer decided (given, trained, adopted from the
+def start_home(config: Config, run_dir: str, *, base_dir: str | None = None) -> DataHome:
+    """The data home of a run about to start: its tokenizer decided (given, trained, adopted from the
     prepared data or the pretrained weights) and checked against the architecture and the pretrained
     weights. Documents are tokenised into a scratch directory: nothing is written to the run until
     `publish_run_data`, when the start is on its way to its first record (a start that fails leaves the
     directory as it was)."""
-    place = DataPlace(data_dir=None, base_dir=base_dir, full_identity=True)
-    tokenizer = _choose_tokenizer(config, place)
+    home = DataHome(data_dir=None, base_dir=base_dir, full_identity=True)
+    tokenizer = _choose_tokenizer(config, home)
     vocab_size = config.architecture.vocab_size
     # (UTF-8 bytes need no check here: the datasets check the ids they hold, and ASCII tasks fit 128.)
     if tokenizer.identity and tokenizer.vocab_size > vocab_size:
@@ -115,24 +115,24 @@ def start_place(config: Config, run_dir: str, *, base_dir: str | None = None) ->
             f"the tokenizer has {tokenizer.vocab_size} ids, more than architecture.vocab_size {vocab_size}"
         )
     if config.pretrained.path:
-        expected = pretrained_tokenizer(place.resolve(config.pretrained.path))
+        expected = pretrained_tokenizer(home.resolve(config.pretrained.path))
         if expected is not None and expected[0] != tokenizer.identity:
             raise TokenizerError(
                 f"pretrained: {config.pretrained.path} was trained with tokenizer {expected[0][:12] or 'UTF-8 bytes'}, "
                 f"the run's is {tokenizer.identity[:12] or 'UTF-8 bytes'} (its token ids would mean other text)"
             )
-    place.tokenizer = tokenizer
-    return place
+    home.tokenizer = tokenizer
+    return home
 
 
-def publish_run_data(place: DataPlace, config: Config, run_dir: str) -> None:
+def publish_run_data(home: DataHome, config: Config, run_dir: str) -> None:
     """Put a starting run's tokenizer and tokenised documents into RUN/data (where every later process reads
     them), replacing what a start that died before its first record left there."""
     target_dir = data_dir(run_dir)
     if target_dir is None:
         return  # an object-store run tokenises in a scratch directory every time
     target = filesystem(tokenizer_path(run_dir))
-    text = place.tokenizer.to_json()
+    text = home.tokenizer.to_json()
     if text is not None:
         target.parent.makedirs()
         target.write_atomic(text.encode("utf-8"))
@@ -140,12 +140,12 @@ def publish_run_data(place: DataPlace, config: Config, run_dir: str) -> None:
         target.fs.rm(target.path)
     for name in used_datasets(config):
         source = config.data[name]
-        prepared = place.prepared_dir(name, source)
-        if source.kind in TEXT_KINDS and not source.prompt_field and not place.is_reused(prepared):
+        prepared = home.prepared_dir(name, source)
+        if source.kind in TEXT_KINDS and not source.prompt_field and not home.is_reused(prepared):
             destination = os.path.join(target_dir, os.path.basename(prepared))
             shutil.rmtree(destination, ignore_errors=True)
             shutil.copytree(prepared, destination)  # (the scratch copy stays open under the datasets)
-    place.data_dir = target_dir
+    home.data_dir = target_dir
 
 
 def pretrained_tokenizer(path: str) -> tuple[str, str | None] | None:
@@ -162,28 +162,28 @@ def pretrained_tokenizer(path: str) -> tuple[str, str | None] | None:
     return (identity, None) if identity is not None else None
 
 
-def _choose_tokenizer(config: Config, place: DataPlace) -> TextTokenizer:
+def _choose_tokenizer(config: Config, home: DataHome) -> TextTokenizer:
     section = config.tokenizer
     if section.path:
-        return load_tokenizer(place.resolve(section.path))
+        return load_tokenizer(home.resolve(section.path))
     if section.train_vocab_size:
         names = section.train_on or [n for n, s in config.data.items() if s.kind in TEXT_KINDS and not s.prompt_field]
         documents = []
         for name in names:
             source = config.data[name]
-            found = expand_inputs(place.resolve(source.path))
+            found = expand_inputs(home.resolve(source.path))
             documents.append(iter_documents(found, source.kind, source.text_field))
         return train_bpe((doc for docs in documents for doc in docs), section.train_vocab_size)
     # No tokenizer named: the one of the prepared directories the config reads, when they agree.
     adopted: dict[str, str] = {}
     for source in config.data.values():
-        path = place.resolve(source.path)
+        path = home.resolve(source.path)
         if source.kind == "tokens" and is_prepared(path):
             manifest = read_manifest(path)
             if manifest.tokenizer:
                 adopted[manifest.tokenizer] = filesystem(path).join(TOKENIZER_FILE).url
     if config.pretrained.path:  # the weights' own tokenizer, when they come with it
-        found = pretrained_tokenizer(place.resolve(config.pretrained.path))
+        found = pretrained_tokenizer(home.resolve(config.pretrained.path))
         if found is not None and found[1] is not None:
             adopted[found[0]] = found[1]
     if len(adopted) > 1:
@@ -194,8 +194,8 @@ def _choose_tokenizer(config: Config, place: DataPlace) -> TextTokenizer:
     return load_tokenizer(next(iter(adopted.values()))) if adopted else ByteTokenizer()
 
 
-def open_registry(config: Config, place: DataPlace) -> DatasetRegistry:
-    return DatasetRegistry(config, place)
+def open_registry(config: Config, home: DataHome) -> DatasetRegistry:
+    return DatasetRegistry(config, home)
 
 
 def used_datasets(config: Config) -> list[str]:
@@ -205,14 +205,14 @@ def used_datasets(config: Config) -> list[str]:
 
 
 def identities(
-    config: Config, place: DataPlace, recorded: dict[str, DataIdentity] | None = None, old: Config | None = None
+    config: Config, home: DataHome, recorded: dict[str, DataIdentity] | None = None, old: Config | None = None
 ) -> dict[str, DataIdentity]:
     """The identity of every dataset of `config` the run reads, as it goes on record: full (content
     hashes), so that `rewind verify --data` has something to compare with. They must have been opened
     (documents are tokenised by then); a declared dataset nothing reads is not on record. A dataset that
     `old` (the config before a fork) declared the same way keeps its `recorded` identity, which the
     caller has just checked: a fork does not hash a corpus again."""
-    full = dataclasses.replace(place, full_identity=True)
+    full = dataclasses.replace(home, full_identity=True)
     kept = replace_config_data(config, old).data if old is not None else {}
     return {
         name: recorded[name] if recorded and name in kept and name in recorded else dataset_identity(name, config.data[name], full)
@@ -220,7 +220,7 @@ def identities(
     }
 
 
-def check_data(config: Config, state: State, place: DataPlace, *, full: bool = False) -> list[str]:
+def check_data(config: Config, state: State, home: DataHome, *, full: bool = False) -> list[str]:
     """What differs between the data `config` names now and what the run recorded ([] = the same).
     A run started before the data was on record has nothing to compare."""
     if not state.behaviours.data_identity:
@@ -228,7 +228,7 @@ def check_data(config: Config, state: State, place: DataPlace, *, full: bool = F
     changes: list[str] = []
     section = config.tokenizer
     if section.path:
-        path = place.resolve(section.path)
+        path = home.resolve(section.path)
         try:
             current = bytes_identity(read_tokenizer_bytes(path))
         except FileNotFoundError:
@@ -239,7 +239,7 @@ def check_data(config: Config, state: State, place: DataPlace, *, full: bool = F
         if current != state.tokenizer:
             changes.append(f"tokenizer.path: {path} changed since the run started "
                            f"({current[:12]}, recorded {state.tokenizer[:12] or 'bytes'})")
-    checking = dataclasses.replace(place, full_identity=full)
+    checking = dataclasses.replace(home, full_identity=full)
     for name, recorded in sorted(state.data.items()):
         if name not in config.data:
             continue  # no longer read (a fork that dropped it)
@@ -253,18 +253,18 @@ def check_data(config: Config, state: State, place: DataPlace, *, full: bool = F
             changes.append(f"dataset {name!r}: {exc}")
             continue
         changes += identity_changes(name, recorded, current, full=full)
-        prepared = _prepared_dir_of(name, source, place)
+        prepared = _prepared_dir_of(name, source, home)
         if prepared is not None and not full:  # (full: verify_data checks them whole)
             changes += [f"dataset {name!r}: {line}" for line in check_prepared(prepared, full=False)]
     return changes
 
 
-def check_unchanged(place: DataPlace, step: int) -> None:
+def check_unchanged(home: DataHome, step: int) -> None:
     """Before the checkpoint of step `step`: every token file the run reads is still the file it opened
     (its size, times and identity, and the blocks its fingerprint samples: rewind.engine.tokens), else
     DataChanged with one line naming the dataset, and the checkpoint is not taken. The ranks of a
     sharded run agree (the lowest failing rank's line), so that all stop or none."""
-    changes = [f"dataset {name!r}: {problem}" for name, stream in place.streams if (problem := stream.change())]
+    changes = [f"dataset {name!r}: {problem}" for name, stream in home.streams if (problem := stream.change())]
     failure = None
     if changes:
         more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
@@ -277,11 +277,11 @@ def check_unchanged(place: DataPlace, step: int) -> None:
         raise DataChanged([agreed.message])
 
 
-def _prepared_dir_of(name: str, source, place: DataPlace) -> str | None:
+def _prepared_dir_of(name: str, source, home: DataHome) -> str | None:
     """The prepared directory dataset `name` reads its tokens from (None: it reads files as they are)."""
     if source.prompt_field:
         return None
-    directory = place.resolve(source.path) if source.kind == "tokens" else place.prepared_dir(name, source)
+    directory = home.resolve(source.path) if source.kind == "tokens" else home.prepared_dir(name, source)
     return directory if is_prepared(directory) else None
 
 
@@ -292,9 +292,9 @@ def replace_config_data(new: Config, old: Config) -> Config:
     return msgspec.structs.replace(new, data=kept)
 
 
-def copy_run_data(place: DataPlace, config: Config, parent_dir: str, child_dir: str) -> None:
+def copy_run_data(home: DataHome, config: Config, parent_dir: str, child_dir: str) -> None:
     """A fork's data directory: the parent's tokenizer file and the documents tokenised for `config`
-    (in `place`'s directory), so the child resumes on its own copies."""
+    (in `home`'s directory), so the child resumes on its own copies."""
     target = data_dir(child_dir)
     if target is None:
         return  # an object-store run tokenises in a scratch directory every time
@@ -303,7 +303,7 @@ def copy_run_data(place: DataPlace, config: Config, parent_dir: str, child_dir: 
     if source_tokenizer.exists():
         filesystem(tokenizer_path(child_dir)).write_atomic(read_tokenizer_bytes(source_tokenizer.url))
     for name, source in config.data.items():
-        prepared = place.prepared_dir(name, source)
+        prepared = home.prepared_dir(name, source)
         if source.kind in TEXT_KINDS and not source.prompt_field and os.path.isdir(prepared):
             shutil.copytree(prepared, os.path.join(target, os.path.basename(prepared)), dirs_exist_ok=True)
 
@@ -314,16 +314,16 @@ def verify_data(run_dir: str, config: Config, state: State) -> tuple[list[str], 
     if not state.behaviours.data_identity:
         return [], ["data: the run started before rewind recorded its data (nothing to compare with)"]
     try:
-        place = place_of(run_dir, state)
+        home = home_of(run_dir, state)
     except (DataChanged, TokenizerError) as exc:
         return [f"data: {exc}"], []
-    problems = [f"data: {line}" for line in check_data(config, state, place, full=True)]
+    problems = [f"data: {line}" for line in check_data(config, state, home, full=True)]
     num_files = 0
     for name, source in sorted(config.data.items()):
         if name not in state.data:
             continue
         num_files += len(state.data[name].sources) + len(state.data[name].validation_sources)
-        prepared = _prepared_dir_of(name, source, place)
+        prepared = _prepared_dir_of(name, source, home)
         if prepared is not None:
             problems += [f"data: dataset {name!r}: {line}" for line in check_prepared(prepared, full=True)]
     if state.pretrained and config.pretrained.path:

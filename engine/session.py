@@ -27,11 +27,11 @@ from rewind.engine.ranks import Failure, first_failure, is_writer, shared_event
 from rewind.engine.rundata import (
     DATA_ERRORS,
     DataChanged,
+    home_of,
     identities,
-    place_of,
     publish_run_data,
     replace_config_data,
-    start_place,
+    start_home,
 )
 from rewind.states.check_continuation import continuation_problem
 from rewind.states.config import Config
@@ -179,7 +179,7 @@ class _Opening:
             journal.metrics = metrics_for(self.run_dir, metrics)
         if self.how == "started":
             if writes:
-                publish_run_data(self.parts.datasets.place, self.parts.config, self.run_dir)  # now, with the lock held
+                publish_run_data(self.parts.datasets.home, self.parts.config, self.run_dir)  # now, with the lock held
                 if journal.metrics is not None:
                     journal.metrics.resume(-1, 0)  # a directory left by a start that died before its first record
             return run, record(run, State(), shared_event(self.events[0] if writes else None)), "started"
@@ -238,8 +238,8 @@ def _plan_start(config: Config, run_dir: str, threads: int) -> _Opening:
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
     placement, _ = enter_site(config, None, threads)  # the user's --threads, if given: recorded below
-    place = start_place(config, run_dir)
-    built = assemble(config, run_dir, None, place)  # before the first record
+    home = start_home(config, run_dir)
+    built = assemble(config, run_dir, None, home)  # before the first record
     started = RunStarted(
         step=0,
         tokens=0,
@@ -249,8 +249,8 @@ def _plan_start(config: Config, run_dir: str, threads: int) -> _Opening:
         num_threads=torch.get_num_threads(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         features=list(RUN_FEATURES),  # a run started today does what today's engine does, for life
-        data=identities(config, place),
-        tokenizer=place.tokenizer.identity,
+        data=identities(config, home),
+        tokenizer=home.tokenizer.identity,
         pretrained=built.pretrained,
         device=device_record(placement.device),
         world_size=placement.world_size,
@@ -267,9 +267,9 @@ def _plan_resume(
     current, logged_config = folded.state, folded.config
     if not current.started:
         raise RunError(f"{run_dir}: the event log does not start with RunStarted", 1)
-    place = place_of(run_dir, current)
+    home = home_of(run_dir, current)
     if current.finished:
-        parts = fresh_parts(logged_config, run_dir, open_datasets(logged_config, place))
+        parts = fresh_parts(logged_config, run_dir, open_datasets(logged_config, home))
         return _Opening(run_dir, "finished", parts, end_seq=folded.end_seq, state=current)
     refusal = config_mismatch(run_dir, logged_config, config)
     if refusal and not fork:
@@ -298,11 +298,11 @@ def _plan_resume(
     # the config the run goes on under (the new one when forking in place, so that the old config's
     # datasets, perhaps moved since, are never opened), from the restore point's tensors.
     unchanged = replace_config_data(going_on, logged_config)
-    built = assemble(going_on, run_dir, point.state, place, recorded=unchanged, checked=current)
+    built = assemble(going_on, run_dir, point.state, home, recorded=unchanged, checked=current)
     computed = Computed(device_record(placement.device), placement.world_size, torch.get_num_threads())
     data = None
     if refusal and current.behaviours.data_identity:
-        data = {"data": identities(config, place, current.data, logged_config), "tokenizer": place.tokenizer.identity}
+        data = {"data": identities(config, home, current.data, logged_config), "tokenizer": home.tokenizer.identity}
     try:  # every check before the first record
         events = resume_records(current, point, folded.end_seq, computed, config if refusal else None, data)
     except EntryRefused as exc:

@@ -200,13 +200,13 @@ def train_step(
     trunk_here = None if trunk_rows is None else trunk_rows[rows_here].to(device)
     use_kl = reference is not None and beta > 0.0
     sharded = is_sharded(model)
-    parts = micro_batches(len(mine), config.training.per_device_batch_size)
-    first_micro_batch = mine.start // max(parts[0].stop - parts[0].start, 1) if parts else 0
+    slices = micro_batches(len(mine), config.training.per_device_batch_size)
+    first_micro_batch = mine.start // max(slices[0].stop - slices[0].start, 1) if slices else 0
     total_ce = total_kl = 0.0
     num_correct = 0
-    for index, rows in enumerate(parts):
+    for index, rows in enumerate(slices):
         if sharded:  # gradients are reduced over the ranks once, after the last micro-batch
-            model.set_requires_gradient_sync(index == len(parts) - 1)  # type: ignore[operator]
+            model.set_requires_gradient_sync(index == len(slices) - 1)  # type: ignore[operator]
         seed = dropout_seed(config, step, first_micro_batch + index)
         with _compute_precision(config, device):
             losses = _micro_batch_losses(

@@ -8,7 +8,7 @@ zarr array laid out in reading order (`rewind.stores.activations`), so a step re
 chunk. The ActivationsCached record that follows says the cache is complete; a writer killed half way
 leaves chunks without completion records, and the next process writes only those.
 
-`trunk_rows` gives a step its cached rows. Values read are bitwise the values a recomputation gives,
+`rewind.engine.trunkreader` gives a step its cached rows. Values read are bitwise the values a recomputation gives,
 so a run with the cache and one without end with the same weights.
 
 A cache is read and written only inside the run: the record's path is a name rewind writes (checked
@@ -26,6 +26,7 @@ from rewind.engine.parts import Parts
 from rewind.engine.placement import in_sharded_run, model_device
 from rewind.engine.ranks import is_writer, shared_event
 from rewind.engine.step import dropout_seed, micro_batches
+from rewind.engine.trunkreader import cache_url
 from rewind.states.config import Config
 from rewind.states.config_identity import config_hash
 from rewind.states.events import ActivationsCached
@@ -34,7 +35,7 @@ from rewind.states.state import State
 from rewind.stores import cachenames
 from rewind.stores.activations import ActivationCache, CacheError, CacheSpec
 from rewind.stores.cachenames import CACHE_DIR
-from rewind.stores.confine import NotConfined, inside_path
+from rewind.stores.confine import NotConfined
 from rewind.stores.fsio import filesystem
 
 
@@ -44,15 +45,6 @@ def cache_path(version: int, first_step: int, config: Config) -> str:
     outputs for a step (data, dropout, seed, RoPE...), and a cache found at the path of another's would
     otherwise be taken for it."""
     return cachenames.cache_path(version, first_step, config_hash(config))
-
-
-def cache_url(run_dir: str, path: str) -> str:
-    """The URL of the cache at `path` (a name the record checks passed) in the run. Locally, the cache
-    and `cache/` must stay inside the run once links are resolved: NotConfined otherwise."""
-    location = filesystem(run_dir)
-    if location.is_local:
-        inside_path(location.path, path.split("/"))
-    return location.join(*path.split("/")).url
 
 
 def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCached:
@@ -83,11 +75,11 @@ def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCa
             if offset not in missing and not compute_all:
                 continue  # written by a process that was stopped before the cache was complete
             inputs = tokens[:, :-1].to(model_device(model))
-            parts_out = []
+            outputs = []
             for index, rows in enumerate(micro_batches(inputs.shape[0], config.training.per_device_batch_size)):
-                parts_out.append(model.trunk_output(inputs[rows], dropout_seed=dropout_seed(config, k, index)))
+                outputs.append(model.trunk_output(inputs[rows], dropout_seed=dropout_seed(config, k, index)))
             if cache is not None and offset in missing:
-                cache.write_chunk(offset, torch.cat(parts_out).contiguous().cpu())
+                cache.write_chunk(offset, torch.cat(outputs).contiguous().cpu())
     if cache is None:
         return shared_event(None)  # type: ignore[return-value]
     cache.mark_complete()
@@ -120,33 +112,3 @@ def _delete_others(run_dir: str, keep: str) -> None:
 def _trunk_dtype(model) -> torch.dtype:
     """The dtype of the stream entering the last stack (the model's residual stream: the embedding's)."""
     return model.embed.weight.dtype
-
-
-class TrunkReader:
-    """Opens the state's cache once per process and hands each step its rows."""
-
-    def __init__(self) -> None:
-        self._opened: tuple[ActivationsCached, ActivationCache] | None = None
-
-    def rows(self, parts: Parts, state: State, step: int) -> torch.Tensor | None:
-        """The cached trunk outputs of step `step` (batch, seq, width), or None when the state has no
-        cache covering it (training then runs the trunk)."""
-        ref = state.activation_cache
-        if ref is None or not ref.path or not ref.step <= step < ref.step + ref.num_steps:
-            return None
-        if self._opened is None or self._opened[0] != ref:
-            try:
-                opened = ActivationCache.open(cache_url(parts.run_dir, ref.path))
-                if opened.spec.num_rows != ref.num_rows or not opened.is_complete():
-                    return None  # not the cache the record names: recomputed instead, to the same bits
-                self._opened = (ref, opened)
-            except (CacheError, NotConfined):
-                # Gone, damaged (a copied run directory without cache/) or leading out of the run: the
-                # trunk is recomputed, which gives the same bits, only slower.
-                return None
-        cache = self._opened[1]
-        start, stop = cache.chunk_rows(step - ref.step)
-        try:
-            return cache.read_rows(start, stop)
-        except CacheError:
-            return None  # damaged since it was completed: recomputed instead, to the same bits

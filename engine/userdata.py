@@ -43,7 +43,7 @@ from rewind.stores.fsio import filesystem
 
 
 class _Scratch:
-    """A temporary directory made on first use and removed with the last DataPlace that shares it (copies
+    """A temporary directory made on first use and removed with the last DataHome that shares it (copies
     made with dataclasses.replace share it), without the warning an implicit TemporaryDirectory cleanup gives."""
 
     def __init__(self) -> None:
@@ -57,7 +57,7 @@ class _Scratch:
 
 
 @dataclass
-class DataPlace:
+class DataHome:
     """Where a run's data comes from and goes. `base_dir`: what relative paths are taken against (None:
     the working directory); `data_dir`: where documents are tokenised to (None: a temporary directory
     that lives as long as this object); `reuse_dirs`: data directories whose documents already tokenised
@@ -117,105 +117,105 @@ class DataPlace:
         return os.path.join(self.data_dir if self.data_dir is not None else self._scratch.get(), directory)
 
 
-def _split_mode(source: DataSource, place: DataPlace) -> str:
-    return source.split or place.default_split
+def _split_mode(source: DataSource, home: DataHome) -> str:
+    return source.split or home.default_split
 
 
 def open_user_dataset(
-    name: str, source: DataSource, block_size: int, vocab_size: int, place: DataPlace | None = None
+    name: str, source: DataSource, block_size: int, vocab_size: int, home: DataHome | None = None
 ) -> WindowedDataset | PairDataset:
-    place = place or DataPlace()
+    home = home or DataHome()
     try:
-        dataset = _open(name, source, block_size, vocab_size, place)
+        dataset = _open(name, source, block_size, vocab_size, home)
     except (TokenFileError, DocumentError, ManifestError) as exc:
         raise DatasetError(f"dataset {name!r}: {exc}") from None
     dataset.reshuffle = source.on_epoch_end == "reshuffle"
     return dataset
 
 
-def _open(name: str, source: DataSource, block_size: int, vocab_size: int, place: DataPlace):
+def _open(name: str, source: DataSource, block_size: int, vocab_size: int, home: DataHome):
     if source.prompt_field:
-        return _open_pairs(name, source, block_size, place)
+        return _open_pairs(name, source, block_size, home)
     if source.kind == "tokens":
-        path = place.resolve(source.path)
+        path = home.resolve(source.path)
         if is_prepared(path):
-            return _open_prepared(name, path, block_size, vocab_size, place, source)
+            return _open_prepared(name, path, block_size, vocab_size, home, source)
         validation = None
         if source.validation_path:
-            validation = place.open_stream(name, place.resolve(source.validation_path), source.dtype)
+            validation = home.open_stream(name, home.resolve(source.validation_path), source.dtype)
         return WindowedDataset(
-            name, place.open_stream(name, path, source.dtype), block_size, vocab_size,
-            split=_split_mode(source, place), fraction=source.validation_fraction, validation=validation,
-            check_all=place.full_identity,  # a start: every id checked before RunStarted
+            name, home.open_stream(name, path, source.dtype), block_size, vocab_size,
+            split=_split_mode(source, home), fraction=source.validation_fraction, validation=validation,
+            check_all=home.full_identity,  # a start: every id checked before RunStarted
         )
     # Documents: tokenised once into the run's data directory, then read like a prepared directory.
     from rewind.engine.dataprep import prepare
 
-    out_dir = place.prepared_dir(name, source)
-    if place.is_reused(out_dir):  # another run's (a fork's parent): read, never written
-        return _open_prepared(name, out_dir, block_size, vocab_size, place, source)
+    out_dir = home.prepared_dir(name, source)
+    if home.is_reused(out_dir):  # another run's (a fork's parent): read, never written
+        return _open_prepared(name, out_dir, block_size, vocab_size, home, source)
     prepare(
-        [place.resolve(source.path)],
+        [home.resolve(source.path)],
         out_dir,
-        place.tokenizer,
+        home.tokenizer,
         kind=source.kind,
         text_field=source.text_field,
-        validation_inputs=[place.resolve(source.validation_path)] if source.validation_path else (),
+        validation_inputs=[home.resolve(source.validation_path)] if source.validation_path else (),
         overwrite=True,
     )
-    return _open_prepared(name, out_dir, block_size, vocab_size, place, source)
+    return _open_prepared(name, out_dir, block_size, vocab_size, home, source)
 
 
-def _open_prepared(name, directory, block_size, vocab_size, place: DataPlace, source: DataSource) -> WindowedDataset:
+def _open_prepared(name, directory, block_size, vocab_size, home: DataHome, source: DataSource) -> WindowedDataset:
     manifest = read_manifest(directory)
-    if manifest.tokenizer != place.tokenizer.identity:
+    if manifest.tokenizer != home.tokenizer.identity:
         made_by = manifest.tokenizer[:12] or "UTF-8 bytes"
-        run_has = place.tokenizer.identity[:12] or "UTF-8 bytes"
+        run_has = home.tokenizer.identity[:12] or "UTF-8 bytes"
         raise DatasetError(
             f"dataset {name!r}: {directory} was tokenised by {made_by}, the run's tokenizer is {run_has} "
             "(set [tokenizer] path to the tokenizer.json in that directory)"
         )
     location = filesystem(directory)
     streams = {
-        split: place.open_stream(name, location.join(f.file).url, manifest.dtype) for split, f in manifest.splits.items()
+        split: home.open_stream(name, location.join(f.file).url, manifest.dtype) for split, f in manifest.splits.items()
     }
     if source.validation_path and source.kind == "tokens":  # (documents' validation_path is in the manifest)
         if "validation" in streams:
             raise DatasetError(
                 f"dataset {name!r}: {directory} has a validation split of its own; drop validation_path"
             )
-        streams["validation"] = place.open_stream(name, place.resolve(source.validation_path), manifest.dtype)
+        streams["validation"] = home.open_stream(name, home.resolve(source.validation_path), manifest.dtype)
     return WindowedDataset(
         name, streams["train"], block_size, vocab_size,
-        split=_split_mode(source, place), fraction=source.validation_fraction, validation=streams.get("validation"),
-        check_all=place.full_identity,  # a start: every id checked before RunStarted
+        split=_split_mode(source, home), fraction=source.validation_fraction, validation=streams.get("validation"),
+        check_all=home.full_identity,  # a start: every id checked before RunStarted
     )
 
 
-def _tokenised_pairs(paths: list[str], source: DataSource, place: DataPlace) -> list[tuple[list[int], list[int]]]:
+def _tokenised_pairs(paths: list[str], source: DataSource, home: DataHome) -> list[tuple[list[int], list[int]]]:
     pairs = list(iter_pairs(paths, source.kind, source.prompt_field, source.response_field))
-    tokenizer = place.tokenizer
+    tokenizer = home.tokenizer
     prompts = tokenizer.encode_batch([p for p, _ in pairs])
     responses = tokenizer.encode_batch([r for _, r in pairs])
     return list(zip(prompts, responses, strict=True))
 
 
-def _open_pairs(name: str, source: DataSource, block_size: int, place: DataPlace) -> PairDataset:
-    tokenizer = place.tokenizer
+def _open_pairs(name: str, source: DataSource, block_size: int, home: DataHome) -> PairDataset:
+    tokenizer = home.tokenizer
     end_id = tokenizer.eos_id
-    pairs = _tokenised_pairs(expand_inputs(place.resolve(source.path)), source, place)
+    pairs = _tokenised_pairs(expand_inputs(home.resolve(source.path)), source, home)
     if source.validation_path:
         train = pairs
-        validation = _tokenised_pairs(expand_inputs(place.resolve(source.validation_path)), source, place)
+        validation = _tokenised_pairs(expand_inputs(home.resolve(source.validation_path)), source, home)
     else:  # carved as a token file's windows are (RowSplit), with examples for windows
-        carve = RowSplit(len(pairs), _split_mode(source, place), source.validation_fraction)
+        carve = RowSplit(len(pairs), _split_mode(source, home), source.validation_fraction)
         validation = [pairs[i] for i in carve.rows("validation", np.arange(carve.num_validation)).tolist()]
         train = [pairs[i] for i in carve.rows("train", np.arange(carve.num_train)).tolist()]
     rows = {
         "train": pack_pairs(train, block_size, tokenizer.pad_id, end_id),
         "validation": pack_pairs(validation, block_size, tokenizer.pad_id, end_id),
     }
-    return PairDataset(name, rows, block_size, place.resolve(source.path))
+    return PairDataset(name, rows, block_size, home.resolve(source.path))
 
 
 # --- identity -------------------------------------------------------------------------------------
@@ -233,19 +233,19 @@ def _identities(paths: list[str], full: bool) -> list[SourceFile]:
     return out
 
 
-def dataset_identity(name: str, source: DataSource, place: DataPlace) -> DataIdentity:
-    """What dataset `name` is now (the cheap identity, or the full one with place.full_identity)."""
-    full = place.full_identity
+def dataset_identity(name: str, source: DataSource, home: DataHome) -> DataIdentity:
+    """What dataset `name` is now (the cheap identity, or the full one with home.full_identity)."""
+    full = home.full_identity
     try:
         if source.kind == "tokens" and not source.prompt_field:
-            path = place.resolve(source.path)
+            path = home.resolve(source.path)
             if is_prepared(path):
                 identity = _prepared_identity(path, source.kind, [], [], full)
                 if source.validation_path:
-                    validation_file = _identities([place.resolve(source.validation_path)], full)
+                    validation_file = _identities([home.resolve(source.validation_path)], full)
                     identity = msgspec.structs.replace(identity, validation_sources=identity.validation_sources + validation_file)
                 return identity
-            validation = [place.resolve(source.validation_path)] if source.validation_path else []
+            validation = [home.resolve(source.validation_path)] if source.validation_path else []
             files = _identities([path], full)
             return DataIdentity(
                 kind="tokens",
@@ -253,11 +253,11 @@ def dataset_identity(name: str, source: DataSource, place: DataPlace) -> DataIde
                 validation_sources=_identities(validation, full),
                 num_tokens=files[0].size // np.dtype(source.dtype).itemsize,
             )
-        inputs = _identities(expand_inputs(place.resolve(source.path)), full)
-        validation = _identities(expand_inputs(place.resolve(source.validation_path)), full) if source.validation_path else []
+        inputs = _identities(expand_inputs(home.resolve(source.path)), full)
+        validation = _identities(expand_inputs(home.resolve(source.validation_path)), full) if source.validation_path else []
         if source.prompt_field:
-            return DataIdentity(kind=source.kind, sources=inputs, validation_sources=validation, tokenizer=place.tokenizer.identity)
-        return _prepared_identity(place.prepared_dir(name, source), source.kind, inputs, validation, full)
+            return DataIdentity(kind=source.kind, sources=inputs, validation_sources=validation, tokenizer=home.tokenizer.identity)
+        return _prepared_identity(home.prepared_dir(name, source), source.kind, inputs, validation, full)
     except (DocumentError, ManifestError) as exc:
         raise DatasetError(f"dataset {name!r}: {exc}") from None
     except DatasetError as exc:  # a file gone or unreadable: say whose

@@ -137,27 +137,19 @@ def resume_records(
         raise EntryRefused(f"cannot {what}: {exc}", code) from None
 
 
-@dataclass(frozen=True)
-class ForkPoint:
-    """Where in the parent a fork starts: the checkpoint ("" = the parent's start), its step, the
-    parent's control state and config in force there."""
-
-    checkpoint: str
-    step: int
-    state: State
-    config: Config
-
-
 def fork_records(
     started: RunStarted,
-    point: ForkPoint,
+    point: RestorePoint,
+    parent_config: Config,
     config: Config,
     origin: ForkOrigin,
     num_threads: int,
     data: dict | None,
     version: str,
 ) -> tuple[Event, ...]:
-    """The log a fork of the run that `started` begins, at `point` under `config` with release `version`: RunStarted naming the parent (its compute site, behaviours and pretrained weights), then,
+    """The log a fork of the run that `started` begins, at the parent's restore `point` (where
+    `parent_config` is in force) under `config` with release `version`: RunStarted naming the parent
+    (its compute site, behaviours and pretrained weights), then,
     from a checkpoint, RunResumed seeded with the parent's control state and ConfigChanged when the
     config differs (`data`: the identities, in a run that records them). The child holds only the
     checkpoints a restart needs: the fork point's and the reference's (none while a refresh is due)."""
@@ -197,7 +189,7 @@ def fork_records(
                 seed=seed_of(msgspec.structs.replace(held, live_checkpoints=live)),
             )
         )
-        if config_hash(point.config) != child.config_hash:
+        if config_hash(parent_config) != child.config_hash:
             records.append(_change(held, config, extra or None))
     try:
         fold(records)

@@ -4,7 +4,7 @@ The rows, the loss and the accuracy are those of a boundary evaluation (rewind.e
 first `--samples` validation rows (default: the run's `training.eval_samples`), the mean masked
 cross-entropy, its perplexity, bits per byte from the run's tokenizer's byte length per token, and
 answer-token accuracy only for a dataset whose loss mask marks answers (a task, prompt/response pairs).
-The datasets are opened as the run reads them (its data place: rewind.engine.rundata), so NAME is any
+The datasets are opened as the run reads them (its data home: rewind.engine.rundata), so NAME is any
 dataset of the run's config; data that changed since the run recorded it is refused, as replay refuses
 it. Nothing is written: not the log, not the metrics.
 """
@@ -41,26 +41,26 @@ def _number(value: float | None) -> str:
 
 
 def open_run_data(run_dir: str, loaded: CheckpointModel, name: str):
-    """The run's datasets and tokenizer as the run reads them at the checkpoint (the data place the log
+    """The run's datasets and tokenizer as the run reads them at the checkpoint (the data home the log
     gives it, as replay opens it), for scoring dataset `name`: its data, when it changed since the run
     recorded it, is refused (exit 1); the others are not looked at. Nothing is written to the run:
     documents it never tokenised go to a scratch directory."""
     import msgspec
 
-    from rewind.engine.rundata import DataChanged, check_data, open_registry, read_only_place
+    from rewind.engine.rundata import DataChanged, check_data, open_registry, read_only_home
     from rewind.engine.tokenizer import TokenizerError
 
     try:
-        place = read_only_place(run_dir, loaded.state)
+        home = read_only_home(run_dir, loaded.state)
     except (DataChanged, TokenizerError) as exc:
         raise CommandError(f"{run_dir}: {exc}", 1) from None
     scored = msgspec.structs.replace(loaded.config, data={k: v for k, v in loaded.config.data.items() if k == name})
-    changes = check_data(scored, loaded.state, place)
+    changes = check_data(scored, loaded.state, home)
     if changes:
         raise CommandError(
             f"{changes[0]}; the run's data changed since it recorded it (`rewind verify --data {run_dir}`)", 1
         )
-    return open_registry(loaded.config, place), place.tokenizer
+    return open_registry(loaded.config, home), home.tokenizer
 
 
 def run(args: argparse.Namespace) -> int:

@@ -82,20 +82,6 @@ def config_json(lora) -> bytes:
     return json.dumps(output, indent=2, sort_keys=True).encode()
 
 
-def checkpoint_layout(state):
-    """The layout of the model that `state`'s last checkpoint holds: that of the fold's restore anchor
-    (the state just after the checkpoint, which is what a resume loads it under), not the log's
-    latest, which a growth after the checkpoint has changed."""
-    from rewind.states.growth import current_layout
-
-    anchor = state.anchor
-    if anchor is None or anchor.last_checkpoint != state.last_checkpoint:
-        raise CommandError(
-            "the log's restore anchor is not its last checkpoint: cannot tell that model's layout", 1
-        )
-    return current_layout(anchor)
-
-
 def check_out_dir(out_dir: str) -> tuple[Path, Path]:
     """The two files' paths in DIR, refused up front (exit 2) where DIR cannot be a directory of ours."""
     from rewind.tools.outfile import check_target
@@ -135,8 +121,7 @@ def prepare_adapters(run_dir: str, out_dir: str, hf_dir: str) -> Prepared:
     from rewind.engine import hf_models
     from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
-    from rewind.tools.export_cmd import checkpointed_state
-    from rewind.tools.export_hf import expressible
+    from rewind.tools.export_source import checkpoint_layout, checkpointed_state, expressible
 
     weights_path, config_path = check_out_dir(out_dir)
     records = load_records(run_dir)

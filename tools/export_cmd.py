@@ -90,17 +90,6 @@ def export_metrics(run_dir: str) -> int:
     return 0
 
 
-def checkpointed_state(run_dir: str, records: list | None = None):
-    """The run's folded state, which has a committed checkpoint (CommandError, exit 1, when it has none):
-    every export writes its last one, the checkpoint a resume would go on from."""
-    from rewind.states.fold import fold
-
-    state = fold(e for _, e in (load_records(run_dir) if records is None else records))
-    if state.last_checkpoint is None:
-        raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
-    return state
-
-
 def model_metadata(config, layout, tokenizer: str | None = None) -> dict[str, str]:
     """What makes the exported tensors a model again (see the module docstring), and the sha256 of the
     tokenizer its ids belong to ("" = UTF-8 bytes; None: not on record, so not said)."""
@@ -131,7 +120,7 @@ def export_weights(run_dir: str, out: str) -> int:
 
     from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
-    from rewind.tools.export_adapters import checkpoint_layout
+    from rewind.tools.export_source import checkpoint_layout, checkpointed_state
 
     target = check_target(out)
     records = load_records(run_dir)

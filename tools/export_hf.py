@@ -80,8 +80,7 @@ def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True) -> PreparedHf:
     from rewind.engine.hf_llama import Unmapped
     from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
-    from rewind.tools.export_adapters import checkpoint_layout
-    from rewind.tools.export_cmd import checkpointed_state
+    from rewind.tools.export_source import checkpoint_layout, checkpointed_state, expressible
 
     target = check_hf_dir(out_dir)
     records = load_records(run_dir)
@@ -117,17 +116,6 @@ def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True) -> PreparedHf:
         f"(step {ref.step}){tokenizer_note}"
     )
     return PreparedHf(target, files, summary, family.names.architecture)
-
-
-def expressible(config, option: str):
-    """The transformers family of a run of `config`; UsageError (exit 2) when no transformers model
-    computes it."""
-    from rewind.engine import hf_models
-
-    try:
-        return hf_models.family_of(config)
-    except hf_models.NotExpressible as exc:
-        raise UsageError(f"{option}: no transformers model computes the run's model: {exc}") from None
 
 
 def run_tokenizer(run_dir: str, recorded: str | None) -> bytes | None:

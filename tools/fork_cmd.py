@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     notes: list[str] = []
     try:
-        run, state, point = open_fork(
+        run, state, point, parent_config = open_fork(
             args.run_dir, args.at_step, config_of_child, args.new_run, num_threads=args.threads, note=notes.append
         )
     except LogNotFoundError:
@@ -73,11 +73,12 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc), exc.exit_code) from None
     except LogLockedError as exc:
         raise CommandError(str(exc), 1) from None
-    where = f"checkpoint {point.checkpoint} (step {point.step})" if point.checkpoint else "its start (step 0)"
+    step = point.state.step
+    where = f"checkpoint {point.checkpoint} (step {step})" if point.checkpoint else "its start (step 0)"
     print(f"forked {args.run_dir} at {where} into {args.new_run}", file=sys.stderr)
-    if point.step != args.at_step:
-        print(f"  (no intact checkpoint at step {args.at_step}; {point.step} is the last one before it)", file=sys.stderr)
-    for line in config_differences(point.config, run.parts.config):
+    if step != args.at_step:
+        print(f"  (no intact checkpoint at step {args.at_step}; {step} is the last one before it)", file=sys.stderr)
+    for line in config_differences(parent_config, run.parts.config):
         print(f"  config: {line}", file=sys.stderr)
     for note in notes:
         print(f"  {note}", file=sys.stderr)

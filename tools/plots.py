@@ -55,7 +55,8 @@ def format_tokens(value: float, _position=None) -> str:
     return f"{value:.4g}"
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, imported when a plot is drawn (never at startup)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,7 +118,7 @@ WEIGHTS_TOP = 1.08
 
 def schedule_figure(schedule: Schedule, events: list[Event], title: str = ""):
     """The schedule's picture as a matplotlib Figure: panels labelled (Axes.get_label) weights, lr, kl."""
-    plt = _pyplot()
+    plt = pyplot()
     steps = sample_steps(schedule)
     x = [schedule.tokens_of(k) for k in steps]
     weights = [schedule.weights(k) for k in steps]
@@ -169,6 +170,6 @@ def plot_schedule(schedule: Schedule, events: list[Event], out: str | Path, titl
     fig = schedule_figure(schedule, events, title)
     image = io.BytesIO()  # savefig to a path without a suffix would write `out`.png: the bytes go to `out`
     fig.savefig(image, format="png", dpi=110, bbox_inches="tight")
-    _pyplot().close(fig)
+    pyplot().close(fig)
     write_file_atomically(Path(out), image.getvalue())
     return Path(out)

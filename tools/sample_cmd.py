@@ -1,6 +1,6 @@
 """`rewind sample RUN --prompt TEXT`: the model of a committed checkpoint continues a prompt.
 
-The model is the one a resume from that checkpoint would load (`rewind.engine.checkpointing.load_model`
+The model is the one a resume from that checkpoint would load (`rewind.engine.checkpoint_model.load_model`
 under the layout and config the log gives it there: grown stacks, frozen and NF4 trunks, LoRA adapters),
 the text goes through the run's tokenizer (RUN/data/tokenizer.json, or UTF-8 bytes), and the draw is
 reproducible for a seed (rewind.engine.sampling). Only live checkpoints exist: retention deletes the
@@ -61,7 +61,7 @@ class CheckpointModel:
     state: Any  # the folded state at the checkpoint's restore point (rewind.states.state.State)
 
 
-def choose_checkpoint(run_dir: str, points: list, at_step: int | None):
+def choose_live_point(run_dir: str, points: list, at_step: int | None):
     """The restore point of the live checkpoint to load (`points`: those of the live checkpoints, in log
     order): the last one, or the last committed at `at_step`."""
     from rewind.states.entry import choose_point
@@ -83,7 +83,7 @@ def model_at(run_dir: str, at_step: int | None) -> CheckpointModel:
     from it would build it: the layout of the restore point the checkpoint makes, the config in force
     there (replay chooses them the same way). Files are checked against the hashes the log recorded."""
     from rewind.engine.assemble import adopt_site
-    from rewind.engine.checkpointing import load_model
+    from rewind.engine.checkpoint_model import load_model
     from rewind.states.entry import checkpoint_points, site_of
     from rewind.states.fold import fold
     from rewind.states.history import config_in_force, effective
@@ -95,7 +95,7 @@ def model_at(run_dir: str, at_step: int | None) -> CheckpointModel:
     # boundary evaluation of this checkpoint, bit for bit, on the machine it ran on.
     adopt_site(site_of(state, reading=True))  # compute.device = "auto": where the run computed, if here
     live = {c.checkpoint: c for c in state.live_checkpoints}
-    point = choose_checkpoint(run_dir, [p for p in checkpoint_points(records) if p.checkpoint in live], at_step)
+    point = choose_live_point(run_dir, [p for p in checkpoint_points(records) if p.checkpoint in live], at_step)
     ref = live[point.checkpoint]
     config = config_in_force(records[: point.index])
     model = load_model(config, CheckpointStore(run_dir), ref.checkpoint, ref.files, point.state.layout)[0]

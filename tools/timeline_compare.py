@@ -21,7 +21,7 @@ from matplotlib.ticker import FuncFormatter
 
 from rewind.states.events import Evaluated, ReferenceRefreshed, StackAppended
 from rewind.tools.outfile import write_file_atomically
-from rewind.tools.plots import _pyplot, dataset_styles, draw_stage_context, format_tokens
+from rewind.tools.plots import dataset_styles, draw_stage_context, format_tokens, pyplot
 from rewind.tools.timeline_buckets import StepColumns, runs_of
 from rewind.tools.timeline_plot import LEGEND, evaluation_points
 from rewind.tools.timeline_scan import Timeline
@@ -192,7 +192,7 @@ def comparison_figure(a: Timeline, b: Timeline, child: str = ""):
     runs = {"a": a, "b": b}
     if any(t.steps is None for t in runs.values()):
         raise ValueError("both timelines must be read with_plot: they carry the series to draw")
-    plt = _pyplot()
+    plt = pyplot()
     styles = _task_styles(runs)
     names = run_names(runs)
     columns = {}
@@ -256,6 +256,6 @@ def plot_comparison(a: Timeline, b: Timeline, out: str | Path, child: str = "") 
     path = Path(out)
     image = io.BytesIO()  # the PNG whole, then written whole: exactly `out`, never `out`.png beside it
     fig.savefig(image, format="png", dpi=110, bbox_inches="tight")
-    _pyplot().close(fig)
+    pyplot().close(fig)
     write_file_atomically(path, image.getvalue())
     return path

@@ -41,10 +41,10 @@ from rewind.states.events import (
 from rewind.tools.outfile import write_file_atomically
 from rewind.tools.plots import (
     MAX_POINTS,
-    _pyplot,
     dataset_styles,
     draw_stage_context,
     format_tokens,
+    pyplot,
     stage_colour,
 )
 from rewind.tools.state_cmd import status_text
@@ -291,7 +291,7 @@ def timeline_figure(timeline: Timeline):
     panels are labelled (Axes.get_label): loss, bits per byte (text runs), accuracy, lr, kl, mixture."""
     if timeline.steps is None:
         raise ValueError("the timeline was read without with_plot: it has no series to draw")
-    plt = _pyplot()
+    plt = pyplot()
     schedule, state, config = timeline.schedule, timeline.state, timeline.config
     tps = schedule.tokens_per_step
     refreshes = timeline.effective_of(ReferenceRefreshed)  # all that draw_stage_context looks at
@@ -361,6 +361,6 @@ def plot_timeline(timeline: Timeline, out: str | Path) -> Path:
     path = Path(out)
     image = io.BytesIO()  # the PNG whole, then written whole: exactly `out`, never `out`.png beside it
     fig.savefig(image, format="png", dpi=110, bbox_inches="tight")
-    _pyplot().close(fig)
+    pyplot().close(fig)
     write_file_atomically(path, image.getvalue())
     return path

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewind.engine import snapshot
+from rewind.engine import tensors
 from rewind.engine.checkpointing import reference_digest
 from rewind.engine.parts import build_parts, open_datasets
-from rewind.engine.rundata import place_of
+from rewind.engine.rundata import home_of
 from rewind.states.events import CheckpointCommitted, ReferenceRefreshed
 from rewind.states.fold import fold
 from rewind.states.history import config_in_force
@@ -41,9 +41,9 @@ def test_checkpoints_hold_no_copy_of_the_reference_and_resume_follows_the_pointe
     assert last.meta["reference_sha256"] == held.manifest_sha256
     with one_torch_thread():
         config = config_in_force(records)
-        parts = build_parts(config, str(straight), state, open_datasets(config, place_of(str(straight), state)))
+        parts = build_parts(config, str(straight), state, open_datasets(config, home_of(str(straight), state)))
     expected = store.load(refresh.checkpoint, groups=("model",))["model"]
-    loaded = snapshot.model_tensors(parts.reference)
+    loaded = tensors.model_tensors(parts.reference)
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
     assert not any(p.requires_grad for p in parts.reference.parameters())

@@ -16,11 +16,11 @@ from rewind.engine import datasets as datasets_module
 from rewind.engine.datasets import DatasetError
 from rewind.engine.registry import DatasetRegistry, open_dataset
 from rewind.engine.tasks import TASK_NAMES, task_sample
-from rewind.engine.userdata import DataPlace
+from rewind.engine.userdata import DataHome
 from rewind.states.config import BUILTIN_DATASETS, ArchitectureSection, Config, DataSource
 
 # The carving of runs started before random validation splits: the last windows are validation.
-TAIL = DataPlace(default_split="tail")
+TAIL = DataHome(default_split="tail")
 
 BLOCK = 64
 
@@ -161,7 +161,7 @@ def test_jsonl_round_trip_and_relative_path(tmp_path):
     lines = [json.dumps({"text": d, "id": i}) for i, d in enumerate(documents)]
     (tmp_path / "docs.jsonl").write_text("\n".join(lines[:2]) + "\n\n" + lines[2] + "\n", encoding="utf-8")
     source = DataSource(kind="jsonl", path="docs.jsonl", validation_fraction=0.25)
-    dataset = open_dataset("docs", make_config(block_size=7, docs=source), DataPlace(base_dir=str(tmp_path), default_split="tail"))
+    dataset = open_dataset("docs", make_config(block_size=7, docs=source), DataHome(base_dir=str(tmp_path), default_split="tail"))
     stream = "\n".join(documents).encode("utf-8")
     num_windows = len(stream) // 8
     assert dataset.num_samples("train") + dataset.num_samples("validation") == num_windows

@@ -15,7 +15,7 @@ from rewind.engine import layout as layouts
 from rewind.engine.growth import grow
 from rewind.engine.parts import fresh_parts, open_datasets
 from rewind.engine.step import train_step
-from rewind.engine.userdata import DataPlace
+from rewind.engine.userdata import DataHome
 from rewind.states.config_reading import loads_config
 from rewind.states.events import ActivationsCached, StackAppended
 from rewind.states.growth import grown_layout, growth_event, initial_layout
@@ -38,7 +38,7 @@ GROWN = (
 
 def _fresh(config, run_dir):
     """Parts as a run of `config` starts with, its datasets read as bytes."""
-    return fresh_parts(config, str(run_dir), open_datasets(config, DataPlace()))
+    return fresh_parts(config, str(run_dir), open_datasets(config, DataHome()))
 
 
 def grown_args(run_dir, *extra: str, overrides: tuple[str, ...] = GROWN) -> list[str]:

@@ -26,7 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewind.engine import loop, snapshot
+from rewind.engine import layout as layouts
+from rewind.engine import loop, tensors
 from rewind.engine import step as step_module
 from rewind.states.config import Config
 from rewind.states.events import (
@@ -306,8 +307,8 @@ def poison_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> dict:
         return dataclasses.replace(losses, ce=torch.full_like(losses.ce, math.nan))
 
     def held(model, optimizer):
-        names = snapshot.parameter_names(model)
-        return snapshot.model_tensors(model), snapshot.optimizer_tensors(optimizer, names)[0]
+        names = layouts.parameter_names(model)
+        return tensors.model_tensors(model), tensors.optimizer_tensors(optimizer, names)[0]
 
     def train_step(model, optimizer, *args, step, **kwargs):
         if step != bad_step:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rewind.engine.optimizer import AdamW
-from rewind.engine.snapshot import load_optimizer_tensors, optimizer_tensors
+from rewind.engine.tensors import load_optimizer_tensors, optimizer_tensors
 
 SETTINGS = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8}
 
@@ -90,7 +90,7 @@ def test_cleared_state_starts_again_like_torchs():
 
 
 def test_restored_state_goes_on_like_torchs():
-    """Save through the checkpoint's form (snapshot.optimizer_tensors) and restore into a fresh optimizer
+    """Save through the checkpoint's form (tensors.optimizer_tensors) and restore into a fresh optimizer
     over fresh parameters: the next steps equal torch's uninterrupted run, and the saved form equals what
     torch's optimizer saves (so checkpoints, and their names, are as they were)."""
     ours, opt_ours, theirs, opt_theirs = _pair(2)

@@ -26,11 +26,11 @@ from rewind.engine.rundata import (
     DataChanged,
     check_data,
     copy_run_data,
+    home_of,
     identities,
-    place_of,
     publish_run_data,
     replace_config_data,
-    start_place,
+    start_home,
     tokenizer_path,
     verify_data,
 )
@@ -99,15 +99,15 @@ def make_config(data: dict[str, DataSource], vocab_size: int = 512, **tokenizer)
 
 
 def started(config: Config, run_dir: Path) -> tuple[State, object]:
-    """What a start puts on record, as rewind.engine.session does it: the place, every dataset the
+    """What a start puts on record, as rewind.engine.session does it: the home, every dataset the
     run reads opened, the identities."""
-    place = start_place(config, str(run_dir))
-    open_datasets(config, place)
+    home = start_home(config, str(run_dir))
+    open_datasets(config, home)
     state = State(
-        features=list(RUN_FEATURES), data=identities(config, place), tokenizer=place.tokenizer.identity
+        features=list(RUN_FEATURES), data=identities(config, home), tokenizer=home.tokenizer.identity
     )
-    publish_run_data(place, config, str(run_dir))  # (the session does it when it records RunStarted)
-    return state, place
+    publish_run_data(home, config, str(run_dir))  # (the session does it when it records RunStarted)
+    return state, home
 
 
 def sha256_of(path) -> str:
@@ -122,23 +122,23 @@ def test_a_tokenizer_file_is_copied_into_the_run(tmp_path):
     (tmp_path / "tok.json").write_text(tokenizer.to_json(), encoding="utf-8")
     docs = write_jsonl(tmp_path / "d.jsonl", documents(1))
     config = make_config({"d": DataSource(kind="jsonl", path=docs)}, path=str(tmp_path / "tok.json"))
-    place = start_place(config, str(tmp_path / "run"))
-    assert place.tokenizer.identity == tokenizer.identity == sha256_of(tmp_path / "tok.json")
+    home = start_home(config, str(tmp_path / "run"))
+    assert home.tokenizer.identity == tokenizer.identity == sha256_of(tmp_path / "tok.json")
     assert not (tmp_path / "run").exists()  # nothing is written before the start is on its way to its record
-    assert place.full_identity and place.data_dir is None
-    open_datasets(config, place)
-    publish_run_data(place, config, str(tmp_path / "run"))
+    assert home.full_identity and home.data_dir is None
+    open_datasets(config, home)
+    publish_run_data(home, config, str(tmp_path / "run"))
     assert (tmp_path / "run" / "data" / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()
     assert tokenizer_path(str(tmp_path / "run")) == str(tmp_path / "run" / "data" / "tokenizer.json")
-    assert place.data_dir == str(tmp_path / "run" / "data")
+    assert home.data_dir == str(tmp_path / "run" / "data")
 
 
 def test_bytes_write_no_tokenizer_file(tmp_path):
     docs = write_jsonl(tmp_path / "d.jsonl", documents(1))
-    place = start_place(
+    home = start_home(
         make_config({"d": DataSource(kind="jsonl", path=docs)}, vocab_size=256), str(tmp_path / "run")
     )
-    assert place.tokenizer.identity == "" and place.tokenizer.vocab_size == 256
+    assert home.tokenizer.identity == "" and home.tokenizer.vocab_size == 256
     assert not (tmp_path / "run" / "data" / "tokenizer.json").exists()
 
 
@@ -152,11 +152,11 @@ def test_a_trained_tokenizer_learns_the_text_datasets_it_is_told_to(tmp_path):
     }
     (tmp_path / "b.txt").write_text("\n".join(second), encoding="utf-8")
     (tmp_path / "qa.jsonl").write_text(json.dumps({"q": "zzzz qqqq", "a": "xxxx"}) + "\n")
-    every = start_place(make_config(data, train_vocab_size=300), str(tmp_path / "run1")).tokenizer
+    every = start_home(make_config(data, train_vocab_size=300), str(tmp_path / "run1")).tokenizer
     # Every text dataset, in the config's order; not the tokens, not the pairs.
     assert every.identity == train_bpe([*first, "\n".join(second)], 300).identity
     assert json.loads(every.to_json())["model"]["type"] == "BPE"
-    only_b = start_place(
+    only_b = start_home(
         make_config(data, train_vocab_size=300, train_on=["b"]), str(tmp_path / "run2")
     ).tokenizer
     assert only_b.identity == train_bpe(iter_documents([str(tmp_path / "b.txt")], "text"), 300).identity
@@ -167,8 +167,8 @@ def test_a_prepared_directorys_tokenizer_is_adopted(tmp_path):
     tokenizer = train_bpe(documents(3), 300)
     prepare([write_jsonl(tmp_path / "a.jsonl", documents(3))], tmp_path / "prep", tokenizer, kind="jsonl")
     config = make_config({"p": DataSource(kind="tokens", path=str(tmp_path / "prep"))})
-    state, place = started(config, tmp_path / "run")
-    assert place.tokenizer.identity == tokenizer.identity == state.tokenizer
+    state, home = started(config, tmp_path / "run")
+    assert home.tokenizer.identity == tokenizer.identity == state.tokenizer
     assert sha256_of(tmp_path / "run" / "data" / "tokenizer.json") == tokenizer.identity
 
     other = train_bpe(documents(4), 300)
@@ -182,7 +182,7 @@ def test_a_prepared_directorys_tokenizer_is_adopted(tmp_path):
     with pytest.raises(
         TokenizerError, match="different tokenizers; name the run's with \\[tokenizer\\] path"
     ):
-        start_place(both, str(tmp_path / "run2"))
+        start_home(both, str(tmp_path / "run2"))
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused_in_one_line(tmp_path):
@@ -197,13 +197,13 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_in_one_line(tmp_path)
         {"d": DataSource(kind="jsonl", path=docs)}, vocab_size=320, path=str(tmp_path / "tok.json")
     )
     with pytest.raises(TokenizerError) as caught:
-        start_place(config, str(tmp_path / "run"))
+        start_home(config, str(tmp_path / "run"))
     assert str(caught.value) == "the tokenizer has 400 ids, more than architecture.vocab_size 320"
     assert not (tmp_path / "run" / "data" / "tokenizer.json").exists()  # checked before it is written
     prepare([docs], tmp_path / "prep", tokenizer, kind="jsonl")
     adopted = make_config({"p": DataSource(kind="tokens", path=str(tmp_path / "prep"))}, vocab_size=320)
     with pytest.raises(TokenizerError, match=r"400 ids, more than architecture\.vocab_size 320"):
-        start_place(adopted, str(tmp_path / "run2"))
+        start_home(adopted, str(tmp_path / "run2"))
 
 
 def test_a_start_on_bytes_leaves_no_tokenizer_of_an_earlier_failed_start(tmp_path):
@@ -211,9 +211,9 @@ def test_a_start_on_bytes_leaves_no_tokenizer_of_an_earlier_failed_start(tmp_pat
     (tmp_path / "tok.json").write_text(tokenizer.to_json(), encoding="utf-8")
     run = tmp_path / "run"
     missing = DataSource(kind="tokens", path=str(tmp_path / "missing.bin"))
-    place = start_place(make_config({"d": missing}, path=str(tmp_path / "tok.json")), str(run))
+    home = start_home(make_config({"d": missing}, path=str(tmp_path / "tok.json")), str(run))
     with pytest.raises(DatasetError):  # the start fails (before anything is written, now)
-        DatasetRegistry(make_config({"d": missing}), place)["d"]
+        DatasetRegistry(make_config({"d": missing}), home)["d"]
     run.joinpath("data").mkdir(parents=True)  # as a start of an earlier release could have left it
     run.joinpath("data", "tokenizer.json").write_text(tokenizer.to_json(), encoding="utf-8")
     # The user fixes the config, dropping [tokenizer]: the run is bytes and records tokenizer "".
@@ -224,7 +224,7 @@ def test_a_start_on_bytes_leaves_no_tokenizer_of_an_earlier_failed_start(tmp_pat
     assert state.tokenizer == ""
     # (Before: the stale file stayed, and every resume was refused: "changed since the run started".)
     assert not (run / "data" / "tokenizer.json").exists()
-    assert place_of(str(run), state).tokenizer.identity == ""
+    assert home_of(str(run), state).tokenizer.identity == ""
 
 
 def test_a_changed_run_tokenizer_is_refused_and_an_old_run_carves_the_tail(tmp_path):
@@ -235,17 +235,17 @@ def test_a_changed_run_tokenizer_is_refused_and_an_old_run_carves_the_tail(tmp_p
         make_config({"d": DataSource(kind="jsonl", path=docs)}, path=str(tmp_path / "tok.json")),
         tmp_path / "run",
     )
-    place = place_of(str(tmp_path / "run"), state)
-    assert place.tokenizer.identity == tokenizer.identity and place.default_split == "random"
-    assert not place.full_identity
+    home = home_of(str(tmp_path / "run"), state)
+    assert home.tokenizer.identity == tokenizer.identity and home.default_split == "random"
+    assert not home.full_identity
     run_copy = tmp_path / "run" / "data" / "tokenizer.json"
     run_copy.write_text(train_bpe(documents(5), 300).to_json(), encoding="utf-8")
     with pytest.raises(DataChanged) as caught:
-        place_of(str(tmp_path / "run"), state)
+        home_of(str(tmp_path / "run"), state)
     assert "tokenizer.json: the run's tokenizer file changed since the run started" in str(caught.value)
     assert tokenizer.identity[:12] in str(caught.value) and "\n" not in str(caught.value)
     old = msgspec.structs.replace(state, features=[f for f in state.features if f != "data_identity"])
-    assert place_of(str(tmp_path / "run"), old).default_split == "tail"  # nothing on record: not refused
+    assert home_of(str(tmp_path / "run"), old).default_split == "tail"  # nothing on record: not refused
 
 
 # --- identities and their checks --------------------------------------------------------------------
@@ -280,8 +280,8 @@ def test_every_dataset_is_on_record_with_its_content_hashes(token_run):
         assert files and all(f.sha256 == sha256_of(f.path) for f in files), name
     assert [f.path for f in state.data["spare"].validation_sources] == [str(tmp_path / "spare_valid.bin")]
     assert state.data["docs"].prepared and state.data["docs"].kind == "jsonl"
-    assert check_data(config, state, place_of(str(tmp_path / "run"), state)) == []
-    assert check_data(config, state, place_of(str(tmp_path / "run"), state), full=True) == []
+    assert check_data(config, state, home_of(str(tmp_path / "run"), state)) == []
+    assert check_data(config, state, home_of(str(tmp_path / "run"), state), full=True) == []
 
 
 def test_a_declared_dataset_nothing_reads_is_not_on_record_and_does_not_stop_the_start(tmp_path):
@@ -315,7 +315,7 @@ def flip_byte(path: Path, offset: int) -> None:
 def test_a_changed_token_file_is_a_change_in_one_line(token_run, change, needle):
     config, state, tmp_path = token_run
     change(tmp_path / "main.bin")
-    changes = check_data(config, state, place_of(str(tmp_path / "run"), state))
+    changes = check_data(config, state, home_of(str(tmp_path / "run"), state))
     assert len(changes) == 1 and changes[0].startswith("dataset 'main': ") and needle in changes[0]
 
 
@@ -325,7 +325,7 @@ def test_changed_documents_and_a_changed_validation_file_are_changes(token_run):
     (tmp_path / "docs.jsonl").write_text(
         (tmp_path / "docs.jsonl").read_text() + json.dumps({"text": "more"}) + "\n"
     )
-    changes = check_data(config, state, place_of(str(tmp_path / "run"), state))
+    changes = check_data(config, state, home_of(str(tmp_path / "run"), state))
     assert len(changes) == 2
     assert changes[0].startswith("dataset 'docs': ") and "docs.jsonl: size" in changes[0]
     assert (
@@ -342,7 +342,7 @@ def test_changed_documents_and_a_changed_validation_file_are_changes(token_run):
 def test_a_deleted_data_file_is_a_change(token_run):
     config, state, tmp_path = token_run
     os.remove(tmp_path / "main.bin")
-    changes = check_data(config, state, place_of(str(tmp_path / "run"), state))
+    changes = check_data(config, state, home_of(str(tmp_path / "run"), state))
     assert len(changes) == 1 and "dataset 'main'" in changes[0] and "main.bin" in changes[0]
 
 
@@ -352,13 +352,13 @@ def test_a_changed_tokenizer_file_is_a_change(tmp_path):
     docs = write_jsonl(tmp_path / "d.jsonl", documents(1))
     config = make_config({"d": DataSource(kind="jsonl", path=docs)}, path=str(tmp_path / "tok.json"))
     state, _ = started(config, tmp_path / "run")
-    place = place_of(str(tmp_path / "run"), state)
-    assert check_data(config, state, place) == []
+    home = home_of(str(tmp_path / "run"), state)
+    assert check_data(config, state, home) == []
     (tmp_path / "tok.json").write_text(train_bpe(documents(9), 300).to_json(), encoding="utf-8")
-    [line] = check_data(config, state, place)
+    [line] = check_data(config, state, home)
     assert line.startswith(f"tokenizer.path: {tmp_path / 'tok.json'} changed since the run started")
     os.remove(tmp_path / "tok.json")
-    [line] = check_data(config, state, place)
+    [line] = check_data(config, state, home)
     assert "(missing" in line
 
 
@@ -400,7 +400,7 @@ def test_verify_finds_what_the_cheap_check_misses(tmp_path):
     assert problems == [] and notes == ["data: 1 dataset(s), 1 file(s) re-hashed, all as recorded"]
     offsets = fingerprint_offsets(path.stat().st_size)
     flip_byte(path, offsets[3] + FINGERPRINT_BLOCK + 1)  # between two sampled blocks
-    assert check_data(config, state, place_of(run, state)) == []  # a resume does not see it
+    assert check_data(config, state, home_of(run, state)) == []  # a resume does not see it
     problems, notes = verify_data(run, config, state)
     assert len(problems) == 1 and problems[0].startswith("data: dataset 'big': ")
     assert "big.bin: contents changed (sha256" in problems[0]
@@ -429,7 +429,7 @@ def test_a_resume_notices_the_runs_prepared_tokens_changed(token_run):
     flip_byte(
         prepared_in(tmp_path / "run" / "data", "docs") / "train.bin", 2
     )  # same size, in the first block
-    assert check_data(config, state, place_of(str(tmp_path / "run"), state)) != []
+    assert check_data(config, state, home_of(str(tmp_path / "run"), state)) != []
 
 
 def test_a_fork_copies_the_runs_tokenizer_and_prepared_documents(tmp_path):
@@ -437,8 +437,8 @@ def test_a_fork_copies_the_runs_tokenizer_and_prepared_documents(tmp_path):
     (tmp_path / "tok.json").write_text(tokenizer.to_json(), encoding="utf-8")
     docs = write_jsonl(tmp_path / "d.jsonl", documents(1))
     config = make_config({"d": DataSource(kind="jsonl", path=docs)}, path=str(tmp_path / "tok.json"))
-    state, place = started(config, tmp_path / "parent")
-    copy_run_data(place, config, str(tmp_path / "parent"), str(tmp_path / "child"))
+    state, home = started(config, tmp_path / "parent")
+    copy_run_data(home, config, str(tmp_path / "parent"), str(tmp_path / "child"))
     parent, child = (
         prepared_in(tmp_path / "parent" / "data", "d"),
         prepared_in(tmp_path / "child" / "data", "d"),
@@ -448,7 +448,7 @@ def test_a_fork_copies_the_runs_tokenizer_and_prepared_documents(tmp_path):
         assert (tmp_path / "child" / "data" / path).read_bytes() == (
             tmp_path / "parent" / "data" / path
         ).read_bytes()
-    child_place = place_of(str(tmp_path / "child"), state)
+    child_home = home_of(str(tmp_path / "child"), state)
     assert (
-        child_place.tokenizer.identity == tokenizer.identity and check_data(config, state, child_place) == []
+        child_home.tokenizer.identity == tokenizer.identity and check_data(config, state, child_home) == []
     )

@@ -35,7 +35,7 @@ from rewind.engine.registry import DatasetRegistry
 from rewind.engine.tasks import task_sample
 from rewind.engine.tokenizer import ByteTokenizer, Tokenizer, train_bpe
 from rewind.engine.tokens import RowSplit
-from rewind.engine.userdata import DataPlace, dataset_identity, open_user_dataset
+from rewind.engine.userdata import DataHome, dataset_identity, open_user_dataset
 from rewind.states.config import ArchitectureSection, Config, DataSource, Sampling, Stage
 from rewind.stores.datamanifest import manifest_hash, read_manifest
 from rewind.tools.configfile import load_config
@@ -145,7 +145,7 @@ def prepared(tmp_path, bpe):
 
 def test_a_prepared_directory_opens_as_tokens_with_its_validation_split(prepared, bpe):
     dataset = open_user_dataset(
-        "p", DataSource(kind="tokens", path=str(prepared)), BLOCK, 320, DataPlace(tokenizer=bpe)
+        "p", DataSource(kind="tokens", path=str(prepared)), BLOCK, 320, DataHome(tokenizer=bpe)
     )
     assert dataset.rows.mode == "file"  # validation.bin, not carved out of train.bin
     train_ids, valid_ids = joined(bpe, DOCUMENTS), joined(bpe, DOCUMENTS[:3])
@@ -162,7 +162,7 @@ def test_a_prepared_directory_of_another_tokenizer_is_refused_in_one_line(prepar
     other = ByteTokenizer() if run_tokenizer == "bytes" else train_bpe(DOCUMENTS[:2], 300)
     with pytest.raises(DatasetError) as caught:
         open_user_dataset(
-            "p", DataSource(kind="tokens", path=str(prepared)), BLOCK, 320, DataPlace(tokenizer=other)
+            "p", DataSource(kind="tokens", path=str(prepared)), BLOCK, 320, DataHome(tokenizer=other)
         )
     message = str(caught.value)
     assert "\n" not in message and message.startswith("dataset 'p': ")
@@ -180,18 +180,18 @@ def test_a_validation_path_beside_a_prepared_directory_is_used_or_refused(prepar
             DataSource(kind="tokens", path=str(prepared), validation_path=held_out),
             BLOCK,
             320,
-            DataPlace(tokenizer=bpe),
+            DataHome(tokenizer=bpe),
         )
     assert "\n" not in str(caught.value) and "validation_path" in str(caught.value)
     train = write_jsonl(tmp_path / "t.jsonl", [{"text": d} for d in DOCUMENTS])
     prepare([train], tmp_path / "no_validation", bpe, kind="jsonl")
     source = DataSource(kind="tokens", path=str(tmp_path / "no_validation"), validation_path=held_out)
-    dataset = open_user_dataset("p", source, BLOCK, 320, DataPlace(tokenizer=bpe))
+    dataset = open_user_dataset("p", source, BLOCK, 320, DataHome(tokenizer=bpe))
     assert dataset.num_samples("validation") == 5
     assert np.array_equal(all_rows(dataset, "validation"), windows_of(np.arange(5 * WIDTH) % 300, range(5)))
     ids = joined(bpe, DOCUMENTS)
     assert dataset.num_samples("train") == len(ids) // WIDTH  # every window of train.bin trains
-    identity = dataset_identity("p", source, DataPlace(tokenizer=bpe))
+    identity = dataset_identity("p", source, DataHome(tokenizer=bpe))
     assert [f.path for f in identity.validation_sources] == [held_out]
 
 
@@ -216,7 +216,7 @@ def test_documents_are_tokenised_into_the_data_directory_once(tmp_path, bpe, kin
     path = write_documents(tmp_path, kind)
     source = DataSource(kind=kind, path=path, text_field="body", validation_fraction=0.1)
     data_dir = tmp_path / "run" / "data"
-    dataset = open_user_dataset("docs", source, BLOCK, 320, DataPlace(tokenizer=bpe, data_dir=str(data_dir)))
+    dataset = open_user_dataset("docs", source, BLOCK, 320, DataHome(tokenizer=bpe, data_dir=str(data_dir)))
     out = prepared_in(data_dir, "docs")
     manifest = read_manifest(out)
     assert manifest.tokenizer == bpe.identity and manifest.input_kind == kind
@@ -229,7 +229,7 @@ def test_documents_are_tokenised_into_the_data_directory_once(tmp_path, bpe, kin
         windows_of(ids, carve.rows("validation", np.arange(carve.num_validation))),
     )
 
-    # Opened again (a resume: a new place, a new registry): the prepared directory is reused as it is.
+    # Opened again (a resume: a new home, a new registry): the prepared directory is reused as it is.
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     digest = manifest_hash(out)
 
@@ -237,22 +237,22 @@ def test_documents_are_tokenised_into_the_data_directory_once(tmp_path, bpe, kin
         raise AssertionError("documents tokenised again")
 
     monkeypatch.setattr(dataprep, "tokenise_split", no_tokenising)
-    again = open_user_dataset("docs", source, BLOCK, 320, DataPlace(tokenizer=bpe, data_dir=str(data_dir)))
+    again = open_user_dataset("docs", source, BLOCK, 320, DataHome(tokenizer=bpe, data_dir=str(data_dir)))
     assert np.array_equal(all_rows(again, "train"), all_rows(dataset, "train"))
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps and manifest_hash(out) == digest
 
 
-def test_documents_without_a_data_directory_go_to_a_scratch_directory_removed_with_the_place(tmp_path):
+def test_documents_without_a_data_directory_go_to_a_scratch_directory_removed_with_the_home(tmp_path):
     path = write_documents(tmp_path, "jsonl")
-    place = DataPlace()
+    home = DataHome()
     dataset = open_user_dataset(
-        "docs", DataSource(kind="jsonl", path=path, text_field="body"), BLOCK, 256, place
+        "docs", DataSource(kind="jsonl", path=path, text_field="body"), BLOCK, 256, home
     )
     scratch = os.path.dirname(dataset.path)  # where train.bin is
     assert os.path.isfile(os.path.join(scratch, "manifest.json"))
     ids = joined(ByteTokenizer(), DOCUMENTS)  # bytes: documents joined by "\n"
     assert dataset.num_samples("train") + dataset.num_samples("validation") == len(ids) // WIDTH
-    del place, dataset
+    del home, dataset
     gc.collect()
     assert not os.path.exists(scratch)
 
@@ -295,7 +295,7 @@ def test_pairs_score_the_response_and_its_end_only(tmp_path, bpe, kind):
     source = DataSource(
         kind=kind, path=path, prompt_field="q", response_field="a", validation_fraction=0.2, split="tail"
     )
-    dataset = open_user_dataset("qa", source, BLOCK, 320, DataPlace(tokenizer=bpe))
+    dataset = open_user_dataset("qa", source, BLOCK, 320, DataHome(tokenizer=bpe))
     assert isinstance(dataset, PairDataset) and dataset.has_answers
     assert (dataset.num_samples("train"), dataset.num_samples("validation")) == (16, 4)
     check_pair_rows(dataset, bpe, [(p["q"], p["a"]) for p in PAIRS[:16]])
@@ -308,7 +308,7 @@ def test_pairs_with_a_validation_file(tmp_path, bpe):
     train = write_jsonl(tmp_path / "train.jsonl", PAIRS[:4])
     valid = write_jsonl(tmp_path / "valid.jsonl", PAIRS[1:3])
     source = DataSource(kind="jsonl", path=train, prompt_field="q", response_field="a", validation_path=valid)
-    dataset = open_user_dataset("qa", source, BLOCK, 320, DataPlace(tokenizer=bpe))
+    dataset = open_user_dataset("qa", source, BLOCK, 320, DataHome(tokenizer=bpe))
     assert (dataset.num_samples("train"), dataset.num_samples("validation")) == (4, 2)
     check_pair_rows(dataset, bpe, [(p["q"], p["a"]) for p in PAIRS[:4]])
     first_valid = dataset.sample("validation", 0)[0]
@@ -357,7 +357,7 @@ def sha256_of(path) -> str:
 def test_identities_say_what_each_kind_reads(tmp_path, prepared, bpe):
     tokens = tmp_path / "t.bin"
     (np.arange(30 * WIDTH) % 256).astype(np.uint16).tofile(tokens)
-    cheap, full = DataPlace(tokenizer=bpe), DataPlace(tokenizer=bpe, full_identity=True)
+    cheap, full = DataHome(tokenizer=bpe), DataHome(tokenizer=bpe, full_identity=True)
     source = DataSource(kind="tokens", path=str(tokens))
     quick = dataset_identity("t", source, cheap)
     whole = dataset_identity("t", source, full)
@@ -379,9 +379,9 @@ def test_identities_say_what_each_kind_reads(tmp_path, prepared, bpe):
 
     docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in DOCUMENTS])
     text_source = DataSource(kind="jsonl", path=docs)
-    place = DataPlace(tokenizer=bpe, data_dir=str(tmp_path / "data"), full_identity=True)
-    open_user_dataset("docs", text_source, BLOCK, 320, place)
-    text = dataset_identity("docs", text_source, place)
+    home = DataHome(tokenizer=bpe, data_dir=str(tmp_path / "data"), full_identity=True)
+    open_user_dataset("docs", text_source, BLOCK, 320, home)
+    text = dataset_identity("docs", text_source, home)
     assert [(f.path, f.sha256) for f in text.sources] == [
         (docs, sha256_of(docs))
     ]  # the documents, not tokens
@@ -403,14 +403,14 @@ def test_identities_say_what_each_kind_reads(tmp_path, prepared, bpe):
 
 def test_the_stdlib_placeholder_is_the_standard_library(tmp_path):
     stdlib = sysconfig.get_paths()["stdlib"]
-    assert DataPlace().resolve("{stdlib}/json/*.py") == f"{stdlib}/json/*.py"
+    assert DataHome().resolve("{stdlib}/json/*.py") == f"{stdlib}/json/*.py"
     assert (
-        DataPlace(base_dir=str(tmp_path)).resolve("{stdlib}/json/decoder.py") == f"{stdlib}/json/decoder.py"
+        DataHome(base_dir=str(tmp_path)).resolve("{stdlib}/json/decoder.py") == f"{stdlib}/json/decoder.py"
     )
-    assert DataPlace(base_dir=str(tmp_path)).resolve("docs.jsonl") == str(tmp_path / "docs.jsonl")
-    assert DataPlace(base_dir=str(tmp_path)).resolve("s3://bucket/x.bin") == "s3://bucket/x.bin"
+    assert DataHome(base_dir=str(tmp_path)).resolve("docs.jsonl") == str(tmp_path / "docs.jsonl")
+    assert DataHome(base_dir=str(tmp_path)).resolve("s3://bucket/x.bin") == "s3://bucket/x.bin"
     source = DataSource(kind="text", path="{stdlib}/json/*.py", validation_fraction=0.1)
-    dataset = open_user_dataset("py", source, BLOCK, 256, DataPlace(data_dir=str(tmp_path / "data")))
+    dataset = open_user_dataset("py", source, BLOCK, 256, DataHome(data_dir=str(tmp_path / "data")))
     files = sorted(glob.glob(f"{stdlib}/json/*.py"))
     total = (
         sum(len(Path(p).read_bytes()) for p in files) + len(files) - 1
@@ -482,7 +482,7 @@ def test_task_rows_through_a_tokenizer_score_exactly_the_encoded_answers(task_bp
         architecture=ArchitectureSection(block_size=40, vocab_size=400),
         stages=[Stage(tokens=4096, datasets=[Sampling(name=name)])],
     )
-    dataset = DatasetRegistry(config, DataPlace(tokenizer=task_bpe))[name]
+    dataset = DatasetRegistry(config, DataHome(tokenizer=task_bpe))[name]
     assert isinstance(dataset, BuiltinDataset) and dataset.has_answers
     num_examples = 0
     for split in ("train", "validation"):
@@ -511,7 +511,7 @@ def test_a_dataset_name_that_is_a_path_never_names_a_directory(tmp_path, name):
     """Documents are tokenised into RUN/data/<name>-<key>: a name that is a path would lead out of it."""
     (tmp_path / "doc.txt").write_text(DOCUMENTS[0])
     source = DataSource(kind="text", path=str(tmp_path / "doc.txt"))
-    place = DataPlace(data_dir=str(tmp_path / "run" / "data"))
+    home = DataHome(data_dir=str(tmp_path / "run" / "data"))
     with pytest.raises(DatasetError, match="a dataset's name must be a plain name"):
-        open_user_dataset(name, source, BLOCK, 256, place)
+        open_user_dataset(name, source, BLOCK, 256, home)
     assert not (tmp_path / "outside").exists() and not (tmp_path / "run").exists()

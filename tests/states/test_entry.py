@@ -11,7 +11,6 @@ from rewind.states.config_reading import loads_config
 from rewind.states.entry import (
     Computed,
     EntryRefused,
-    ForkPoint,
     checkpoint_points,
     choose_point,
     fork_records,
@@ -116,12 +115,12 @@ def test_a_fork_starts_naming_its_parent_and_goes_on_from_the_parents_control_st
     records = list(enumerate(simulate_run(CONFIG)))
     started = records[0][1]
     assert isinstance(started, RunStarted)
-    chosen = choose_point(checkpoint_points(records), at_or_before=13)
-    point = ForkPoint(chosen.checkpoint, chosen.state.step, chosen.state, CONFIG)
+    point = choose_point(checkpoint_points(records), at_or_before=13)
+    assert point is not None
     origin = ForkOrigin(
         run="/parent", step=point.state.step, checkpoint=point.checkpoint, config_hash=point.state.config_hash
     )
-    same = fork_records(started, point, CONFIG, origin, 0, None, "9.9")
+    same = fork_records(started, point, CONFIG, CONFIG, origin, 0, None, "9.9")
     child, resumed = same
     assert isinstance(child, RunStarted) and child.parent == origin and child.rewind_version == "9.9"
     assert child.num_threads == point.state.num_threads and child.features == started.features
@@ -131,9 +130,9 @@ def test_a_fork_starts_naming_its_parent_and_goes_on_from_the_parents_control_st
         and resumed.checkpoint == point.checkpoint
     )
     assert fold(same).step == point.state.step
-    assert fork_records(started, point, CONFIG, origin, 3, None, "9.9")[0].num_threads == 3  # --threads
+    assert fork_records(started, point, CONFIG, CONFIG, origin, 3, None, "9.9")[0].num_threads == 3  # --threads
     changed = replace(CONFIG, run=replace(CONFIG.run, seed=CONFIG.run.seed + 1))
-    *_, change = fork_records(started, point, changed, origin, 0, None, "9.9")
+    *_, change = fork_records(started, point, CONFIG, changed, origin, 0, None, "9.9")
     assert isinstance(change, ConfigChanged) and change.config_hash == config_hash(changed)
 
 

@@ -232,7 +232,7 @@ def test_diff_plot_marks_the_fork_names_both_runs_and_draws_b_minus_a(straight, 
     shares its parent's run name: their directories tell them apart), and B - A of the loss, exactly
     zero but at the one step the fork changed."""
     from rewind.tools import timeline_compare
-    from rewind.tools.plots import _pyplot
+    from rewind.tools.plots import pyplot
     from rewind.tools.timeline_cmd import read_timeline
 
     child = tmp_path / "child"
@@ -266,7 +266,7 @@ def test_diff_plot_marks_the_fork_names_both_runs_and_draws_b_minus_a(straight, 
         smoothed = [line for line in panels["difference"].get_lines() if line.get_gid() == "difference"]
         assert sorted(x for line in smoothed for x in line.get_xdata()) == [k * tps for k in range(9, 21)]
     finally:
-        _pyplot().close(fig)
+        pyplot().close(fig)
     same = timeline_compare.run_names({"a": a, "b": a})
     assert same["a"] != same["b"]  # one run twice is still two names
 

@@ -91,7 +91,7 @@ def expected_modules(run: Path) -> dict[str, tuple[int, float]]:
 
 def runs_model(run: Path) -> torch.nn.Module:
     """rewind's own model of the run's last checkpoint (NF4 trunk, adapters and all)."""
-    from rewind.engine.checkpointing import load_model
+    from rewind.engine.checkpoint_model import load_model
     from rewind.engine.layout import eval_mode
     from rewind.stores.checkpoints import CheckpointStore
 

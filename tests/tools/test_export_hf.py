@@ -108,7 +108,7 @@ def runs_config(run: Path) -> Config:
 
 def runs_model(run: Path) -> torch.nn.Module:
     """rewind's own model of the run's last checkpoint (adapters and all)."""
-    from rewind.engine.checkpointing import load_model
+    from rewind.engine.checkpoint_model import load_model
     from rewind.stores.checkpoints import CheckpointStore
 
     records = read_seq_events(run)

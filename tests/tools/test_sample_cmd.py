@@ -22,7 +22,7 @@ from rewind.states.events import CheckpointCommitted
 from rewind.stores.runs import read_seq_events
 from rewind.tools.cli import main
 from rewind.tools.errors import CommandError, UsageError
-from rewind.tools.sample_cmd import choose_checkpoint, model_at, refuse_masked
+from rewind.tools.sample_cmd import choose_live_point, model_at, refuse_masked
 
 # Stage 0 (3 steps of 96 tokens) on grammar, stage 1 (2 steps) on add, growing at its entry: the trunk
 # becomes NF4 with LoRA adapters and a new stack trains on top. Checkpoints: the boundary (step 3,
@@ -208,7 +208,7 @@ def test_a_tokenizer_that_is_not_the_runs_is_refused(run, tmp_path):
 
 def test_no_checkpoint_and_masked_objectives_are_refused():
     with pytest.raises(CommandError, match="no committed checkpoint yet") as raised:
-        choose_checkpoint("RUN", [], None)
+        choose_live_point("RUN", [], None)
     assert raised.value.exit_code == 1
     training = {"tokens": [96], "datasets": [[{"name": "grammar"}]]}
     masked = config_from_dict({"objective": {"kind": "mlm"}, "training": training})

@@ -176,21 +176,21 @@ def schedule_texts(config, *overrides: str):
 
 
 def test_the_plot_says_the_fades_as_the_text_does(rewind_cli):
-    from rewind.tools.plots import _pyplot
+    from rewind.tools.plots import pyplot
 
     fig, text, weights = schedule_texts(EXAMPLES / "progressive.toml")  # hard switches
     assert "fades: none (hard switches at the boundaries)" in text.splitlines()
     assert weights.get_title().endswith("; fades: none")
-    _pyplot().close(fig)
+    pyplot().close(fig)
     fig, text, weights = schedule_texts(TINY, "training.fade.curve=cosine")
     assert any(line.startswith("  fade      into stage 1, cosine, overlap 0.5: ") for line in text.splitlines())
     assert weights.get_title().endswith("; fades: cosine, overlap 0.5")
-    _pyplot().close(fig)
+    pyplot().close(fig)
 
 
 def test_growth_labels_and_stage_labels_do_not_cover_each_other():
     """progressive.toml: a stack joins as each stage begins, so both labels stand at the same boundary."""
-    from rewind.tools.plots import _pyplot
+    from rewind.tools.plots import pyplot
 
     fig, _, weights = schedule_texts(EXAMPLES / "progressive.toml")
     renderer = fig.canvas.get_renderer()
@@ -198,7 +198,7 @@ def test_growth_labels_and_stage_labels_do_not_cover_each_other():
     growths = [t.get_window_extent(renderer) for t in weights.texts if t.get_text().startswith("+stack")]
     assert len(stages) == 4 and len(growths) == 3
     assert not any(s.overlaps(g) for s in stages for g in growths)
-    _pyplot().close(fig)
+    pyplot().close(fig)
 
 
 # Stage 1 of tiny.toml has KL weight 0.2; with no reference until stage 2 and fades over whole stages,

@@ -16,7 +16,7 @@ from rewind.states.fold import fold
 from rewind.states.plan import plan
 from rewind.states.schedule import Schedule
 from rewind.tools.configfile import load_config
-from rewind.tools.plots import _pyplot, stage_colour
+from rewind.tools.plots import pyplot, stage_colour
 from rewind.tools.timeline_plot import timeline_figure
 from rewind.tools.timeline_scan import Timeline
 from tests.engine.test_loop import EXAMPLES
@@ -64,7 +64,7 @@ def figures():
     drawn = []
     yield lambda timeline: drawn.append(timeline_figure(timeline)) or drawn[-1]
     for fig in drawn:
-        _pyplot().close(fig)
+        pyplot().close(fig)
 
 
 def panels(fig) -> dict:

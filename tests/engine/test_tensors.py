@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from rewind.engine.snapshot import (
-    SnapshotError,
+from rewind.engine.layout import parameter_names
+from rewind.engine.tensors import (
+    TensorFitError,
     load_model_tensors,
     load_optimizer_tensors,
     model_tensors,
     optimizer_tensors,
-    parameter_names,
 )
 from rewind.stores.checkpoints import CheckpointStore
 
@@ -146,7 +146,7 @@ def test_optimizer_state_is_keyed_by_parameter_name_with_dtypes_kept():
     assert first_group["betas"] == (0.9, 0.95) and first_group["lr"] == pytest.approx(1e-2 * 0.9)
 
 
-def test_snapshots_are_detached_contiguous_cpu_copies():
+def test_saved_tensors_are_detached_contiguous_cpu_copies():
     model, _ = build(seed=3)
     tensors = model_tensors(model)
     assert tensors["num_calls"].dtype == torch.int64  # buffers included
@@ -181,7 +181,7 @@ def test_model_tensors_that_do_not_fit_are_refused(edit, message):
     tensors = model_tensors(model)
     edit(tensors)
     before = model_tensors(model)
-    with pytest.raises(SnapshotError, match=message):
+    with pytest.raises(TensorFitError, match=message):
         load_model_tensors(model, tensors)
     assert all(torch.equal(before[k], v) for k, v in model_tensors(model).items())  # nothing half-loaded
 
@@ -192,13 +192,13 @@ def test_optimizer_state_for_other_parameters_is_refused():
     tensors, meta = optimizer_tensors(optimizer, parameter_names(model))
     other_model = TwoHeads(seed=8)
     regrouped = torch.optim.AdamW(other_model.parameters(), lr=1e-3)  # one group instead of two
-    with pytest.raises(SnapshotError, match="2 optimizer groups, the optimizer 1"):
+    with pytest.raises(TensorFitError, match="2 optimizer groups, the optimizer 1"):
         load_optimizer_tensors(regrouped, parameter_names(other_model), tensors, meta)
     fresh_model, fresh_optimizer = build(seed=9)
     renamed = {p: f"renamed.{n}" for p, n in parameter_names(fresh_model).items()}
-    with pytest.raises(SnapshotError, match=r"optimizer group 0 holds renamed\.trunk\.0\.weight"):
+    with pytest.raises(TensorFitError, match=r"optimizer group 0 holds renamed\.trunk\.0\.weight"):
         load_optimizer_tensors(fresh_optimizer, renamed, tensors, meta)
-    with pytest.raises(SnapshotError, match=r"'state\.nowhere\.exp_avg' fits no parameter"):
+    with pytest.raises(TensorFitError, match=r"'state\.nowhere\.exp_avg' fits no parameter"):
         load_optimizer_tensors(
             fresh_optimizer,
             parameter_names(fresh_model),
@@ -206,7 +206,7 @@ def test_optimizer_state_for_other_parameters_is_refused():
             meta,
         )
     sgd = torch.optim.SGD(fresh_model.parameters(), lr=0.1)
-    with pytest.raises(SnapshotError, match="holds a AdamW state, the optimizer is a SGD"):
+    with pytest.raises(TensorFitError, match="holds a AdamW state, the optimizer is a SGD"):
         load_optimizer_tensors(sgd, parameter_names(fresh_model), tensors, meta)
 
 
@@ -214,7 +214,7 @@ def test_unnamed_optimizer_parameters_are_refused():
     model, optimizer = build(seed=10)
     names = parameter_names(model)
     del names[model.first.weight]
-    with pytest.raises(SnapshotError, match="param_names does not name"):
+    with pytest.raises(TensorFitError, match="param_names does not name"):
         optimizer_tensors(optimizer, names)
 
 

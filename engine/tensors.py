@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from rewind.engine import layout as layouts
 from rewind.engine.optimizer import AdamW
 from rewind.engine.placement import full_tensor, like_parameter
 
@@ -28,13 +27,8 @@ _GROUP = "group."
 _MAX_NAMES_SHOWN = 5
 
 
-class SnapshotError(Exception):
+class TensorFitError(Exception):
     """A checkpoint's tensors do not fit the live model or optimizer they are being loaded into."""
-
-
-def parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:
-    """The `param_names` argument for the optimizer functions: each parameter's qualified name."""
-    return {parameter: name for name, parameter in model.named_parameters()}
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -42,26 +36,11 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     tensors = {}
     for key, value in model.state_dict().items():
         if not isinstance(value, torch.Tensor):
-            raise SnapshotError(
+            raise TensorFitError(
                 f"model state {key!r} is a {type(value).__name__}; checkpoints hold only tensors"
             )
         tensors[key] = cpu_copy(value)
     return tensors
-
-
-def base_and_adapters(
-    model: nn.Module, leave_out: set[int] | frozenset[int] = frozenset()
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The model's weights split into base weights and LoRA adapters, both under unwrapped names, as whole
-    CPU copies; the base weights of the stacks in `leave_out` (frozen or NF4 trunks, whose float weights
-    are held apart) are left out. The one place the split is made: checkpoints, references, growth."""
-    base, adapters = {}, {}
-    for name, tensor in model.state_dict().items():
-        if layouts.is_adapter(name):
-            adapters[layouts.unwrapped(name)] = cpu_copy(tensor)
-        elif layouts.stack_of(name) not in leave_out:
-            base[layouts.unwrapped(name)] = cpu_copy(tensor)
-    return base, adapters
 
 
 def load_model_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -71,13 +50,13 @@ def load_model_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) ->
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
-        raise SnapshotError(
+        raise TensorFitError(
             f"checkpoint does not fit the model: missing {_few(missing)}, unexpected {_few(unexpected)}"
         )
     for key, target in expected.items():
         given = tensors[key]
         if given.shape != target.shape or given.dtype != target.dtype:
-            raise SnapshotError(
+            raise TensorFitError(
                 f"checkpoint tensor {key} is {given.dtype} {list(given.shape)}, "
                 f"the model's is {target.dtype} {list(target.shape)}"
             )
@@ -99,11 +78,11 @@ def optimizer_tensors(
         for parameter in group["params"]:
             name = param_names.get(parameter)
             if name is None:
-                raise SnapshotError(
+                raise TensorFitError(
                     f"optimizer group {index} holds a parameter that param_names does not name"
                 )
             if name in seen:
-                raise SnapshotError(f"param_names gives the name {name!r} to two optimizer parameters")
+                raise TensorFitError(f"param_names gives the name {name!r} to two optimizer parameters")
             seen.add(name)
             names.append(name)
             for field, value in optimizer.state.get(parameter, {}).items():
@@ -132,12 +111,12 @@ def load_optimizer_tensors(
 ) -> None:
     """Restore what `optimizer_tensors` saved into an optimizer over the same named parameters."""
     if meta.get("class") != type(optimizer).__name__:
-        raise SnapshotError(
+        raise TensorFitError(
             f"checkpoint holds a {meta.get('class')} state, the optimizer is a {type(optimizer).__name__}"
         )
     saved_groups = meta.get("param_groups", [])
     if len(saved_groups) != len(optimizer.param_groups):
-        raise SnapshotError(
+        raise TensorFitError(
             f"checkpoint has {len(saved_groups)} optimizer groups, the optimizer {len(optimizer.param_groups)}"
         )
     # torch's optimizer state_dict numbers parameters across groups in order; build that numbering
@@ -148,7 +127,7 @@ def load_optimizer_tensors(
     for index, (live, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         names = [param_names.get(parameter, "?") for parameter in live["params"]]
         if names != saved["params"]:
-            raise SnapshotError(
+            raise TensorFitError(
                 f"optimizer group {index} holds {_few(names)}, the checkpoint's held {_few(saved['params'])}"
             )
         group = {key: _like(live.get(key), value) for key, value in saved.items() if key != "params"}
@@ -167,12 +146,12 @@ def load_optimizer_tensors(
             # A sharded parameter's moments are sharded like it: each rank keeps its slice of the whole.
             state.setdefault(index, {})[field] = like_parameter(tensor.clone(), parameters[index])
         else:
-            raise SnapshotError(
+            raise TensorFitError(
                 f"checkpoint optimizer tensor {key!r} fits no parameter or group of this optimizer"
             )
     for name, fields in meta.get("state_scalars", {}).items():
         if name not in index_of:
-            raise SnapshotError(
+            raise TensorFitError(
                 f"checkpoint optimizer state names {name!r}, not a parameter of this optimizer"
             )
         state.setdefault(index_of[name], {}).update(fields)

@@ -1,0 +1,14 @@
+"""The shape of tools/ (read from the source): no import circle inside the package (deferred imports
+count), and no private name imported from another module."""
+
+from __future__ import annotations
+
+from tests.engine.test_structure import circles_inside, private_imports
+
+
+def test_no_import_circle_inside_tools():
+    assert circles_inside("tools") == []
+
+
+def test_no_module_of_tools_imports_a_private_name():
+    assert private_imports("tools") == []
