@@ -142,11 +142,9 @@ def open_fork(
     parent_store = CheckpointStore(parent_dir)
     point, parent_config = fork_point(records, at_step, parent_store)
     config = config_of_child(parent_config)
+    at = point.state
     origin = ForkOrigin(
-        run=_run_identity(parent_dir),
-        step=point.state.step,
-        checkpoint=point.checkpoint,
-        config_hash=point.state.config_hash,
+        run=_run_identity(parent_dir), step=at.step, checkpoint=point.checkpoint, config_hash=at.config_hash
     )
     # The parent's tokenizer, and its data as it recorded it (a dataset the child declares as the parent
     # did must be unchanged); documents are tokenised into a scratch directory, copied into the child's
