@@ -46,37 +46,43 @@ def _run(command, cwd, **kwargs):
 @pytest.mark.slow
 def test_sigkill_across_growth_then_resume_gives_the_straight_tensors(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
+    # The straight run trains beside the killed one (one thread each: two cores do both at once).
     done = _run(_command(straight), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert done.wait(timeout=600) == 0, done.stderr.read()
-    done.stderr.close()
-    rng = random.Random(20261124)
-    num_killed = 0
-    # One kill in each of ROUNDS equal bands of the run's 160 steps, wherever the machine's load puts
-    # the time: the log is polled until the band's drawn step is committed, then the kill comes a
-    # random fraction of a second later (mid-step, mid-commit, mid-checkpoint, mid-cache).
-    for band in range(ROUNDS):
-        target = rng.randrange(band * 160 // ROUNDS, (band + 1) * 160 // ROUNDS)
-        num_before = len(committed(killed))
-        process = _run(_command(killed), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # Past its own first record (its RunStarted or RunResumed: start-up kills are test_kill_restart's),
-        # and past the band's step.
-        while process.poll() is None and (len(committed(killed)) <= num_before or _last_step(killed) < target):
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.6))
-        if process.poll() is not None:
-            assert process.returncode == 0
-            break
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-        num_killed += 1
-    final = _run(_command(killed), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert final.wait(timeout=600) == 0, final.stderr.read()
-    final.stderr.close()
-    events = events_of(killed)
-    assert num_killed >= ROUNDS - 1 and sum(isinstance(e, RunResumed) for e in events) >= num_killed - 1
-    assert sum(isinstance(e, StackAppended) for e in events) >= 3  # every growth happened (some twice)
-    assert any(isinstance(e, ActivationsCached) for e in events)
-    # Resumed inside at least three of the four stages (a kill in the first steps may come before the
-    # first checkpoint, or before the log exists): the kills span the growths, not one region.
-    assert len({e.step // 40 for e in events if isinstance(e, RunResumed)}) >= 3
-    assert_bitwise_equal(final_tensors(straight), final_tensors(killed))
+    try:
+        rng = random.Random(20261124)
+        num_killed = 0
+        # One kill in each of ROUNDS equal bands of the run's 160 steps, wherever the machine's load puts
+        # the time: the log is polled until the band's drawn step is committed, then the kill comes a
+        # random fraction of a second later (mid-step, mid-commit, mid-checkpoint, mid-cache).
+        for band in range(ROUNDS):
+            target = rng.randrange(band * 160 // ROUNDS, (band + 1) * 160 // ROUNDS)
+            num_before = len(committed(killed))
+            process = _run(_command(killed), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # Past its own first record (its RunStarted or RunResumed: start-up kills are test_kill_restart's),
+            # and past the band's step.
+            while process.poll() is None and (len(committed(killed)) <= num_before or _last_step(killed) < target):
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.6))
+            if process.poll() is not None:
+                assert process.returncode == 0
+                break
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            num_killed += 1
+        final = _run(_command(killed), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        assert final.wait(timeout=600) == 0, final.stderr.read()
+        final.stderr.close()
+        assert done.wait(timeout=600) == 0, done.stderr.read()
+        events = events_of(killed)
+        assert num_killed >= ROUNDS - 1 and sum(isinstance(e, RunResumed) for e in events) >= num_killed - 1
+        assert sum(isinstance(e, StackAppended) for e in events) >= 3  # every growth happened (some twice)
+        assert any(isinstance(e, ActivationsCached) for e in events)
+        # Resumed inside at least three of the four stages (a kill in the first steps may come before the
+        # first checkpoint, or before the log exists): the kills span the growths, not one region.
+        assert len({e.step // 40 for e in events if isinstance(e, RunResumed)}) >= 3
+        assert_bitwise_equal(final_tensors(straight), final_tensors(killed))
+    finally:
+        if done.poll() is None:  # a failure above: the straight run is not left behind
+            done.kill()
+            done.wait()
+        done.stderr.close()

@@ -47,8 +47,8 @@ def _checkpoint_names(run_dir) -> list[str]:
 @pytest.mark.slow
 def test_kill_and_restart_at_once_is_never_refused_and_ends_bitwise_equal(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    done = subprocess.run(_command(straight), capture_output=True, text=True, env=_env(), timeout=300)
-    assert done.returncode == 0, done.stderr
+    # The straight run trains beside the killed one (one thread each: two cores do both at once).
+    done = subprocess.Popen(_command(straight), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
     rng = random.Random(20261123)
     zombies = []
     try:
@@ -65,7 +65,12 @@ def test_kill_and_restart_at_once_is_never_refused_and_ends_bitwise_equal(tmp_pa
         final = subprocess.run(_command(killed), capture_output=True, text=True, env=_env(), timeout=300)
         assert final.returncode == 0, final.stderr
         assert "locked" not in final.stderr
+        assert done.wait(timeout=300) == 0, done.stderr.read()
     finally:
+        if done.poll() is None:  # a failure above: the straight run is not left behind
+            done.kill()
+            done.wait()
+        done.stderr.close()
         for process in zombies:
             process.wait()
             process.stderr.close()
