@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def reach(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+@functools.cache  # a test session reads the tree once
 def figures(rev: str | None) -> dict:
     texts = sources(rev)
     trees = {path: ast.parse(text) for path, text in texts.items()}
@@ -157,6 +159,32 @@ def figures(rev: str | None) -> dict:
         "files_naming_a_control_event": naming,
         "modules_a_resume_imports": len(reach(graph, "rewind.tools.train_cmd")),
     }
+
+
+def circles_inside(package: str) -> list[list[str]]:
+    """The import circles among the modules of `package` ('states', 'engine', ...) in the working tree."""
+    return [c for c in figures(None)["circles"] if c[0].split(".")[1] == package]
+
+
+def modules_over_400_lines(package: str) -> list[str]:
+    return [m for m in figures(None)["modules_over_400_lines"] if m.split("/")[0] == package]
+
+
+def private_imports(texts: dict[str, str], package: str) -> list[str]:
+    """'path: module.name' for each private name a module of `package` imports from rewind (a name shared
+    between modules has a home of its own, and is public there)."""
+    found = []
+    for path, text in texts.items():
+        if path.split("/")[0] != package:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rewind."):
+                found += [
+                    f"{path}: {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
+    return found
 
 
 def main() -> int:
