@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -55,44 +56,42 @@ def without(raw: dict[str, Any], paths: list[str]) -> dict[str, Any]:
     return pruned
 
 
-def non_finite_floats(value: Any, path: str = "") -> list[str]:
+def leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) for every scalar anywhere in a config, struct or raw TOML, in field order."""
+    if isinstance(value, msgspec.Struct):
+        for f in msgspec.structs.fields(value):
+            yield from leaves(getattr(value, f.name), _join(path, f.encode_name))
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            yield from leaves(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from leaves(item, _join(path, str(key)))
+    else:
+        yield path, value
+
+
+def non_finite_floats(value: Any) -> list[str]:
     """'path: must be a finite number, got nan' for every NaN or infinity anywhere in the config: a
     comparison with NaN is always false, so no range rule would ever catch one."""
-    if isinstance(value, float):
-        return [] if math.isfinite(value) else [f"{path}: must be a finite number, got {value}"]
-    if isinstance(value, msgspec.Struct):
-        return [
-            p
-            for f in msgspec.structs.fields(value)
-            for p in non_finite_floats(getattr(value, f.name), _join(path, f.encode_name))
-        ]
-    if isinstance(value, list | tuple):
-        return [p for i, item in enumerate(value) for p in non_finite_floats(item, f"{path}[{i}]")]
-    if isinstance(value, dict):
-        return [p for key, item in value.items() for p in non_finite_floats(item, _join(path, str(key)))]
-    return []
+    return [
+        f"{path}: must be a finite number, got {leaf}"
+        for path, leaf in leaves(value)
+        if isinstance(leaf, float) and not math.isfinite(leaf)
+    ]
 
 
-def unrecordable_ints(value: Any, path: str = "") -> list[str]:
+def unrecordable_ints(value: Any) -> list[str]:
     """'path: must fit a signed 64-bit integer, ...' for every integer anywhere in the config that the
     log (msgpack) or torch could not hold: nothing after the check could record or compute with it."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        if path in OWN_INT_RULES or INT64_RANGE[0] <= value < INT64_RANGE[1]:
-            return []
-        return [f"{path}: must fit a signed 64-bit integer (the log's integers), got {show_int(value)}"]
-    if isinstance(value, msgspec.Struct):
-        return [
-            p
-            for f in msgspec.structs.fields(value)
-            for p in unrecordable_ints(getattr(value, f.name), _join(path, f.encode_name))
-        ]
-    if isinstance(value, list | tuple):
-        return [p for i, item in enumerate(value) for p in unrecordable_ints(item, f"{path}[{i}]")]
-    if isinstance(value, dict):
-        return [p for key, item in value.items() for p in unrecordable_ints(item, _join(path, str(key)))]
-    return []
+    return [
+        f"{path}: must fit a signed 64-bit integer (the log's integers), got {show_int(leaf)}"
+        for path, leaf in leaves(value)
+        if isinstance(leaf, int)
+        and not isinstance(leaf, bool)
+        and path not in OWN_INT_RULES
+        and not INT64_RANGE[0] <= leaf < INT64_RANGE[1]
+    ]
 
 
 def show_int(value: int) -> str:
