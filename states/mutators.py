@@ -12,6 +12,7 @@ from rewind.states.events import (
     ConfigChanged,
     EpochStarted,
     Evaluated,
+    Event,
     FadeEnded,
     FadeStarted,
     NonFiniteLoss,
@@ -81,17 +82,18 @@ def stage_entered(state: State, event: StageEntered) -> State:
     )
 
 
+def _after_due(due: list[int], stage: int, event: Event, what: str) -> list[int]:
+    """The stages still due once `event` did what was due first (a stage entry queues them in order)."""
+    require(bool(due) and due[0] == stage, event, f"no {what} is due for stage {stage} (due: {due})")
+    return due[1:]
+
+
 @mutates(OptimizerReset)
 def optimizer_reset(state: State, event: OptimizerReset) -> State:
     stage = event.stage
-    require(
-        bool(state.pending_optimizer_resets) and state.pending_optimizer_resets[0] == stage,
-        event,
-        f"no optimizer reset is due for stage {stage} (due: {state.pending_optimizer_resets})",
-    )
     return replace(
         state,
-        pending_optimizer_resets=state.pending_optimizer_resets[1:],
+        pending_optimizer_resets=_after_due(state.pending_optimizer_resets, stage, event, "optimizer reset"),
         last_optimizer_reset=OptimizerResetRef(stage=stage, step=event.step, lr_restarted=event.lr_restarted),
     )
 
@@ -99,15 +101,10 @@ def optimizer_reset(state: State, event: OptimizerReset) -> State:
 @mutates(ReferenceRefreshed)
 def reference_refreshed(state: State, event: ReferenceRefreshed) -> State:
     stage = event.stage
-    require(
-        bool(state.pending_refreshes) and state.pending_refreshes[0] == stage,
-        event,
-        f"no refresh is due for stage {stage} (due: {state.pending_refreshes})",
-    )
     return replace(
         state,
         reference=Reference(stage=stage, step=event.step, checkpoint=event.checkpoint, layout=state.layout),
-        pending_refreshes=state.pending_refreshes[1:],
+        pending_refreshes=_after_due(state.pending_refreshes, stage, event, "refresh"),
     )
 
 
