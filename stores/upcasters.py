@@ -8,6 +8,8 @@ upcaster leaves old logs unreadable, and tests/compat/ (run directories left by 
 
 from __future__ import annotations
 
+import msgspec
+
 from rewind.states.stageform import to_stage_form
 from rewind.stores.codec import UPCASTERS
 
@@ -93,7 +95,10 @@ def v7_to_v8(raw: dict) -> dict:
     config = raw.get("config")
     if not isinstance(config, dict):
         return raw
-    return {**raw, "config": to_stage_form(config)[0]}
+    translated, problems, _ = to_stage_form(config)
+    if problems:  # no release logged such a config: said like any record that is not an event
+        raise msgspec.ValidationError(f"its config cannot be read as stages: {'; '.join(problems[:3])}")
+    return {**raw, "config": translated}
 
 
 UPCASTERS[1] = v1_to_v2
