@@ -1,6 +1,6 @@
 """Whether a run can be resumed under a config: the same config, or the refusal that names what
 differs and the flag that forks. Whether a fork may go on from a checkpoint under another config is
-the pure rule `rewind.states.check_continuation.continuation_problem`.
+the pure rule `rewind.states.check_continuation.change_problem`.
 """
 
 from __future__ import annotations

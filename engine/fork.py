@@ -31,14 +31,13 @@ from rewind.engine.rundata import (
     replace_config_data,
 )
 from rewind.engine.session import REWIND_VERSION, metrics_for, prepare_directory
-from rewind.states.check_continuation import continuation_problem
+from rewind.states.check_continuation import change_problem
 from rewind.states.config import Config
 from rewind.states.entry import (
     EntryRefused,
     choose_point,
     fork_records,
     site_of,
-    tokenizer_problem,
 )
 from rewind.states.events import ForkOrigin, RunStarted
 from rewind.states.fold import fold
@@ -150,9 +149,7 @@ def open_fork(
     # did must be unchanged); documents are tokenised into a scratch directory, copied into the child's
     # with its checkpoints: nothing is written to the parent.
     parent_state = point.state  # what the parent recorded of its data as of the fork point
-    if problem := tokenizer_problem(parent_config, config):
-        raise RunError(f"cannot fork {parent_dir}: {problem}")
-    if point.checkpoint and (problem := continuation_problem(parent_config, config, point.state.num_growths)):
+    if problem := change_problem(parent_config, config, point):
         raise RunError(f"cannot fork {parent_dir} at step {point.state.step}: {problem}")
     try:
         home = read_only_home(parent_dir, parent_state)

@@ -33,10 +33,10 @@ from rewind.engine.rundata import (
     replace_config_data,
     start_home,
 )
-from rewind.states.check_continuation import continuation_problem
+from rewind.states.check_continuation import change_problem
 from rewind.states.config import Config
 from rewind.states.config_identity import config_hash
-from rewind.states.entry import Computed, EntryRefused, resume_records, site_of, tokenizer_problem
+from rewind.states.entry import Computed, EntryRefused, resume_records, site_of
 from rewind.states.events import RUN_FEATURES, Event, RunStarted
 from rewind.states.history import point_of, skip_ranges
 from rewind.states.schedule import Schedule
@@ -275,9 +275,7 @@ def _plan_resume(
     if refusal and not fork:
         raise RunError(refusal)
     point = point_of(current)
-    if refusal and (problem := tokenizer_problem(logged_config, config)):  # at any step: its data is tokenised
-        raise RunError(f"{run_dir}: {problem}")
-    if refusal and point.checkpoint and (problem := continuation_problem(logged_config, config, point.state.num_growths)):
+    if refusal and (problem := change_problem(logged_config, config, point)):
         raise RunError(f"{run_dir}: {problem}")
     end = LogEnd(folded.end_seq, current.step, lambda: max((r.event.step for r in log.records()), default=0))
     live = [c.checkpoint for c in current.live_checkpoints]

@@ -12,6 +12,16 @@ from typing import get_args
 
 from rewind.states.config import Config, ObjectiveKind, ObjectiveSection
 from rewind.states.entry import tokenizer_problem
+from rewind.states.history import RestorePoint
+
+
+def change_problem(old: Config, new: Config, point: RestorePoint) -> str:
+    """Why a run of `old` cannot go on under `new` from `point` ("" if it can), for a resume under a
+    changed config and a fork alike: the tokenizer at any point (the run's data is tokenised from its
+    start), the weights' shapes only from a checkpoint (without one the model is built afresh)."""
+    if not point.checkpoint:
+        return tokenizer_problem(old, new)
+    return continuation_problem(old, new, point.state.num_growths)
 
 
 def continuation_problem(old: Config, new: Config, num_growths: int = 0) -> str:

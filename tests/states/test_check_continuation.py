@@ -108,3 +108,19 @@ def test_the_shapes_an_objective_gives_the_model():
     assert num_time_levels(ObjectiveSection(kind="mlm")) == 0
     with pytest.raises(ValueError, match=r"unknown objective\.kind 'gpt'"):
         model_vocab_size(ObjectiveSection(kind="gpt"), 256)  # type: ignore[arg-type]
+
+
+def test_a_change_is_judged_by_the_tokenizer_alone_without_a_checkpoint_and_by_the_shapes_with_one():
+    from rewind.states.check_continuation import change_problem
+    from rewind.states.history import RestorePoint
+    from rewind.states.state import State
+
+    state = State()
+    reshaped = with_arch(d_model=32)
+    retokenised = replace(CONFIG, tokenizer=replace(CONFIG.tokenizer, train_vocab_size=300))
+    at_start = RestorePoint(seq=0, state=state, checkpoint="")
+    at_checkpoint = RestorePoint(seq=5, state=state, checkpoint="00000010-abcdef12")
+    assert change_problem(CONFIG, reshaped, at_start) == ""  # no weights yet: any shape
+    assert change_problem(CONFIG, reshaped, at_checkpoint) == continuation_problem(CONFIG, reshaped)
+    assert change_problem(CONFIG, retokenised, at_start).startswith("tokenizer: a run's tokenizer is fixed")
+    assert change_problem(CONFIG, retokenised, at_checkpoint).startswith("tokenizer: a run's tokenizer is fixed")
