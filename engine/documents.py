@@ -1,5 +1,5 @@
 """Documents out of a user's files: which files a path or glob names, and the texts (or prompt/response
-pairs) they hold.
+pairs, or rows of named fields, each with the place an error about it names) they hold.
 
 Kinds:
 - text: one document per file, the whole file, strict UTF-8;
@@ -128,7 +128,7 @@ def _read_text(path: str) -> str:
         raise DocumentError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
-def _jsonl_records(path: str, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+def _jsonl_records(path: str, fields: tuple[str, ...]) -> Iterator[tuple[str, tuple[str, ...]]]:
     decoder = msgspec.json.Decoder()
     with _open(path) as handle:
         line_number = 0
@@ -158,10 +158,10 @@ def _jsonl_records(path: str, fields: tuple[str, ...]) -> Iterator[tuple[str, ..
                         f"{path}:{line_number}: field {field!r} is {type(value).__name__}, not a string"
                     )
                 values.append(value)
-            yield tuple(values)
+            yield f"{path}:{line_number}", tuple(values)
 
 
-def _parquet_records(path: str, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+def _parquet_records(path: str, fields: tuple[str, ...]) -> Iterator[tuple[str, tuple[str, ...]]]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -189,13 +189,14 @@ def _parquet_records(path: str, fields: tuple[str, ...]) -> Iterator[tuple[str, 
                     if column.null_count:
                         first = row + column.is_null().to_pylist().index(True)
                         raise DocumentError(f"{path}: row {first}: column {field!r} is null")
-                yield from zip(*(column.to_pylist() for column in columns), strict=True)
+                for offset, values in enumerate(zip(*(column.to_pylist() for column in columns), strict=True)):
+                    yield f"{path}: row {row + offset}", values
                 row += batch.num_rows
         except pa.ArrowException as exc:
             raise DocumentError(f"{path}: cannot read row {row} on: {str(exc).splitlines()[0]}") from None
 
 
-def _records(paths: Iterable[str], kind: str, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+def _records(paths: Iterable[str], kind: str, fields: tuple[str, ...]) -> Iterator[tuple[str, tuple[str, ...]]]:
     if kind not in KINDS:
         raise DocumentError(f"unknown input kind {kind!r} (expected one of {', '.join(KINDS)})")
     paths = list(paths)
@@ -203,7 +204,7 @@ def _records(paths: Iterable[str], kind: str, fields: tuple[str, ...]) -> Iterat
     for path in paths:
         if kind == "text":  # one document per file; an empty file holds none (nothing to join)
             text = _read_text(path)
-            records: Iterator[tuple[str, ...]] = iter([(text,)] if text else [])
+            records: Iterator[tuple[str, tuple[str, ...]]] = iter([(path, (text,))] if text else [])
         elif kind == "jsonl":
             records = _jsonl_records(path, fields)
         else:
@@ -219,7 +220,7 @@ def _records(paths: Iterable[str], kind: str, fields: tuple[str, ...]) -> Iterat
 def iter_documents(paths: Iterable[str], kind: str, text_field: str = "text") -> Iterator[str]:
     """The documents of `paths`, in order (see the module doc for each kind). An input that holds no
     document at all is an error."""
-    for (text,) in _records(paths, kind, (text_field,)):
+    for _, (text,) in _records(paths, kind, (text_field,)):
         yield text
 
 
@@ -229,4 +230,13 @@ def iter_pairs(
     """(prompt, response) of every row of `paths` (jsonl or parquet), in order."""
     if kind == "text":
         raise DocumentError("prompt/response pairs need jsonl or parquet input, not text files")
-    yield from _records(paths, kind, (prompt_field, response_field))  # type: ignore[misc]
+    for _, pair in _records(paths, kind, (prompt_field, response_field)):
+        yield pair  # type: ignore[misc]
+
+
+def iter_rows(paths: Iterable[str], kind: str, fields: tuple[str, ...]) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """(place, values of `fields`) of every row of `paths` (jsonl or parquet), in order; `place` is where an
+    error about the row points: 'path:line' (jsonl, from 1) or 'path: row N' (parquet, from 0)."""
+    if kind == "text":
+        raise DocumentError(f"rows of {', '.join(fields)} need jsonl or parquet input, not text files")
+    yield from _records(paths, kind, fields)

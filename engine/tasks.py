@@ -131,7 +131,7 @@ def task_example(name: str, draws: Draws) -> tuple[str, str, int]:
     raise KeyError(name)
 
 
-def _split_example(name: str, split: str, draws: Draws) -> tuple[str, str]:
+def split_example(name: str, split: str, draws: Draws) -> tuple[str, str]:
     """An example whose input belongs to `split` (rejection sampling against the split hash)."""
     want_validation = split == "validation"
     while True:
@@ -147,7 +147,7 @@ def _packed_examples(
     loss_mask = np.zeros(row_length - 1, dtype=bool)
     used = 0
     while True:
-        prompt, answer = _split_example(name, split, draws)
+        prompt, answer = split_example(name, split, draws)
         if encode is None:  # byte level: token id = byte value
             prompt_ids, answer_ids = prompt.encode("ascii"), answer.encode("ascii")
         else:  # prompt and answer apart, so the answer's first token never straddles the "="

@@ -1,0 +1,127 @@
+"""Post-training rows out of a user's JSONL / Parquet files (rewind.engine.documents reads them), tokenised by
+the run's tokenizer, and the identity of those files to put on record.
+
+Every field read must be a string, in every row; a row that breaks that, or whose prompt is empty, or whose
+chosen and rejected responses are the same text, is a DocumentError of one line naming its file and line
+(jsonl, from 1) or row (parquet, from 0). Rows come in the order of `paths` (the sorted matches of a glob:
+rewind.engine.documents.expand_inputs), then of the rows in each file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from types import MappingProxyType
+
+from rewind.engine.documents import DocumentError, iter_rows
+from rewind.engine.rows import PreferenceRow, PromptRow, SftRow, Tokens, encode_text
+from rewind.engine.tasks import Encoder
+from rewind.engine.tokenizer import TokenizerError
+from rewind.states.data_identity import DataIdentity, SourceFile
+from rewind.stores.datafiles import file_identity
+
+
+def _encoded(place: str, field: str, text: str, encode: Encoder | None) -> Tokens:
+    try:
+        return encode_text(text, encode)
+    except TokenizerError as exc:
+        raise DocumentError(f"{place}: field {field!r}: {exc}") from None
+
+
+def _prompted_rows(
+    paths: Sequence[str], kind: str, fields: tuple[str, ...], encode: Encoder | None
+) -> Iterator[tuple[str, Tokens, tuple[str, ...]]]:
+    """(place, prompt tokens, the texts of every field) of each row; fields[0] is the prompt."""
+    for place, texts in iter_rows(paths, kind, fields):
+        if not texts[0]:
+            raise DocumentError(f"{place}: field {fields[0]!r} is empty")
+        prompt = _encoded(place, fields[0], texts[0], encode)
+        if not prompt:
+            raise DocumentError(f"{place}: field {fields[0]!r} encodes to no token")
+        yield place, prompt, texts
+
+
+def read_sft_rows(
+    paths: Sequence[str],
+    kind: str,
+    encode: Encoder | None = None,
+    *,
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+) -> list[SftRow]:
+    """The prompt/response rows of `paths` (kind "jsonl" or "parquet"). An empty response is a row (it
+    teaches the end token after the prompt)."""
+    return [
+        SftRow(prompt, _encoded(place, response_field, texts[1], encode))
+        for place, prompt, texts in _prompted_rows(paths, kind, (prompt_field, response_field), encode)
+    ]
+
+
+def read_preference_rows(
+    paths: Sequence[str],
+    kind: str,
+    encode: Encoder | None = None,
+    *,
+    prompt_field: str = "prompt",
+    chosen_field: str = "chosen",
+    rejected_field: str = "rejected",
+) -> list[PreferenceRow]:
+    """The prompt/chosen/rejected rows of `paths` (kind "jsonl" or "parquet")."""
+    rows = []
+    for place, prompt, texts in _prompted_rows(
+        paths, kind, (prompt_field, chosen_field, rejected_field), encode
+    ):
+        chosen = _encoded(place, chosen_field, texts[1], encode)
+        rejected = _encoded(place, rejected_field, texts[2], encode)
+        if chosen == rejected:  # (a preference between two equal responses says nothing)
+            raise DocumentError(f"{place}: fields {chosen_field!r} and {rejected_field!r} are the same")
+        rows.append(PreferenceRow(prompt, chosen, rejected))
+    return rows
+
+
+def read_prompt_rows(
+    paths: Sequence[str],
+    kind: str,
+    encode: Encoder | None = None,
+    *,
+    prompt_field: str = "prompt",
+    fields: Sequence[str] = (),
+) -> list[PromptRow]:
+    """The prompts of `paths` (kind "jsonl" or "parquet"), each with the string `fields` its reward functions
+    take (the built-in exact match reads "answer": rewind.engine.task_rows.ANSWER_FIELD). prompt_id: the
+    row's index among all the rows of `paths`, from 0."""
+    names = (prompt_field, *fields)
+    return [
+        PromptRow(index, prompt, texts[0], MappingProxyType(dict(zip(fields, texts[1:], strict=True))))
+        for index, (_, prompt, texts) in enumerate(_prompted_rows(paths, kind, names, encode))
+    ]
+
+
+def _file_identities(paths: Sequence[str], full: bool) -> list[SourceFile]:
+    found = []
+    for path in paths:
+        try:
+            found.append(file_identity(path, full=full))
+        except FileNotFoundError:
+            raise DocumentError(f"{path}: no such file") from None
+        except OSError as exc:
+            raise DocumentError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return found
+
+
+def row_files_identity(
+    paths: Sequence[str],
+    kind: str,
+    tokenizer_identity: str,
+    *,
+    validation_paths: Sequence[str] = (),
+    full: bool = False,
+) -> DataIdentity:
+    """What row files are, for the record: each file's size and fingerprint (and with `full` its sha256) and
+    the tokenizer that tokenises them ("" = UTF-8 bytes), the shape a prompt/response dataset records
+    (rewind.engine.userdata), so rewind.states.data_identity.identity_changes says how they changed."""
+    return DataIdentity(
+        kind=kind,
+        sources=_file_identities(paths, full),
+        validation_sources=_file_identities(validation_paths, full),
+        tokenizer=tokenizer_identity,
+    )

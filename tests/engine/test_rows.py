@@ -1,0 +1,183 @@
+"""Post-training rows from files: the three kinds, prompt and response tokenised apart, malformed rows named by
+file and line, the end token, and the files' identity."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rewind.engine.documents import DocumentError, iter_rows
+from rewind.engine.rowfiles import read_preference_rows, read_prompt_rows, read_sft_rows, row_files_identity
+from rewind.engine.rows import PreferenceRow, PromptRow, SftRow, encode_text, end_token
+from rewind.engine.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, train_bpe
+from rewind.states.data_identity import identity_changes
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Tokenizer:
+    # "then" is one token, "the" + "n" two: a prompt ending "the" and a response starting "n" would merge.
+    return train_bpe(["then there then the then n " * 20, "rev abc=cba " * 10], 300)
+
+
+def jsonl(path, rows: list, blank_first: bool = False) -> str:
+    lines = ([""] if blank_first else []) + [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def refused(fn, *needles: str) -> str:
+    with pytest.raises(DocumentError) as info:
+        fn()
+    message = str(info.value)
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, (needle, message)
+    return message
+
+
+# --- rows and the end token -------------------------------------------------------------------------
+
+
+def test_rows_are_frozen_and_refuse_what_cannot_train():
+    row = SftRow((1, 2), (3,))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        row.prompt = (4,)  # type: ignore[misc]
+    with pytest.raises(ValueError, match="prompt holds no token"):
+        SftRow((), (3,))
+    with pytest.raises(ValueError, match="the same"):
+        PreferenceRow((1,), (2, 3), (2, 3))
+    assert PreferenceRow((1,), (2,), (2, 3)).rejected == (2, 3)
+
+
+def test_the_end_token_is_eos_else_the_newline(bpe):
+    assert end_token(ByteTokenizer()) == 10
+    assert bpe.eos_id is not None and end_token(bpe) == bpe.eos_id
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hi": 1}, "unk_token": "[UNK]"},
+    }  # fmt: skip
+    with pytest.raises(TokenizerError) as info:
+        end_token(Tokenizer(json.dumps(spec)))
+    assert "no <|endoftext|> token and encodes '\\n' as 0 tokens" in str(info.value)
+
+
+def test_prompt_and_response_are_tokenised_apart(tmp_path, bpe):
+    assert bpe.encode("then") != bpe.encode("the") + bpe.encode("n")  # (the merge the test is about)
+    path = jsonl(tmp_path / "a.jsonl", [{"prompt": "the", "response": "n"}])
+    (row,) = read_sft_rows([path], "jsonl", bpe.encode)
+    assert row == SftRow(tuple(bpe.encode("the")), tuple(bpe.encode("n")))
+    (row,) = read_sft_rows([path], "jsonl")  # no tokenizer: UTF-8 bytes
+    assert row == SftRow(tuple(b"the"), tuple(b"n")) and encode_text("é", None) == (0xC3, 0xA9)
+
+
+# --- reading files ------------------------------------------------------------------------------------
+
+
+def test_rows_come_in_file_then_row_order_with_configured_fields(tmp_path):
+    a = jsonl(tmp_path / "a.jsonl", [{"q": "1", "a": "x", "b": "y", "n": 3}, {"q": "2", "a": "", "b": "z"}])
+    b = jsonl(tmp_path / "b.jsonl", [{"q": "3", "a": "w", "b": "v"}])
+    sft = read_sft_rows([a, b], "jsonl", prompt_field="q", response_field="a")
+    assert sft == [
+        SftRow((49,), (120,)),
+        SftRow((50,), ()),
+        SftRow((51,), (119,)),
+    ]  # an empty response is a row
+    pairs = read_preference_rows([b, a], "jsonl", prompt_field="q", chosen_field="a", rejected_field="b")
+    assert [(r.prompt, r.chosen, r.rejected) for r in pairs] == [
+        ((51,), (119,), (118,)), ((49,), (120,), (121,)), ((50,), (), (122,))
+    ]  # fmt: skip
+    assert read_sft_rows([a, b], "jsonl", prompt_field="q", response_field="a") == sft  # the same every time
+
+
+def test_prompt_rows_keep_their_text_and_fields(tmp_path):
+    a = jsonl(tmp_path / "a.jsonl", [{"prompt": "add 1+2=", "answer": "3", "hint": "sum"}])
+    b = jsonl(tmp_path / "b.jsonl", [{"prompt": "rev ab=", "answer": "ba", "hint": ""}])
+    rows = read_prompt_rows([a, b], "jsonl", fields=("answer", "hint"))
+    assert [r.prompt_id for r in rows] == [0, 1]
+    assert rows[1] == PromptRow(1, tuple(b"rev ab="), "rev ab=", {"answer": "ba", "hint": ""})
+    assert dict(rows[0].fields) == {"answer": "3", "hint": "sum"}
+    with pytest.raises(TypeError):
+        rows[0].fields["answer"] = "4"  # type: ignore[index]
+    assert read_prompt_rows([a], "jsonl")[0].fields == {}
+
+
+def test_parquet_rows_read_like_jsonl_ones(tmp_path):
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "chosen": ["c", "d"], "rejected": ["e", "f"]}), path)
+    rows = read_preference_rows([str(path)], "parquet")
+    assert rows == [PreferenceRow((97,), (99,), (101,)), PreferenceRow((98,), (100,), (102,))]
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ('{"prompt": "p"}', "no 'response' field"),
+        ('{"prompt": "p", "response": 3}', "field 'response' is int, not a string"),
+        ('{"prompt": "p", "response": ', "not valid JSON"),
+        ('["p", "r"]', "a JSON list, not an object"),
+        ('{"prompt": "", "response": "r"}', "field 'prompt' is empty"),
+    ],
+)
+def test_a_malformed_sft_row_names_its_file_and_line(tmp_path, line, needle):
+    # Line 3: a blank line and a good row come first, so the number is the file's line, not the row's.
+    path = jsonl(tmp_path / "bad.jsonl", ['{"prompt": "p", "response": "r"}', line], blank_first=True)
+    refused(lambda: read_sft_rows([path], "jsonl"), f"{path}:3: ", needle)
+
+
+def test_malformed_preference_and_prompt_rows_name_their_file_and_line(tmp_path):
+    good = {"prompt": "p", "chosen": "c", "rejected": "r", "answer": "a"}
+    path = jsonl(tmp_path / "same.jsonl", [good, {**good, "rejected": "c"}])
+    refused(
+        lambda: read_preference_rows([path], "jsonl"),
+        f"{path}:2: fields 'chosen' and 'rejected' are the same",
+    )
+    path = jsonl(tmp_path / "noanswer.jsonl", [good, good, {"prompt": "p"}])
+    refused(lambda: read_prompt_rows([path], "jsonl", fields=("answer",)), f"{path}:3: no 'answer' field")
+    path = jsonl(tmp_path / "number.jsonl", [{**good, "answer": 7}])
+    refused(lambda: read_prompt_rows([path], "jsonl", fields=("answer",)), f"{path}:1: field 'answer' is int")
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b", ""], "response": ["c", "d", "e"]}), parquet)
+    refused(lambda: read_sft_rows([str(parquet)], "parquet"), f"{parquet}: row 2: field 'prompt' is empty")
+    refused(lambda: read_sft_rows([path], "text"), "need jsonl or parquet")
+
+
+def test_a_prompt_that_encodes_to_nothing_is_refused(tmp_path):
+    path = jsonl(tmp_path / "a.jsonl", [{"prompt": "x", "response": "r"}])
+    refused(
+        lambda: read_sft_rows([path], "jsonl", lambda text: []),
+        f"{path}:1: field 'prompt' encodes to no token",
+    )
+
+
+def test_iter_rows_says_where_each_row_is(tmp_path):
+    path = jsonl(tmp_path / "a.jsonl", [{"x": "1"}, {"x": "2"}], blank_first=True)
+    assert list(iter_rows([path], "jsonl", ("x",))) == [(f"{path}:2", ("1",)), (f"{path}:3", ("2",))]
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"x": ["1", "2"]}), parquet)
+    assert [place for place, _ in iter_rows([str(parquet)], "parquet", ("x",))] == [
+        f"{parquet}: row 0", f"{parquet}: row 1"
+    ]  # fmt: skip
+
+
+# --- identity ---------------------------------------------------------------------------------------
+
+
+def test_the_identity_of_row_files_sees_a_changed_file(tmp_path, bpe):
+    path = jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "r"}])
+    recorded = row_files_identity([path], "jsonl", bpe.identity, full=True)
+    assert recorded.tokenizer == bpe.identity and len(recorded.sources[0].sha256) == 64
+    assert identity_changes("sft", recorded, row_files_identity([path], "jsonl", bpe.identity)) == []
+    jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "s"}])  # same size, other contents
+    (change,) = identity_changes("sft", recorded, row_files_identity([path], "jsonl", bpe.identity))
+    assert "contents changed" in change
+    now = row_files_identity([path], "jsonl", bpe.identity)
+    (change,) = identity_changes("sft", now, row_files_identity([path], "jsonl", ""))
+    assert "another tokenizer" in change
+    refused(
+        lambda: row_files_identity([str(tmp_path / "gone.jsonl")], "jsonl", ""), "gone.jsonl: no such file"
+    )
