@@ -15,6 +15,7 @@ tokenizer's pad is its <|endoftext|>), and an end token in the mask stays there.
   what is left of a window starts the next, one longer than a window is left-truncated as `sft_batch`
   does and fills a window alone. So each example's targets, and the tokens before each target within its
   example, are those of `sft_batch`; no target in the mask crosses from one example into the next.
+  `packed_row_count`: how many examples a step of so many windows takes.
 - `preference_batch`: 2n rows, [chosen rows; rejected rows]: row i is prompt i + chosen i + end, row n + i
   prompt i + rejected i + end, each as `sft_batch` makes it; a row's sequence log-probability is its sum
   over the mask.
@@ -24,7 +25,7 @@ tokenizer's pad is its <|endoftext|>), and an end token in the mask stays there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,21 +59,41 @@ def sft_batch(rows: Sequence[SftRow], block_size: int, end_id: int, pad_id: int 
     return RowBatch(torch.from_numpy(tokens), torch.from_numpy(loss_mask))
 
 
+def _windows(rows: Iterable[SftRow], width: int) -> Iterator[int]:
+    """The window each example goes to, in order: the next one when it does not fit what is left."""
+    window, used = -1, width  # the first example opens a window
+    for row in rows:
+        size = min(len(row.prompt) + len(row.response) + 1, width)
+        if used + size > width:
+            window, used = window + 1, 0
+        used += size
+        yield window
+
+
+def packed_row_count(rows: Iterable[SftRow], block_size: int, num_windows: int) -> int:
+    """How many of `rows`, from the first, `packed_sft_batch` lays into at most `num_windows` windows: what a
+    step of num_windows packed windows consumes. Reads no row past the first one that does not fit."""
+    _check_block_size(block_size)
+    count = 0
+    for window in _windows(rows, block_size + 1):
+        if window >= num_windows:
+            break
+        count += 1
+    return count
+
+
 def packed_sft_batch(rows: Sequence[SftRow], block_size: int, end_id: int, pad_id: int = 0) -> RowBatch:
     """The examples packed into as few windows as their order allows (module doc)."""
     _check_block_size(block_size)
     width = block_size + 1
     windows: list[list[tuple[list[int], int]]] = []
-    used = width  # the first example opens a window
-    for row in rows:
+    for row, window in zip(rows, _windows(rows, width), strict=True):
         ids = [*row.prompt, *row.response, end_id][-width:]
         # The response and end tokens kept, as targets; the first token of a window is never one.
         num_targets = min(len(row.response) + 1, len(ids) - 1)
-        if used + len(ids) > width:
+        if window == len(windows):
             windows.append([])
-            used = 0
         windows[-1].append((ids, num_targets))
-        used += len(ids)
     tokens = np.full((len(windows), width), pad_id, dtype=np.int64)
     loss_mask = np.zeros((len(windows), block_size), dtype=bool)
     documents = np.empty((len(windows), width), dtype=np.int64)

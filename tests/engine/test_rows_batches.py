@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from rewind.engine.row_batches import (
     completion_batch,
+    packed_row_count,
     packed_sft_batch,
     preference_batch,
     prompt_tokens,
@@ -106,6 +107,20 @@ def test_packed_rows_hold_exactly_the_targets_of_unpacked_ones(lengths, block_si
     for (w0, _, end0), (w1, start1, end1) in itertools.pairwise(placed):
         assert (w1, start1) == (w0, end0) or (w1 == w0 + 1 and start1 == 0 and end0 + (end1 - start1) > width)
     assert placed[0][:2] == (0, 0) and placed[-1][0] == len(packed.tokens) - 1
+    # A step of k windows takes the rows that packing puts in the first k.
+    for k in range(len(packed.tokens) + 1):
+        assert packed_row_count(rows, block_size, k) == sum(window < k for window, _, _ in placed)
+
+
+def test_counting_the_rows_of_some_windows_reads_no_further():
+    def rows():
+        yield SftRow((1, 2), (3,))  # 4 tokens of a window of 6
+        yield SftRow((4,), ())  # 2 more: full
+        yield SftRow((5,), (6,))  # the next window
+        raise AssertionError("read past the row that does not fit")
+
+    assert packed_row_count(rows(), block_size=5, num_windows=1) == 2
+    assert packed_row_count([], block_size=5, num_windows=3) == 0
 
 
 def test_preference_rows_are_chosen_then_rejected():
