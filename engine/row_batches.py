@@ -134,7 +134,9 @@ def prompt_tokens(rows: Sequence[PromptRow], max_prompt_tokens: int) -> list[lis
 class CompletionBatch:
     """tokens int64 (n, block_size + 1): prompt + completion, right-padded; completion_mask bool
     (n, block_size) over the targets that are completion tokens (the end token included when sampled);
-    truncated bool (n,): the completion has no end token (it ran out of new tokens)."""
+    truncated bool (n,): the completion has no end token (it ran out of new tokens). The mask's positions,
+    row by row, are the completions' tokens in order: per-token values of the completions concatenated (the
+    sampler's log-probs) land on them as `values = zeros(mask.shape); values[completion_mask] = concatenated`."""
 
     tokens: torch.Tensor
     completion_mask: torch.Tensor

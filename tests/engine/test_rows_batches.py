@@ -146,6 +146,14 @@ def test_completion_rows_mask_the_completion_and_its_end_and_flag_truncation():
     assert batch.tokens.tolist() == [[1, 2, 4, END], [3, 6, 7, 8]]  # as long as the longest row
     assert batch.completion_mask.tolist() == [[False, True, True], [True, True, True]]
     assert batch.truncated.tolist() == [False, True]
+    per_token = torch.zeros(batch.completion_mask.shape)
+    per_token[batch.completion_mask] = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])  # 4, END; 6, 7, 8
+    assert per_token[0, 2].item() == pytest.approx(0.2) and batch.tokens[0, 3] == END
+    assert per_token[1].tolist() == pytest.approx([0.3, 0.4, 0.5]) and batch.tokens[1, 1:].tolist() == [
+        6,
+        7,
+        8,
+    ]
     fixed = completion_batch([[1, 2]], [[END]], end_id=END, block_size=6)
     assert fixed.tokens.tolist() == [[1, 2, END, 0, 0, 0, 0]] and fixed.completion_mask.sum() == 1
     with pytest.raises(ValueError, match="exceed block_size"):
