@@ -2,7 +2,7 @@
 the run's tokenizer, and the identity of those files to put on record.
 
 Every field read must be a string, in every row; a row that breaks that, or whose prompt is empty, or whose
-chosen and rejected responses are the same text, is a DocumentError of one line naming its file and line
+chosen and rejected responses are the same tokens, is a DocumentError of one line naming its file and line
 (jsonl, from 1) or row (parquet, from 0). Rows come in the order of `paths` (the sorted matches of a glob:
 rewind.engine.documents.expand_inputs), then of the rows in each file.
 """
