@@ -18,11 +18,14 @@ beta * (pi_c - ref_c) and beta * (pi_r - ref_r), the margin (chosen reward - rej
 accuracy (the fraction of pairs whose chosen reward is strictly greater: a tie, as at initialisation,
 counts as wrong).
 
-The optional SFT term is sft_weight * the chosen responses' negative log-likelihood per token over
-the batch: -sum(pi_c) / sum(n_c). It is returned apart from the preference loss (the caller adds it).
+The optional SFT term is sft_weight * the chosen responses' negative log-likelihood per token:
+-sum(pi_c) / N, N = sft_normaliser (the chosen token count of the whole step, over every micro-batch
+and rank) or, when not given, this batch's sum(n_c). It is returned apart from the preference loss
+(the caller adds it).
 
-Per-pair losses are returned as well as their mean, so a step split into micro-batches can divide
-every micro-batch's sum by the step's pair count and get the whole batch's mean.
+Per-pair losses are returned as well as their mean, so a step split into micro-batches divides every
+micro-batch's sum by the step's pair count and gets the whole batch's mean; with sft_normaliser the
+micro-batches' SFT terms likewise sum to the whole batch's.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def dpo_loss(
     chosen_lengths: torch.Tensor | None = None,
     rejected_lengths: torch.Tensor | None = None,
     sft_weight: float = 0.0,
+    sft_normaliser: float | None = None,
 ) -> DpoOutput:
     """The loss of each pair (module docstring), from (B,) summed log-probs. The reference's need no
     gradient (they are detached here). Lengths are (B,) token counts, needed by ipo and the SFT term."""
@@ -98,7 +102,7 @@ def dpo_loss(
             losses = torch.relu(1.0 - x)
     return DpoOutput(
         losses=losses,
-        sft_loss=_sft_loss(policy_chosen, chosen_lengths, sft_weight),
+        sft_loss=_sft_loss(policy_chosen, chosen_lengths, sft_weight, sft_normaliser),
         chosen_logps=policy_chosen.detach(),
         rejected_logps=policy_rejected.detach(),
         chosen_rewards=beta * chosen_ratio.detach(),
@@ -107,15 +111,22 @@ def dpo_loss(
 
 
 def _sft_loss(
-    policy_chosen: torch.Tensor, chosen_lengths: torch.Tensor | None, weight: float
+    policy_chosen: torch.Tensor,
+    chosen_lengths: torch.Tensor | None,
+    weight: float,
+    normaliser: float | None,
 ) -> torch.Tensor:
     if weight == 0.0:
         return policy_chosen.new_zeros(())
     if weight < 0.0:
         raise ValueError(f"sft_weight must be >= 0, got {weight}")
-    if chosen_lengths is None:
-        raise ValueError("the SFT term needs chosen_lengths")
-    return weight * (-policy_chosen.sum() / chosen_lengths.sum().to(policy_chosen.dtype))
+    if normaliser is None:
+        if chosen_lengths is None:
+            raise ValueError("the SFT term needs chosen_lengths or sft_normaliser")
+        return weight * (-policy_chosen.sum() / chosen_lengths.sum().to(policy_chosen.dtype))
+    if not normaliser > 0:
+        raise ValueError(f"sft_normaliser must be > 0, got {normaliser}")
+    return weight * (-policy_chosen.sum() / normaliser)
 
 
 def _check(beta: float, variant: str, label_smoothing: float) -> None:

@@ -35,7 +35,8 @@ Aggregation, with m the completion mask and N the step's normaliser (`grpo_norma
 - "dr_grpo": sum_t L * m / N, N = the step's sequence count * max_completion_length
 Every N is counted once per optimizer step over every micro-batch and every rank, and `grpo_loss`
 returns a micro-batch's share already divided by it: the shares of the micro-batches (and ranks) sum to
-the whole batch's loss, so neither gradient accumulation nor the world size changes the gradient. (When
+the whole batch's loss, so with gradients summed over micro-batches and ranks (as the engine reduces
+them, never averaged) neither gradient accumulation nor the world size changes the gradient. (When
 one rollout batch makes one optimizer step, bnpo and dapo are the same number; neither is the
 per-micro-batch count, which would change with gradient accumulation.) A sequence whose mask is empty
 (a truncated completion masked out) adds 0 but still counts as a sequence for grpo and dr_grpo.
@@ -146,9 +147,7 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torc
 @dataclass(frozen=True)
 class GrpoOutput:
     loss: torch.Tensor  # () this micro-batch's share of the step's loss (divided by N), differentiable
-    kl_sum: (
-        torch.Tensor
-    )  # () sum of k over the masked tokens (no ratio, no beta; 0 without a reference), detached
+    kl_sum: torch.Tensor  # () k summed over the masked tokens (no ratio or beta; 0 without a reference)
     clipped_low: torch.Tensor  # () masked tokens with A < 0 and ratio < 1 - epsilon_low (no gradient)
     clipped_high: torch.Tensor  # () masked tokens with A > 0 and ratio > 1 + epsilon_high (no gradient)
     num_tokens: torch.Tensor  # () masked tokens in this micro-batch
@@ -174,10 +173,7 @@ def grpo_loss(
     mask (B, T) bool. Positions outside the mask contribute nothing and pass no gradient, whatever
     they hold."""
     _check_loss_type(loss_type)
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(
-            f"unknown KL estimator {kl_estimator!r} (expected one of {', '.join(KL_ESTIMATORS)})"
-        )
+    _check_estimator(kl_estimator)
     if not (0.0 <= epsilon_low <= 1.0 and epsilon_high >= 0.0):
         raise ValueError(
             f"need 0 <= epsilon_low <= 1 and epsilon_high >= 0, got {epsilon_low}, {epsilon_high}"

@@ -134,6 +134,30 @@ def test_the_sft_term_is_the_chosen_nll_per_token_with_its_gradient():
     assert without.sft_loss.item() == 0.0
 
 
+def test_micro_batches_share_the_step_normalisers():
+    policy, reference, lengths = _pairs(12)
+    whole = dpo_loss(
+        policy[0], policy[1], reference[0], reference[1], beta=BETA, chosen_lengths=lengths[0], sft_weight=0.4
+    )
+    whole_grad = torch.autograd.grad(whole.loss + whole.sft_loss, policy)[0]
+    step_tokens, step_pairs = float(lengths[0].sum()), policy.shape[1]
+    loss, sft = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
+        part = dpo_loss(
+            policy[0, rows],
+            policy[1, rows],
+            reference[0, rows],
+            reference[1, rows],
+            beta=BETA,
+            sft_weight=0.4,
+            sft_normaliser=step_tokens,
+        )
+        loss, sft = loss + part.losses.sum() / step_pairs, sft + part.sft_loss
+    assert loss.item() == pytest.approx(whole.loss.item(), rel=1e-12)
+    assert sft.item() == pytest.approx(whole.sft_loss.item(), rel=1e-12)
+    assert torch.allclose(torch.autograd.grad(loss + sft, policy)[0], whole_grad, rtol=1e-12)
+
+
 @pytest.mark.parametrize("variant", DPO_VARIANTS)
 def test_at_initialisation_log_ratios_are_exactly_zero(variant):
     generator = torch.Generator().manual_seed(10)
@@ -177,5 +201,7 @@ def test_bad_settings_are_refused():
         dpo_loss(*args, beta=BETA, variant="hinge", label_smoothing=0.1)
     with pytest.raises(ValueError, match="ipo variant needs"):
         dpo_loss(*args, beta=BETA, variant="ipo")
+    with pytest.raises(ValueError, match="sft_normaliser must be > 0"):
+        dpo_loss(*args, beta=BETA, sft_weight=1.0, sft_normaliser=0.0)
     with pytest.raises(ValueError, match="SFT term needs"):
         dpo_loss(*args, beta=BETA, sft_weight=1.0)
