@@ -13,6 +13,11 @@ by the `dropout_seed` passed to `forward` plus the site's position, so a trainin
 `dropout_seed` from (seed, step, rank, micro-batch) gets the same masks after a resume, and
 activation checkpointing recomputes exactly the masks of the first pass. Attention-probability
 dropout is left out on purpose: scaled_dot_product_attention would draw it from the global RNG.
+
+Two optional inputs of `forward` change what attention sees (rewind.engine.kvcache): `documents`, for rows
+packed with several documents (each attends within itself, positions restarting at 0), and `cache`, for
+incremental decoding (a prefill, then a token per row per call, each row at its own length). Without
+them a forward computes exactly what it always did.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from rewind.engine.attention_inputs import KeysValues, KVCache, check_cached, rope_and_mask
 from rewind.engine.rng import derive_seed, torch_generator
 from rewind.states.config import ArchitectureSection
 
@@ -91,12 +97,28 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(arch.d_model, 3 * arch.d_model, bias=False)
         self.proj = nn.Linear(arch.d_model, arch.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        causal: bool = True,
+        mask: torch.Tensor | None = None,
+        kv: KeysValues | None = None,
+    ) -> torch.Tensor:
+        """`mask` (B, 1, T, S) bool, True = attend, in place of `causal`; `kv` stores the new keys and
+        values in a cache and gives back every key and value the queries may see."""
         batch, length, width = x.shape
         head_size = width // self.num_heads
         qkv = self.qkv(x).view(batch, length, 3, self.num_heads, head_size).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each (B, H, T, D)
-        y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=causal)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if kv is not None:
+            k, v = kv(k, v)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -137,8 +159,10 @@ class Block(nn.Module):
         sin: torch.Tensor,
         dropout_seed: int | None = None,
         causal: bool = True,
+        mask: torch.Tensor | None = None,
+        kv: KeysValues | None = None,
     ) -> torch.Tensor:
-        attended = self.attn(self.attn_norm(x), cos, sin, causal)
+        attended = self.attn(self.attn_norm(x), cos, sin, causal, mask, kv)
         if self.training and self.dropout > 0:
             attended = _dropout(attended, self.dropout, dropout_seed, "attn")
         x = x + attended
@@ -165,15 +189,20 @@ class Stack(nn.Module):
         sin: torch.Tensor,
         dropout_seed: int | None = None,
         causal: bool = True,
+        mask: torch.Tensor | None = None,
+        kvs: list[KeysValues] | None = None,
     ) -> torch.Tensor:
+        """`mask` as Attention's; `kvs`: each block's cache writer (incremental decoding)."""
         recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for index, block in enumerate(self.blocks):
             block_seed = None if dropout_seed is None else derive_seed(dropout_seed, index)
+            kv = None if kvs is None else kvs[index]
             if recompute:
                 # No global RNG state to preserve: dropout masks are keyed by block_seed instead.
-                x = checkpoint(block, x, cos, sin, block_seed, causal, use_reentrant=False, preserve_rng_state=False)
+                arguments = (x, cos, sin, block_seed, causal, mask, kv)
+                x = checkpoint(block, *arguments, use_reentrant=False, preserve_rng_state=False)
             else:
-                x = block(x, cos, sin, block_seed, causal)
+                x = block(x, cos, sin, block_seed, causal, mask, kv)
         return x
 
 
@@ -266,12 +295,18 @@ class GPT(nn.Module):
         return x
 
     def run_stacks(
-        self, x: torch.Tensor, positions: range, dropout_seed: int | None
+        self,
+        x: torch.Tensor,
+        positions: range,
+        dropout_seed: int | None,
+        documents: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """The stacks at `positions` (in order) on the residual stream x. Each stack computes in its own
-        dtype (a bf16 stack among fp32 ones) and hands the stream on in the dtype it came in."""
-        length = x.shape[1]
-        cos, sin = self.rope_cos[:length], self.rope_sin[:length]
+        dtype (a bf16 stack among fp32 ones) and hands the stream on in the dtype it came in.
+        `documents` / `cache`: see `forward`."""
+        length, stream_dtype = x.shape[1], x.dtype
+        cos, sin, mask = rope_and_mask((self.rope_cos, self.rope_sin), x.shape[:2], self.causal, documents, cache)
         use_dropout = self.training and self.arch.dropout > 0 and dropout_seed is not None
         for position in positions:
             stack_id = self.order[position]
@@ -280,7 +315,9 @@ class GPT(nn.Module):
             stack_seed = derive_seed(dropout_seed, "stack", stack_id) if use_dropout else None
             dtype = stack_dtype(stack)
             # The RoPE tables too: float32 tables would promote a bf16 stack's queries and keys to float32.
-            x = stack(x.to(dtype), cos.to(dtype), sin.to(dtype), stack_seed, causal=self.causal).to(x.dtype)
+            kvs = None if cache is None else cache.writers(stack_id, len(stack.blocks), length)
+            x = stack(x.to(dtype), cos.to(dtype), sin.to(dtype), stack_seed, self.causal, mask, kvs)
+            x = x.to(stream_dtype)
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -294,6 +331,9 @@ class GPT(nn.Module):
         levels: torch.Tensor | None = None,
         portion: str = "whole",
         head_fn: HeadFunction | None = None,
+        documents: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        valid: torch.Tensor | None = None,
     ) -> Any:
         """Logits (B, T, vocab) for token ids (B, T), T <= block_size.
 
@@ -304,17 +344,30 @@ class GPT(nn.Module):
         last stack, the final norm and the head run). `head_fn(final hidden states, head weight)`, when
         given, is computed in place of the head and returned (the fused loss owns the head matmul and
         never holds every position's logits). Every portion is a call of the module itself, so FSDP2
-        gathers the root's parameters (embedding, norm, head) for it."""
+        gathers the root's parameters (embedding, norm, head) for it.
+
+        `documents` (B, T) ints, non-decreasing along a row: the document of each position of a packed row;
+        attention stays within a document (causal or not, as the objective's) and RoPE positions restart
+        at 0 at each document's first position. `cache` (rewind.engine.kvcache.KVCache): idx (B, T) are
+        appended to each row of the cache at its own length (a prefill, then a token per call), attend to
+        what the cache holds, and the cache is advanced by `valid` (B,) tokens per row (default T; the rest
+        right padding); only the whole model, and not in training with dropout."""
+        if cache is not None:
+            if portion != "whole" or documents is not None or (self.training and self.arch.dropout > 0):
+                raise ValueError("a cache serves whole-model forwards of unpacked rows, without dropout")
+            check_cached(cache, idx, self.arch.block_size)
         if portion == "from_trunk":
-            x = self.run_stacks(idx, range(len(self.order) - 1, len(self.order)), dropout_seed)
+            x = self.run_stacks(idx, range(len(self.order) - 1, len(self.order)), dropout_seed, documents)
         else:
             length = idx.shape[1]
             if length > self.arch.block_size:
                 raise ValueError(f"sequence length {length} exceeds block_size {self.arch.block_size}")
             x = self.embed_tokens(idx, levels if portion == "whole" else None, dropout_seed)
             if portion == "trunk":
-                return self.run_stacks(x, range(len(self.order) - 1), dropout_seed)
-            x = self.run_stacks(x, range(len(self.order)), dropout_seed)
+                return self.run_stacks(x, range(len(self.order) - 1), dropout_seed, documents)
+            x = self.run_stacks(x, range(len(self.order)), dropout_seed, documents, cache)
+        if cache is not None:
+            cache.advance(torch.full_like(cache.lengths, idx.shape[1]) if valid is None else valid)
         if head_fn is not None:
             return head_fn(self.norm(x), self.head.weight)
         return self.logits(x)
