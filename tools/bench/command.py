@@ -13,7 +13,9 @@ import time
 
 from rewind.tools.errors import UsageError
 
-TARGETS = ("schedule", "log", "overhead", "resume", "cache", "data", "kernels", "mfu", "gpu", "threads", "startup")
+TARGETS = (
+    "schedule", "log", "overhead", "resume", "cache", "data", "kernels", "mfu", "gpu", "threads", "startup", "rollout"
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="benchmarks: schedule dry-run, event log, training-loop overhead, resume bookkeeping, activation cache, "
         "data reading and preparation, the fused loss kernel, model FLOPs utilisation (tokens/s, MFU); gpu: every "
         "CUDA claim checked in one call; threads: the tiny example beside CPU-bound competitors; startup: a restart's time "
-        "to its first step over `import torch`",
+        "to its first step over `import torch`; rollout: the batched cached sampler against transformers' generate",
     )
     p.add_argument("target", choices=TARGETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -43,6 +45,7 @@ _MODULE_BENCHES = {
     "mfu": ("rewind.tools.bench.mfu", "run_mfu_bench", "the engine"),
     "threads": ("rewind.tools.bench.threads", "run_threads_bench", "the engine"),
     "startup": ("rewind.tools.bench.startup", "run_startup_bench", "the stores"),
+    "rollout": ("rewind.tools.bench.rollout", "run_rollout_bench", "the engine and transformers"),
 }
 
 
