@@ -3,7 +3,8 @@ rows, and the keys and values of earlier tokens for incremental decoding (`KVCac
 
 Packed rows (`documents`, (B, T) ints, non-decreasing along a row): a position attends only to positions of
 its own document (and, causally, not after itself), and its RoPE position counts from its document's first
-position, so each document computes what it would alone in a row of its own (up to float rounding).
+position, so each document computes what it would alone in a row of its own (up to float rounding; RoPE's
+scores depend on distances only, so the restart changes the rotations' angles, not what they compute).
 
 Incremental decoding: row b's tokens sit at slots 0 .. lengths[b] - 1 of every block's key and value
 buffers, and a token's RoPE position is its slot, so rows of different lengths are batched without left
@@ -16,6 +17,7 @@ object the caller holds and passes to every call; the model keeps no decoding st
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -135,7 +137,9 @@ def rope_and_mask(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """cos, sin and mask for a forward of tokens of `shape` (B, T), from the model's RoPE tables `rope` (cos, sin
     by position): the tables' first rows and no mask (the plain causal row), or a position per row,
-    (B, 1, T, D / 2) broadcast over the heads, and the mask of the packed documents or of the cache."""
+    (B, 1, T, D / 2) broadcast over the heads, and the mask of the packed documents or of the cache, as
+    what is added to the attention scores (0 where allowed, -inf elsewhere; float32, cast to each block's
+    dtype): made once per forward, where a bool mask would be converted again in every block."""
     cos, sin = rope
     length = shape[1]
     if documents is not None:
@@ -144,4 +148,5 @@ def rope_and_mask(
         mask, positions = cache.mask(length), cache.positions(length)
     else:
         return cos[:length], sin[:length], None
-    return cos[positions][:, None], sin[positions][:, None], mask
+    additive = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, -math.inf)
+    return cos[positions][:, None], sin[positions][:, None], additive

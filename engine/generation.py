@@ -107,7 +107,7 @@ def sample_completions(
     )  # fmt: skip
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample_requests(
     model: nn.Module,
     requests: Sequence[Request],

@@ -106,8 +106,8 @@ class Attention(nn.Module):
         mask: torch.Tensor | None = None,
         kv: KeysValues | None = None,
     ) -> torch.Tensor:
-        """`mask` (B, 1, T, S) bool, True = attend, in place of `causal`; `kv` stores the new keys and
-        values in a cache and gives back every key and value the queries may see."""
+        """`mask` (B, 1, T, S), added to the scores (0 or -inf), in place of `causal`; `kv` stores the new
+        keys and values in a cache and gives back every key and value the queries may see."""
         batch, length, width = x.shape
         head_size = width // self.num_heads
         qkv = self.qkv(x).view(batch, length, 3, self.num_heads, head_size).permute(2, 0, 3, 1, 4)
@@ -118,7 +118,7 @@ class Attention(nn.Module):
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 
 

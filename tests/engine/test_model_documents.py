@@ -4,11 +4,14 @@ a masked objective's documents attend both ways within themselves; a malformed `
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
 
+from rewind.engine.attention_inputs import document_positions, rope_and_mask
 from rewind.engine.model import GPT
 from rewind.states.config import ArchitectureSection
 
@@ -92,3 +95,18 @@ def test_one_document_is_the_plain_row_and_training_features_work_with_documents
 def test_malformed_documents_are_refused(documents, message):
     with pytest.raises(ValueError, match=message):
         GPT(ARCH)(torch.zeros(1, 6, dtype=torch.long), documents=documents)
+
+
+def test_positions_restart_at_each_documents_first_position():
+    """(RoPE depends only on the distance between positions, so the logits cannot tell; the rotations can.)"""
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+    expected = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 3, 4]])
+    assert torch.equal(document_positions(documents), expected)
+    model = GPT(ARCH)
+    cos, sin, mask = rope_and_mask((model.rope_cos, model.rope_sin), (2, 6), True, documents, None)
+    assert torch.equal(cos[:, 0], model.rope_cos[expected]) and torch.equal(
+        sin[:, 0], model.rope_sin[expected]
+    )
+    allowed = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                            [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)  # fmt: skip
+    assert torch.equal(mask[0, 0] == 0, allowed) and mask[0, 0][~allowed].eq(-math.inf).all()
