@@ -21,9 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rewind.engine.checkpointing import write_checkpoint
-from rewind.engine.cursors import assemble_batch, epochs_started
+from rewind.engine.cursors import epochs_started
+from rewind.engine.dpo_step import dpo_train_step, preference_rows
 from rewind.engine.effects import apply_effect
 from rewind.engine.evaluation import evaluate, validate
+from rewind.engine.example_rows import step_rows
 from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
 from rewind.engine.placement import launched_world_size
@@ -180,21 +182,30 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
     plan = parts.schedule.step_plan(k)
     lr = step_lr(state, parts.schedule, k)  # the run's own curve: its features, its restarts
     stack_index, num_stacks = depth_of_training(config, current_layout(state))
-    tokens, mask, cursors, _ = assemble_batch(config.run.seed, config, plan.rows, state.cursors, parts.datasets)
-    result = train_step(
-        parts.model,
-        parts.optimizer,
-        tokens,
-        mask,
-        config=config,
-        lr=lr,
-        beta=plan.beta,
-        reference=parts.reference,
-        step=k,
-        trunk_rows=parts.trunk_reader.rows(parts.run_dir, state, k),
-        stack_index=stack_index,
-        num_stacks=num_stacks,
-    )
+    stage = config.stages[plan.stage]
+    if stage.strategy == "dpo":  # never faded into or out of (states.check_strategy): all rows are its pairs
+        pairs, cursors = preference_rows(config, stage, plan.rows[plan.stage], state.cursors, parts.datasets.examples)
+        result = dpo_train_step(
+            parts.model, parts.optimizer, pairs, config=config, stage=stage, lr=lr, reference=parts.reference
+        )
+    else:
+        rows = step_rows(config, plan.rows, state.cursors, parts.datasets)
+        cursors = rows.cursors
+        result = train_step(
+            parts.model,
+            parts.optimizer,
+            rows.tokens,
+            rows.loss_mask,
+            documents=rows.documents,
+            config=config,
+            lr=lr,
+            beta=plan.beta,
+            reference=parts.reference,
+            step=k,
+            trunk_rows=parts.trunk_reader.rows(parts.run_dir, state, k),
+            stack_index=stack_index,
+            num_stacks=num_stacks,
+        )
     return StepCommitted(
         step=k + 1,
         tokens=(k + 1) * parts.schedule.tokens_per_step,
@@ -207,6 +218,7 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
         rows=list(plan.rows),
         cursors=cursors,
         skipped=not result.finite,
+        metrics=result.metrics,
     )
 
 

@@ -114,6 +114,10 @@ def open_datasets(config: Config, home: DataHome) -> DatasetRegistry:
         for stage in config.stages:
             for sampling in stage.datasets:
                 datasets[sampling.name]
+                if stage.strategy == "sft":  # its examples too: a malformed row says so now
+                    datasets.examples.sft(sampling.name)
+                elif stage.strategy == "dpo":
+                    datasets.examples.preferences(sampling.name)
         for name in config.training.evaluations:
             datasets[name]
     except DatasetError as exc:

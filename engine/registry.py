@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 
 from rewind.engine import tasks
 from rewind.engine.datasets import BuiltinDataset, Dataset, DatasetError
+from rewind.engine.example_sources import ExampleSources
 from rewind.engine.userdata import DataHome, open_user_dataset
 from rewind.states.config import Config
 
@@ -36,6 +37,7 @@ class DatasetRegistry(Mapping[str, Dataset]):
         self.config = config
         self.home = home or DataHome()
         self._opened: dict[str, Dataset] = {}
+        self.examples = ExampleSources(config, self.home)  # the same datasets as an sft stage reads them
 
     def __getitem__(self, name: str) -> Dataset:
         if name not in self._opened:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ class StepResult:
     num_correct: int
     num_target_tokens: int
     finite: bool
+    # The strategy's own figures of the step (a dpo step's rewards, margin, accuracy), means over its rows.
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def nonfinite_quantity(loss: float, kl: float, grad_norm: float) -> str:
@@ -88,6 +90,7 @@ def _micro_batch_losses(
     num_target_tokens: int,
     *,
     levels: torch.Tensor | None,
+    documents: torch.Tensor | None,
     trunk: torch.Tensor | None,
     seed: int,
     beta: float,
@@ -97,7 +100,11 @@ def _micro_batch_losses(
     with the loss owning the head matmul ("chunked", "triton": the model hands the loss its final
     hidden states and head weight inside its own forward, so a sharded head is whole there)."""
     kind, kernel = config.optimization.kl.kind, config.compute.loss_kernel
-    conditioning = {} if levels is None else {"levels": levels}
+    # What the model's forward (and the reference's) is given besides the tokens, only when there is any,
+    # so a run without it calls the forward exactly as before.
+    conditioning: dict[str, torch.Tensor] = {} if levels is None else {"levels": levels}
+    if documents is not None:
+        conditioning["documents"] = documents
     if kernel == "logits":
         if trunk is not None:
             logits = model.forward_from_trunk(trunk, dropout_seed=seed)
@@ -130,11 +137,27 @@ def _hidden_and_head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.
     return hidden, weight.detach().clone() if in_sharded_run() else weight.detach()
 
 
-def _compute_precision(config: Config, device: torch.device):
+def compute_precision(config: Config, device: torch.device):
     """bf16-autocast: matmuls in bf16 under torch.autocast (weights, optimizer and the loss stay fp32)."""
     if config.compute.precision == "bf16-autocast":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def apply_update(
+    model: nn.Module, optimizer: AdamW, config: Config, lr: float, figures: tuple[float, ...]
+) -> tuple[float, bool]:
+    """After the last backward of a step: clip, and one AdamW update at `lr` when the step's `figures`
+    (its losses, over every rank) and the gradient norm are finite. (grad norm before clipping, finite)."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = _global_norm(parameters, config.optimization.grad_clip, is_sharded(model))
+    finite = all(math.isfinite(value) for value in (*figures, grad_norm))
+    if finite:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, finite
 
 
 def micro_batches(num_rows: int, per_device: int) -> list[slice]:
@@ -170,13 +193,16 @@ def train_step(
     trunk_rows: torch.Tensor | None = None,
     stack_index: int = 0,
     num_stacks: int = 1,
+    documents: torch.Tensor | None = None,
 ) -> StepResult:
     """Forward/backward over micro-batches, clip, and (if the loss is finite) one AdamW update.
 
     `trunk_rows`: the frozen trunk's outputs for these rows, from the activation cache: only the last
     stack, the final norm and the head run (the same bits as the whole forward pass).
     The objective (config.objective) turns the rows into inputs, targets and the positions the loss
-    counts; masked diffusion with time as depth trains stack `stack_index` of `num_stacks`."""
+    counts; masked diffusion with time as depth trains stack `stack_index` of `num_stacks`. `documents`
+    (B, block_size), for rows packed with several examples: each attends to itself alone (the model's
+    forward), the reference's too."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     batch = objective_batch(
@@ -197,6 +223,7 @@ def train_step(
     device = placement.device
     inputs, targets, loss_mask = (t[rows_here].to(device) for t in (batch.inputs, batch.targets, batch.loss_mask))
     levels = None if batch.levels is None else batch.levels[rows_here].to(device)
+    documents_here = None if documents is None else documents[rows_here].to(device)
     trunk_here = None if trunk_rows is None else trunk_rows[rows_here].to(device)
     use_kl = reference is not None and beta > 0.0
     sharded = is_sharded(model)
@@ -208,7 +235,7 @@ def train_step(
         if sharded:  # gradients are reduced over the ranks once, after the last micro-batch
             model.set_requires_gradient_sync(index == len(slices) - 1)  # type: ignore[operator]
         seed = dropout_seed(config, step, first_micro_batch + index)
-        with _compute_precision(config, device):
+        with compute_precision(config, device):
             losses = _micro_batch_losses(
                 model,
                 reference if use_kl else None,
@@ -217,6 +244,7 @@ def train_step(
                 loss_mask[rows],
                 num_target_tokens,
                 levels=None if levels is None else levels[rows],
+                documents=None if documents_here is None else documents_here[rows],
                 trunk=None if trunk_here is None else trunk_here[rows],
                 seed=seed,
                 beta=beta,
@@ -229,14 +257,7 @@ def train_step(
     # Measured over every rank before the event that carries them is built: all ranks fold the same.
     total_ce, total_kl, summed_correct = sum_over_ranks([total_ce, total_kl, float(num_correct)])
     num_correct = int(summed_correct)
-    parameters = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = _global_norm(parameters, config.optimization.grad_clip, sharded)
-    finite = not nonfinite_quantity(total_ce, total_kl, grad_norm)
-    if finite:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm, finite = apply_update(model, optimizer, config, lr, (total_ce, total_kl))
     return StepResult(
         loss=total_ce,
         kl=total_kl,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from rewind.engine.cursors import assemble_batch
+from rewind.engine.example_rows import step_rows
 from rewind.engine.parts import Parts
 from rewind.engine.placement import in_sharded_run, model_device
 from rewind.engine.ranks import is_writer, shared_event
@@ -71,7 +71,8 @@ def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCa
         for offset in range(intent.num_steps):
             k = state.step + offset
             plan = parts.schedule.step_plan(k)
-            tokens, _, cursors, _ = assemble_batch(config.run.seed, config, plan.rows, cursors, parts.datasets)
+            rows = step_rows(config, plan.rows, cursors, parts.datasets)  # never packed (states.growth)
+            tokens, cursors = rows.tokens, rows.cursors
             if offset not in missing and not compute_all:
                 continue  # written by a process that was stopped before the cache was complete
             inputs = tokens[:, :-1].to(model_device(model))

@@ -9,8 +9,9 @@
 - kinds "text", "jsonl", "parquet" (documents): tokenised by the run's tokenizer into the run's data
   directory (`RUN/data/NAME/`, the same code and format as `rewind data prepare`) when the run starts,
   reused after; identity: the input files (sha256), the manifest's hash, the tokenizer.
-- jsonl / parquet with prompt_field and response_field: examples tokenised in memory when opened (pair
-  datasets are fine-tuning sets, small next to a corpus); identity: the input files.
+- jsonl / parquet with prompt_field and response_field (or chosen_field: a dpo dataset's chosen responses):
+  examples tokenised in memory when opened (pair datasets are fine-tuning sets, small next to a corpus);
+  identity: the input files.
 
 Validation rows come from `validation_path` when given, else are carved from `path` by `RowSplit`:
 "random" unless the config says "tail" or the run predates the "data_identity" feature.
@@ -193,7 +194,9 @@ def _open_prepared(name, directory, block_size, vocab_size, home: DataHome, sour
 
 
 def _tokenised_pairs(paths: list[str], source: DataSource, home: DataHome) -> list[tuple[list[int], list[int]]]:
-    pairs = list(iter_pairs(paths, source.kind, source.prompt_field, source.response_field))
+    # A dpo dataset (prompt/chosen/rejected) reads as pairs with its chosen responses.
+    response = source.response_field or source.chosen_field
+    pairs = list(iter_pairs(paths, source.kind, source.prompt_field, response))
     tokenizer = home.tokenizer
     prompts = tokenizer.encode_batch([p for p, _ in pairs])
     responses = tokenizer.encode_batch([r for _, r in pairs])

@@ -33,20 +33,31 @@ def source_problems(name: str, source: DataSource) -> list[str]:
             add(f"{where}.split: the validation split comes from validation_path; leave split unset")
     elif not 0.0 < source.validation_fraction < 1.0:
         add(f"{where}.validation_fraction: must be in (0, 1), got {source.validation_fraction}")
-    pairs = (source.prompt_field, source.response_field)
-    if any(pairs):
-        if source.kind not in ("jsonl", "parquet"):
-            add(
-                f"{where}.prompt_field: prompt/response pairs need kind jsonl or parquet, not {source.kind!r}"
-            )
-        elif not all(pairs):
-            missing = "response_field" if source.prompt_field else "prompt_field"
-            add(f"{where}.{missing}: prompt_field and response_field go together")
-        elif source.prompt_field == source.response_field:
-            add(f"{where}.response_field: must differ from prompt_field ({source.prompt_field!r})")
+    fields = {f: getattr(source, f) for f in ("prompt_field", "response_field", "chosen_field", "rejected_field")}
+    if any(fields.values()):
+        problems += _example_field_problems(where, source.kind, fields)
     elif source.kind in ("jsonl", "parquet") and not source.text_field:
         add(f"{where}.text_field: must not be empty")
     return problems
+
+
+def _example_field_problems(where: str, kind: str, fields: dict[str, str]) -> list[str]:
+    """Prompt/response pairs and prompt/chosen/rejected examples: the fields that go together, apart."""
+    if kind not in ("jsonl", "parquet"):
+        return [f"{where}.prompt_field: prompt/response pairs need kind jsonl or parquet, not {kind!r}"]
+    prompt, response = fields["prompt_field"], fields["response_field"]
+    chosen, rejected = fields["chosen_field"], fields["rejected_field"]
+    if not prompt or not (response or chosen):
+        missing = "response_field" if prompt else "prompt_field"
+        return [f"{where}.{missing}: prompt_field and response_field go together"]
+    if bool(chosen) != bool(rejected):
+        missing = "rejected_field" if chosen else "chosen_field"
+        return [f"{where}.{missing}: chosen_field and rejected_field go together"]
+    named = [(f, v) for f, v in fields.items() if v]
+    for i, (field, value) in enumerate(named):
+        if value in (v for _, v in named[:i]):
+            return [f"{where}.{field}: must differ from the other fields ({value!r} is named twice)"]
+    return []
 
 
 def tokenizer_problems(config: Config) -> list[str]:

@@ -35,7 +35,8 @@ ObjectiveKind = Literal["clm", "mlm", "diffusion"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 ComputePrecision = Literal["fp32", "bf16-autocast", "bf16-mixed"]
 LossKernel = Literal["logits", "chunked", "triton"]
-StrategyName = Literal["pretrain"]  # how a stage trains (the post-training issue adds sft, dpo, grpo)
+DpoLoss = Literal["sigmoid", "robust", "ipo", "hinge"]
+StrategyName = Literal["pretrain", "sft", "dpo"]  # how a stage trains (`rewind.states.check_strategy`)
 
 # Embedded synthetic datasets the engine generates in code (no download). Their names live here so
 # that a config can be checked without importing torch; the engine's registry asserts it matches.
@@ -92,6 +93,25 @@ class KlSection(Struct):
     kind: KlKind = "token_kl"  # the per-stage betas are `[[stages]].beta`
 
 
+class SftSettings(Struct):
+    """How an `sft` stage trains (`[stages.sft]`): on prompt/response examples, the loss on the response
+    and the end of text that closes it."""
+
+    # Several examples to a window, each attending to itself alone with its positions from 0, so a window
+    # trains as its examples would one to a row (the loss: token sum over token count either way).
+    packing: bool = False
+
+
+class DpoSettings(Struct):
+    """How a `dpo` stage trains (`[stages.dpo]`): on prompt/chosen/rejected examples against the run's KL
+    reference (the stage, or one before it, refreshes it), the loss `rewind.engine.dpo_losses` defines."""
+
+    beta: float = 0.1  # the implicit reward's scale: beta * (log pi - log ref), summed over the response
+    loss: DpoLoss = "sigmoid"
+    label_smoothing: float = 0.0  # sigmoid / robust: the share of pairs taken to be mislabelled, in [0, 0.5)
+    sft_weight: float = 0.0  # > 0: plus this times the chosen responses' NLL (token mean over the step)
+
+
 class Stage(Struct):
     """One stage of the curriculum (`[[stages]]`): its token budget and data mixture, the KL beta it
     trains with, what happens on entering it, and the fade into the next one. `beta` and `overlap`
@@ -106,6 +126,16 @@ class Stage(Struct):
     refresh_reference: bool = False  # entering it makes the current weights the KL reference
     reset_optimizer: bool = False  # entering it clears the Adam moments (an OptimizerReset event)
     overlap: float | None = None  # the fade into the next stage; None: training.fade.overlap
+    sft: SftSettings | None = None  # strategy "sft": its settings (None: the defaults)
+    dpo: DpoSettings | None = None  # strategy "dpo": its settings (None: the defaults)
+
+    @property
+    def sft_settings(self) -> SftSettings:
+        return self.sft or SftSettings()
+
+    @property
+    def dpo_settings(self) -> DpoSettings:
+        return self.dpo or DpoSettings()
 
 
 class OptimizationSection(Struct):
@@ -151,6 +181,10 @@ class DataSource(Struct):
     # padded, the loss on the response only (both set, or neither).
     prompt_field: str = ""
     response_field: str = ""
+    # jsonl / parquet: prompt/chosen/rejected examples for a dpo stage (both set, or neither; with
+    # prompt_field). Read as prompt/response pairs elsewhere (validation, evaluation), the chosen one.
+    chosen_field: str = ""
+    rejected_field: str = ""
     validation_fraction: float = 0.05
     validation_path: str = ""  # the validation split from its own file(s); validation_fraction is then unused
     # How validation rows are carved out of `path`: random (a fixed pseudo-random choice of windows) or tail

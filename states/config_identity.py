@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from rewind.states.config import Config
+from rewind.states.config import Config, DpoSettings, SftSettings
 from rewind.states.stageform import BETAS, DATASETS, OVERLAPS, REFRESHES, RESETS, TOKENS
 
 
@@ -72,6 +72,8 @@ def flat_lists(config: Config) -> dict[tuple[str, ...], Any]:
                 refresh_reference=False,
                 reset_optimizer=False,
                 overlap=None,
+                sft=None if s.sft == SftSettings() else s.sft,  # an empty table is the defaults
+                dpo=None if s.dpo == DpoSettings() else s.dpo,
             )
         )
         for s in stages

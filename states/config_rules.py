@@ -13,6 +13,7 @@ from __future__ import annotations
 from rewind.states.check_data import data_problems
 from rewind.states.check_growth import growth_problems
 from rewind.states.check_stages import MAX_TOKENS, stage_problems
+from rewind.states.check_strategy import strategy_problems
 from rewind.states.check_types import non_finite_floats, show_int, unrecordable_ints
 from rewind.states.config import Config
 
@@ -21,7 +22,8 @@ def check_config(config: Config) -> list[str]:
     """Cross-field rules the types cannot express. Returns every problem, in field order."""
     # Said first, once, and before any rule computes with the value (a schedule of such numbers cannot be built).
     non_finite = non_finite_floats(config) + unrecordable_ints(config)
-    problems = architecture_problems(config) + stage_problems(config) + training_problems(config)
+    problems = architecture_problems(config) + stage_problems(config) + strategy_problems(config)
+    problems += training_problems(config)
     problems += optimization_problems(config) + logging_problems(config) + data_problems(config)
     problems += growth_problems(config, schedule_ok=not problems and not non_finite)
     # A non-finite or unrecordable value is said once, as such, not again by the range rule it also fails.

@@ -163,6 +163,8 @@ class StepCommitted(Event, frozen=True, kw_only=True, tag="StepCommitted"):
     rows: list[int] = []  # rows of this step drawn from each stage (the fade allocation)
     cursors: dict[str, int] = {}  # samples consumed per dataset, after this step
     skipped: bool = False  # non-finite loss with on_nonfinite = "skip": no update was applied
+    # The stage's strategy's own figures (a dpo step's implicit rewards, margin, accuracy); {} for pretraining.
+    metrics: dict[str, float] = {}
 
 
 class Validated(Event, frozen=True, kw_only=True, tag="Validated"):

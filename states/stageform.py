@@ -183,13 +183,13 @@ def flat_for_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, A
     plain = {"tokens", "datasets", "beta", "refresh_reference", "reset_optimizer", "overlap"}
     if not (
         isinstance(stages, list)
-        and all(isinstance(s, dict) and set(s) - {"name", "strategy"} <= plain for s in stages)
+        and all(isinstance(s, dict) and {k for k, v in s.items() if v is not None} - {"name", "strategy"} <= plain for s in stages)
         and all(not s.get("name") and s.get("strategy", "pretrain") == "pretrain" for s in stages)
         and all(s.get("overlap") is None for s in stages[-1:])
     ):
         raise ConfigError(
             [
-                f"--set {shown(flat[0])}: this config's [[stages]] hold what the flat lists cannot (a name, a strategy); set stages[i] fields instead"
+                f"--set {shown(flat[0])}: this config's [[stages]] hold what the flat lists cannot (a name, a strategy, its settings); set stages[i] fields instead"
             ],
             "override",
         )

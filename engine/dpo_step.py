@@ -1,0 +1,107 @@
+"""One step of a `dpo` stage: `batch_size` prompt/chosen/rejected examples, the policy's and the reference's
+summed log-probabilities of each response, the stage's DPO loss (rewind.engine.dpo_losses), one update.
+
+The examples are read as an sft stage's are: each dataset of the mixture its share (split_rows) at its
+cursor, through the keyed permutation, so a resume reads the same pairs. Both forwards run without
+dropout (a dropout mask would make the log-ratios noise at initialisation: policy = reference must give
+exactly 0), through the same code path (`sequence_logprobs` of the model's logits, the "logits" path
+whatever compute.loss_kernel says: the loss needs each response's log-probabilities). Micro-batches are
+slices of pairs (chosen and rejected together); each divides its sum by the step's pair count, and the
+SFT term by the step's chosen token count, so accumulation changes no figure. Sharded runs do not train
+dpo stages in this release (refused before the run starts: rewind.engine.placement.check_compute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from rewind.engine.cursors import sample_indices, split_rows
+from rewind.engine.dpo_losses import dpo_loss
+from rewind.engine.example_sources import ExampleSources
+from rewind.engine.layout import eval_mode
+from rewind.engine.optimizer import AdamW
+from rewind.engine.placement import placement_for
+from rewind.engine.response_logprobs import sequence_logprobs, token_counts
+from rewind.engine.row_batches import RowBatch, preference_batch
+from rewind.engine.step import StepResult, apply_update, compute_precision, micro_batches
+from rewind.states.config import Config, Stage
+
+# The figures a dpo step records (StepCommitted.metrics), means over the step's pairs.
+METRICS = ("chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards", "margin", "accuracy", "sft_loss")
+
+
+def preference_rows(
+    config: Config, stage: Stage, pairs: int, cursors: Mapping[str, int], examples: ExampleSources
+) -> tuple[RowBatch, dict[str, int]]:
+    """The step's pairs as [chosen rows; rejected rows] (2 * pairs rows) and the cursors after them."""
+    after, read = dict(cursors), []
+    for sampling, count in zip(stage.datasets, split_rows(stage.datasets, pairs), strict=True):
+        if count == 0:
+            continue
+        name, source = sampling.name, examples.preferences(sampling.name)
+        start = after.get(name, 0)
+        indices = sample_indices(
+            config.run.seed, name, source.num_rows("train"), start, count, reshuffle=examples.reshuffles(name)
+        )
+        read += [source.row("train", int(i)) for i in indices]
+        after[name] = start + count
+    return preference_batch(read, config.architecture.block_size, examples.end_id, examples.pad_id), after
+
+
+def dpo_train_step(
+    model: nn.Module,
+    optimizer: AdamW,
+    batch: RowBatch,
+    *,
+    config: Config,
+    stage: Stage,
+    lr: float,
+    reference: nn.Module | None,
+) -> StepResult:
+    """Forward/backward over micro-batches of pairs, clip, and (if finite) one update (module doc)."""
+    if reference is None:  # the config rule (a refresh at or before a dpo stage) makes this unreachable
+        raise RuntimeError("a dpo step needs the KL reference, and the run has none")
+    settings, device = stage.dpo_settings, placement_for(config).device
+    num_pairs = batch.tokens.shape[0] // 2
+    inputs, targets = batch.tokens[:, :-1].to(device), batch.tokens[:, 1:].to(device)
+    mask = batch.loss_mask.to(device)
+    chosen_tokens = int(mask[:num_pairs].sum())
+    eval_mode(model)  # no dropout (module doc); gradients flow as in training
+    optimizer.zero_grad(set_to_none=True)
+    sums = dict.fromkeys(METRICS, 0.0)
+    total_loss = 0.0
+    for pairs in micro_batches(num_pairs, config.training.per_device_batch_size):
+        rows = torch.cat([torch.arange(pairs.start, pairs.stop), torch.arange(pairs.start, pairs.stop) + num_pairs])
+        with compute_precision(config, device):
+            policy = sequence_logprobs(model(inputs[rows]), targets[rows], mask[rows])
+            with torch.no_grad():
+                ref = sequence_logprobs(reference(inputs[rows]), targets[rows], mask[rows])
+        lengths = token_counts(mask[rows])
+        m = pairs.stop - pairs.start
+        out = dpo_loss(
+            policy[:m], policy[m:], ref[:m], ref[m:],
+            beta=settings.beta, variant=settings.loss, label_smoothing=settings.label_smoothing,
+            chosen_lengths=lengths[:m], rejected_lengths=lengths[m:],
+            sft_weight=settings.sft_weight, sft_normaliser=float(max(chosen_tokens, 1)),
+        )
+        (out.losses.sum() / num_pairs + out.sft_loss).backward()
+        total_loss += float(out.losses.detach().sum()) / num_pairs
+        sums["sft_loss"] += float(out.sft_loss.detach())
+        for name in ("chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards"):
+            sums[name] += float(getattr(out, name).sum()) / num_pairs
+        sums["margin"] += float((out.chosen_rewards - out.rejected_rewards).sum()) / num_pairs
+        sums["accuracy"] += float((out.chosen_rewards > out.rejected_rewards).sum()) / num_pairs
+    model.train()
+    grad_norm, finite = apply_update(model, optimizer, config, lr, (total_loss, sums["sft_loss"]))
+    return StepResult(
+        loss=total_loss,
+        kl=0.0,
+        grad_norm=grad_norm,
+        num_correct=0,
+        num_target_tokens=int(mask.sum()),
+        finite=finite,
+        metrics=sums,
+    )

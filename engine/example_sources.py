@@ -1,0 +1,69 @@
+"""The examples post-training stages read, by dataset name: an embedded task's (rewind.engine.task_rows,
+made on demand) or a jsonl / parquet dataset's rows, tokenised with the run's tokenizer, prompt and
+responses apart, the validation rows carved as the dataset's pair rows are (the same files and settings
+give the same two splits)."""
+
+from __future__ import annotations
+
+from rewind.engine.datasets import DatasetError
+from rewind.engine.documents import DocumentError, expand_inputs
+from rewind.engine.row_sources import FileRows, RowKind, TaskRows
+from rewind.engine.rowfiles import read_preference_rows, read_sft_rows
+from rewind.engine.rows import PreferenceRow, SftRow, end_token
+from rewind.engine.userdata import DataHome
+from rewind.states.config import Config
+
+
+class ExampleSources:
+    """The examples the post-training stages read, by dataset name and kind (an sft stage's
+    prompt/response rows, a dpo stage's prompt/chosen/rejected rows), opened on first use and kept."""
+
+    def __init__(self, config: Config, home: DataHome):
+        self.config, self.home = config, home
+        self._opened: dict[tuple[str, RowKind], TaskRows | FileRows] = {}
+
+    def sft(self, name: str) -> TaskRows | FileRows[SftRow]:
+        return self._get(name, "sft")
+
+    def preferences(self, name: str) -> TaskRows | FileRows[PreferenceRow]:
+        return self._get(name, "preference")
+
+    def reshuffles(self, name: str) -> bool:
+        source = self.config.data.get(name)
+        return source is None or source.on_epoch_end == "reshuffle"
+
+    @property
+    def end_id(self) -> int:
+        return end_token(self.home.tokenizer)
+
+    @property
+    def pad_id(self) -> int:
+        return self.home.tokenizer.pad_id
+
+    def _get(self, name: str, kind: RowKind) -> TaskRows | FileRows:
+        if (name, kind) not in self._opened:
+            self._opened[name, kind] = self._open(name, kind)
+        return self._opened[name, kind]
+
+    def _open(self, name: str, kind: RowKind) -> TaskRows | FileRows:
+        tokenizer = self.home.tokenizer
+        encode = tokenizer.encode if tokenizer.identity else None  # byte level: the tasks' own ids
+        source = self.config.data.get(name)
+        if source is None:
+            return TaskRows(name, kind, encode)
+        if kind == "sft":
+            fields = {"prompt_field": source.prompt_field, "response_field": source.response_field}
+            read = read_sft_rows
+        else:
+            fields = {f: getattr(source, f) for f in ("prompt_field", "chosen_field", "rejected_field")}
+            read = read_preference_rows
+        try:
+            train = read(expand_inputs(self.home.resolve(source.path)), source.kind, encode, **fields)
+            validation = None
+            if source.validation_path:
+                paths = expand_inputs(self.home.resolve(source.validation_path))
+                validation = read(paths, source.kind, encode, **fields)
+        except DocumentError as exc:
+            raise DatasetError(f"dataset {name!r}: {exc}") from None
+        mode = source.split or self.home.default_split
+        return FileRows(train, validation, mode=mode, fraction=source.validation_fraction)

@@ -1,0 +1,121 @@
+"""A run through every strategy (pretrain -> sft -> packed sft -> dpo, fading between the first three,
+with dropout and two micro-batches a step) SIGKILLed at a random moment inside each stage and restarted
+at once ends on the tensors and the effective StepCommitted stream (dpo metrics included) of the run
+that never stopped."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rewind.states.events import StepCommitted
+from rewind.states.history import effective
+from rewind.stores.runs import read_seq_events
+from tests.conftest import EXAMPLES
+from tests.engine.exactness_checks import committed
+
+TINY = (EXAMPLES / "tiny.toml").read_text()
+STAGES = """
+[[stages]]
+tokens = 12_800
+datasets = [{ name = "grammar", rate = 1.0 }]
+
+[[stages]]
+strategy = "sft"
+tokens = 12_800
+datasets = [{ name = "reverse", rate = 1.0 }]
+
+[[stages]]
+strategy = "sft"
+tokens = 12_800
+datasets = [{ name = "sort", rate = 0.5 }, { name = "reverse", rate = 0.5 }]
+sft = { packing = true }
+overlap = 0.0
+
+[[stages]]
+strategy = "dpo"
+tokens = 12_800
+datasets = [{ name = "reverse", rate = 0.5 }, { name = "sort", rate = 0.5 }]
+refresh_reference = true
+dpo = { beta = 0.1, sft_weight = 0.1 }
+"""
+CONFIG = TINY[: TINY.index("[[stages]]")].replace("block_size = 32", "block_size = 64") + STAGES
+SETS = ("architecture.dropout=0.1", "training.per_device_batch_size=4", "logging.report_interval=3",
+        "logging.checkpoint_interval=7")
+
+
+def _command(config_path, run_dir) -> list[str]:
+    return [sys.executable, "-m", "rewind.tools.cli", "train", str(config_path), "--run-dir", str(run_dir),
+            "--no-progress", *[part for s in SETS for part in ("--set", s)]]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+
+
+def _final(run_dir) -> dict:
+    out = run_dir.parent / f"{run_dir.name}.safetensors"
+    subprocess.run([sys.executable, "-m", "rewind.tools.cli", "export", str(run_dir), "--to", str(out)],
+                   check=True, capture_output=True, env=_env())
+    return load_file(out)
+
+
+def _steps(run_dir) -> list[StepCommitted]:
+    return [e for _, e in effective(read_seq_events(run_dir)) if isinstance(e, StepCommitted)]
+
+
+@pytest.mark.slow
+def test_a_run_through_every_strategy_killed_at_random_moments_ends_as_the_straight_run(tmp_path):
+    config_path = tmp_path / "posttrain.toml"
+    config_path.write_text(CONFIG)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    # The straight run trains beside the killed one (one thread each: two cores do both at once).
+    done = subprocess.Popen(_command(config_path, straight), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=_env())
+    rng = random.Random(20261127)
+    # One kill in each stage (25 steps each), at a step reached by polling the log (a loaded machine
+    # delays a kill but does not move it to another stage), then a moment later: mid-step or mid-commit.
+    targets = [rng.randrange(25 * stage + 2, 25 * stage + 23) for stage in range(4)]
+    kills = 0
+    try:
+        for target in targets:
+            process = subprocess.Popen(_command(config_path, killed), stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True, env=_env())
+            deadline = time.monotonic() + 120
+            while process.poll() is None and time.monotonic() < deadline:
+                if max((e.step for _, e in committed(killed) if isinstance(e, StepCommitted)), default=-1) >= target:
+                    time.sleep(rng.uniform(0.0, 0.3))
+                    break
+                time.sleep(0.01)
+            if process.poll() is not None:  # finished before the kill
+                assert process.returncode == 0, process.stderr.read()
+                process.stderr.close()
+                break
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            process.stderr.close()
+            kills += 1
+        final = subprocess.run(_command(config_path, killed), capture_output=True, text=True, env=_env(), timeout=300)
+        assert final.returncode == 0, final.stderr
+        assert done.wait(timeout=300) == 0, done.stderr.read()
+    finally:
+        if done.poll() is None:  # a failure above: the straight run is not left behind
+            done.kill()
+            done.wait()
+        done.stderr.close()
+    assert kills == 4  # every kill happened (the run did not finish first)
+    want, got = _steps(straight), _steps(killed)
+    assert {e.stage for e in got} == {0, 1, 2, 3}
+    assert all(e.metrics for e in got if e.stage == 3) and not any(e.metrics for e in got if e.stage < 3)
+    assert [msgspec.msgpack.encode(e) for e in got] == [msgspec.msgpack.encode(e) for e in want]
+    a, b = _final(straight), _final(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
