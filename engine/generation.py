@@ -14,8 +14,10 @@ or what else was drawn (up to the float rounding a different batch shape may bri
 draw that lands on a boundary between two tokens). The caller names the stage, the step and the prompt
 ids (e.g. the prompt's index in its data), so a resume draws the same completions.
 
-Log-probabilities are those of the distribution sampled from: `scaled_log_probs`, log_softmax(logits / T)
-at the chosen token, the function the training side uses for policy, old policy and reference. Greedy
+Log-probabilities are those of the distribution sampled from, log_softmax(logits / T) at the chosen token,
+computed by `rewind.engine.response_logprobs.token_logprobs`, the one path through which the training side
+reads policy, old policy and reference (a temperature so small that logits / T leave float32's range is
+refused when it happens: its log-probs would be NaN). Greedy
 decoding (T = 0) picks `torch.argmax` (the first of tied maxima, as `rewind.engine.sampling.generate`
 does) and reports the log-prob at T = 1. Top-k and top-p are not offered: they change the distribution
 the log-probs describe. The model runs in eval mode (no dropout) while sampling and is put back after.
@@ -32,6 +34,7 @@ from torch import nn
 
 from rewind.engine.attention_inputs import KVCache
 from rewind.engine.layout import eval_mode
+from rewind.engine.response_logprobs import token_logprobs
 from rewind.engine.rng import torch_generator
 from rewind.engine.sampling import NonFiniteLogits, SamplingError, check_settings
 
@@ -58,15 +61,6 @@ class Completion:
     tokens: list[int]
     finish_reason: Literal["eos", "length"]
     log_probs: list[float]
-
-
-def scaled_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) over the last dim in float32 (T = 0, greedy: T = 1). Shifted by the
-    maximum first (which changes neither the value nor the gradient), so no T > 0 overflows; a T below
-    float32's smallest normal number would be 0 there, and counts as that number."""
-    scale = max(temperature, torch.finfo(torch.float32).tiny) if temperature > 0.0 else 1.0
-    logits = logits.float()
-    return torch.log_softmax((logits - logits.amax(dim=-1, keepdim=True).detach()) / scale, dim=-1)
 
 
 def requests_for(
@@ -180,7 +174,12 @@ def _sample(
             raise NonFiniteLogits(f"the model's logits at completion position {position} are not finite")
         keys = [(*key, requests[row].prompt_id, requests[row].sample_index) for row in active]
         chosen = _draw(logits, temperature, keys, position)
-        scored = scaled_log_probs(logits, temperature).gather(1, chosen[:, None])[:, 0]
+        one = chosen[:, None]  # a (B, 1) batch of one position each, as token_logprobs takes it
+        scored = token_logprobs(
+            logits[:, None], one, torch.ones_like(one, dtype=torch.bool), temperature or 1.0
+        )[:, 0]
+        if not bool(torch.isfinite(scored).all()):
+            raise SamplingError(f"temperature {temperature}: logits / temperature leave float32's range")
         still = []
         for slot, (row, token, score) in enumerate(
             zip(active, chosen.tolist(), scored.tolist(), strict=True)

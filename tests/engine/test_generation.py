@@ -13,7 +13,6 @@ from rewind.engine.generation import (
     requests_for,
     sample_completions,
     sample_requests,
-    scaled_log_probs,
     uniform,
 )
 from rewind.engine.model import GPT
@@ -141,13 +140,10 @@ def test_eos_ends_a_row_and_is_kept_with_its_log_prob():
     assert len(other.tokens) == len(other.log_probs)
 
 
-def test_scaled_log_probs_never_overflow():
-    logits = torch.tensor([[3.0, 1.0, -2.0]])
-    assert torch.log_softmax(logits / 1e-300, dim=-1).isnan().any()  # what the shift avoids
-    tiny = scaled_log_probs(logits, 1e-300)
-    assert tiny[0, 0] == 0.0 and tiny[0, 1:].exp().eq(0.0).all()  # the limit: the maximum, certain
-    torch.testing.assert_close(scaled_log_probs(logits, 0.0), torch.log_softmax(logits, dim=-1))
-    torch.testing.assert_close(scaled_log_probs(logits, 2.0), torch.log_softmax(logits / 2.0, dim=-1))
+def test_a_temperature_too_small_for_float32_is_refused():
+    model = tiny_model(scale=20.0).eval()
+    with pytest.raises(SamplingError, match="temperature 1e-300: logits / temperature leave float32's range"):
+        sample_completions(model, [PROMPT_A], samples_per_prompt=1, **(SETTINGS | {"temperature": 1e-300}))
 
 
 def test_no_tokens_asked_gives_empty_completions(model):

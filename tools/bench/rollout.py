@@ -14,7 +14,7 @@ that both computed the same model (`greedy_rows_equal`; a near tie between two l
 which is float rounding, not a bug).
 
 The GRPO-like step: G completions of every prompt at temperature 1, then one forward and backward over
-prompt + completion (right-padded) with the completion tokens' log-probs (`scaled_log_probs`) weighted by
+prompt + completion (right-padded) with the completion tokens' log-probs (`token_logprobs`, as the losses read them) weighted by
 random advantages, in training mode. `sampling_share`: sampling seconds over the whole step's (median of
 the repeats, and the range).
 """
@@ -33,8 +33,9 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging
 
 from rewind.engine import hf_models
-from rewind.engine.generation import sample_completions, scaled_log_probs
+from rewind.engine.generation import sample_completions
 from rewind.engine.model import GPT
+from rewind.engine.response_logprobs import token_logprobs
 from rewind.engine.rng import torch_generator
 from rewind.states.config import ArchitectureSection
 from rewind.states.growth import initial_layout
@@ -123,8 +124,8 @@ def _grpo_step(model, prompts, samples, new) -> tuple[float, float]:
         scored[i, len(row) - 1 - len(c.tokens) : len(row) - 1] = True
     advantages = torch.randn(len(rows), generator=torch_generator(SEED, "bench-rollout", "advantages"))
     model.train()
-    log_probs = scaled_log_probs(model(inputs), 1.0).gather(-1, targets[..., None])[..., 0]
-    loss = -((log_probs * advantages[:, None]) * scored).sum() / scored.sum()
+    log_probs = token_logprobs(model(inputs), targets, scored, 1.0)
+    loss = -(log_probs * advantages[:, None]).sum() / scored.sum()
     loss.backward()
     model.zero_grad(set_to_none=True)
     model.eval()
