@@ -30,6 +30,7 @@ COMMAND_MODULES = [
     "rewind.tools.verify_cmd",
     "rewind.tools.export_cmd",
     "rewind.tools.sample_cmd",
+    "rewind.tools.rollouts_cmd",
     "rewind.tools.eval_cmd",
     "rewind.tools.bench.command",
 ]

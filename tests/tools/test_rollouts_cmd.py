@@ -1,0 +1,203 @@
+"""`rewind rollouts`: a rollout batch shown from its file (show_rollouts, on run directories built by hand),
+the record chosen for a step, and the command's errors that need no grpo run. The end-to-end test on a
+trained grpo run lives with the engine's grpo tests."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from rewind.engine.tokenizer import ByteTokenizer
+from rewind.states.events import RunStarted, StepCommitted
+from rewind.stores.eventlog import EventLog
+from rewind.stores.rollouts import RolloutError, write_rollouts
+from rewind.tools.configfile import load_config
+from rewind.tools.rollouts_cmd import _decoder, last_rollouts, render, show_rollouts
+from rewind.tools.state_cmd import json_safe
+from tests.engine.test_loop import TINY, run_cli
+
+END = 0  # the end token of these batches (a byte no text here holds)
+NAN = float("nan")
+
+
+def padded(rows: list[list[int]], width: int) -> torch.Tensor:
+    return torch.tensor([row + [END] * (width - len(row)) for row in rows], dtype=torch.int64)
+
+
+def batch_of(prompts: list[str], completions: list[tuple[str, bool]], rewards: list[list[float]]) -> dict:
+    """A rollout batch of byte-token texts; a completion (text, finished) ends with END when finished."""
+    prompt_ids = [list(text.encode()) for text in prompts]
+    completion_ids = [list(text.encode()) + ([END] if done else []) for text, done in completions]
+    n, width = len(completions), max(map(len, completion_ids))
+    return {
+        "prompt_sources": torch.tensor([1, 0][: len(prompts)], dtype=torch.int64),
+        "prompt_rows": torch.tensor([17, 4242][: len(prompts)], dtype=torch.int64),
+        "prompts": padded(prompt_ids, max(map(len, prompt_ids))),
+        "prompt_lengths": torch.tensor([len(p) for p in prompt_ids], dtype=torch.int64),
+        "completions": padded(completion_ids, width),
+        "completion_lengths": torch.tensor([len(c) for c in completion_ids], dtype=torch.int64),
+        "finished": torch.tensor([done for _, done in completions], dtype=torch.int8),
+        "sample_logprobs": torch.zeros(n, width),
+        "rewards": torch.tensor(rewards, dtype=torch.float32),
+        "advantages": torch.linspace(-1.5, 1.5, n),
+        "old_logprobs": torch.zeros(n, width),
+    }
+
+
+PROMPTS = ["1+1=", "2+2="]
+COMPLETIONS = [("2", True), ("3\nx", False), ("4", True), ("", True)]
+REWARDS = [[1.0, 0.0, 1.0, NAN], [0.5, 0.25, 0.5, 0.0]]
+
+
+@pytest.fixture
+def run(tmp_path) -> tuple[str, dict]:
+    """A run directory holding one rollout batch, and the fields of the record that names it."""
+    metadata = {"reward_functions": "exact_match,exact_match", "group_size": "2", "policy_step": "6"}
+    path, sha256 = write_rollouts(str(tmp_path), batch_of(PROMPTS, COMPLETIONS, REWARDS), metadata)
+    record = {
+        "step": 7, "tokens": 7 * 256, "stage": 3, "path": path, "sha256": sha256, "num_prompts": 2,
+        "group_size": 2, "cursors": {"add": 12}, "mean_reward": 0.4,
+    }  # fmt: skip
+    return str(tmp_path), record
+
+
+def test_each_prompt_shows_its_group_decoded_with_finish_rewards_and_advantages(run):
+    run_dir, record = run
+    shown = show_rollouts(run_dir, record, ByteTokenizer().decode, datasets=["add", "sort"])
+    assert {key: shown[key] for key in ("step", "stage", "policy_step", "num_prompts", "group_size")} == {
+        "step": 7, "stage": 3, "policy_step": 6, "num_prompts": 2, "group_size": 2,
+    }  # fmt: skip
+    assert shown["reward_functions"] == ["exact_match", "exact_match"]  # a function named twice stays twice
+    assert [(p["text"], p["dataset"], p["row"]) for p in shown["prompts"]] == [
+        ("1+1=", "sort", 17),
+        ("2+2=", "add", 4242),
+    ]
+    completions = [c for p in shown["prompts"] for c in p["completions"]]
+    assert [c["sample"] for c in completions] == [0, 1, 0, 1]
+    # The end token is left out of the text (the finish reason says it was there), not out of the tokens.
+    assert [(c["text"], c["finish"]) for c in completions] == [
+        ("2", "eos"), ("3\nx", "length"), ("4", "eos"), ("", "eos"),
+    ]  # fmt: skip
+    assert completions[0]["tokens"] == [ord("2"), END]
+    assert [c["rewards"] for c in completions] == [[1.0, 0.5], [0.0, 0.25], [1.0, 0.5], [None, 0.0]]
+    assert [c["advantage"] for c in completions] == torch.linspace(-1.5, 1.5, 4).tolist()
+    json.dumps(json_safe(shown), allow_nan=False)  # strict JSON: no NaN left in it
+
+
+def test_a_source_outside_the_stages_datasets_is_shown_by_its_index(run):
+    run_dir, record = run
+    shown = show_rollouts(run_dir, record, ByteTokenizer().decode)
+    assert [(p["source"], p["dataset"]) for p in shown["prompts"]] == [(1, None), (0, None)]
+    assert "(dataset 1, row 17)" in render(shown)[3]
+
+
+def test_the_text_output_keeps_one_line_per_completion(run):
+    run_dir, record = run
+    lines = render(show_rollouts(run_dir, record, ByteTokenizer().decode, datasets=["add", "sort"]))
+    assert lines[0] == (
+        "rollouts recorded at step 7 (stage 3, sampled by the weights of step 6): 2 prompts x 2 completions, "
+        "mean reward 0.4"
+    )
+    assert lines[3] == 'prompt 0 (sort, row 17): "1+1="'
+    assert lines[4] == '  [0] eos     exact_match 1  exact_match 0.5  advantage -1.5000  "2"'
+    assert lines[5] == '  [1] length  exact_match 0  exact_match 0.25  advantage -0.5000  "3\\nx"'
+    assert lines[9] == '  [1] eos     exact_match none  exact_match 0  advantage +1.5000  ""'
+    assert len(lines) == 10
+
+
+@pytest.mark.parametrize(("field", "value"), [("num_prompts", 4), ("group_size", 1)])
+def test_a_file_that_is_not_what_its_record_says_is_refused(run, field, value):
+    run_dir, record = run
+    with pytest.raises(RolloutError) as exc:
+        show_rollouts(run_dir, {**record, field: value}, ByteTokenizer().decode)
+    assert "\n" not in str(exc.value) and "but its record says" in str(exc.value)
+
+
+def test_a_missing_or_damaged_file_is_refused(run):
+    run_dir, record = run
+    file = Path(run_dir) / record["path"]
+    file.write_bytes(file.read_bytes()[:-1])
+    with pytest.raises(RolloutError, match="damaged"):
+        show_rollouts(run_dir, record, ByteTokenizer().decode)
+    file.unlink()
+    with pytest.raises(RolloutError, match="missing"):
+        show_rollouts(run_dir, record, ByteTokenizer().decode)
+
+
+def test_token_ids_outside_the_models_vocabulary_are_refused_in_one_line(run):
+    run_dir, record = run
+    with pytest.raises(RolloutError, match=r"token id 50 is outside the model's vocabulary \(50 ids\)"):
+        show_rollouts(run_dir, record, _decoder(ByteTokenizer(), 50))
+
+
+# --- which record a step shows ------------------------------------------------------------------------
+
+
+class StandIn(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="RolloutsRecorded"):
+    """What the log's RolloutsRecorded looks like to the command (its tag, its step)."""
+
+    step: int
+    tokens: int = 0
+
+
+def test_the_batch_of_a_step_is_the_last_recorded_at_or_before_it():
+    def step(k):
+        return StepCommitted(step=k, tokens=0, stage=0, lr=0.0, beta=0.0, loss=1.0)
+
+    events = [step(1), StandIn(step=1), step(2), step(3), StandIn(step=3), step(4)]
+    records = list(enumerate(events))
+    assert last_rollouts(records, None) == 4
+    assert [last_rollouts(records, k) for k in range(5)] == [None, 1, 1, 4, 4]
+    assert last_rollouts(records[:1], None) is None
+
+
+# --- the command's errors -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def empty_run(tmp_path) -> Path:
+    """A run whose log holds its start and nothing else: no rollout batch."""
+    run = tmp_path / "run"
+    with EventLog.open(run, "w") as log:
+        log.append(RunStarted(step=0, tokens=0, config=load_config(TINY), config_hash="test"))
+        log.commit()
+    return run
+
+
+def one_line(err: str) -> str:
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_run_without_rollouts_is_one_line_and_exit_1(empty_run):
+    code, out, err = run_cli("rollouts", empty_run)
+    assert (code, out) == (1, "")
+    assert "no rollout batch on record" in one_line(err)
+
+
+def test_a_step_past_the_runs_end_is_a_usage_error(empty_run):
+    code, _, err = run_cli("rollouts", empty_run, "--step", "5", "--json")
+    assert code == 2 and "--step 5: out of range; the run reached step 0" in one_line(err)
+
+
+def test_no_run_is_a_usage_error(tmp_path):
+    code, _, err = run_cli("rollouts", tmp_path / "nothing")
+    assert code == 2 and "no run here" in one_line(err)
+
+
+@pytest.mark.parametrize("args", [[], ["{run}", "--step", "x"], ["{run}", "--steps", "1"]])
+def test_bad_arguments_are_a_usage_error(empty_run, args):
+    code, _, err = run_cli("rollouts", *(arg.format(run=empty_run) for arg in args))
+    assert code == 2 and one_line(err).startswith("rewind")
+
+
+def test_nan_free_json_even_when_the_mean_reward_is_nan(run):
+    run_dir, record = run
+    shown = show_rollouts(run_dir, {**record, "mean_reward": NAN}, ByteTokenizer().decode)
+    assert math.isnan(shown["mean_reward"])
+    assert json.loads(json.dumps(json_safe(shown), allow_nan=False))["mean_reward"] is None
