@@ -102,14 +102,14 @@ def test_the_name_is_the_sha256_of_the_bytes_on_disk(tmp_path):
     assert hashlib.sha256((tmp_path / path).read_bytes()).hexdigest() == sha256
 
 
-def test_the_same_batch_twice_is_the_same_name_and_one_file(tmp_path):
+def test_the_same_batch_twice_is_the_same_name_and_one_file(run_url):
     batch = make_batch()
-    first = write_rollouts(str(tmp_path), batch, METADATA)
+    first = write_rollouts(run_url, batch, METADATA)
     # The same content given in another order, and as new tensor objects.
     reordered = {name: batch[name].clone() for name in reversed(list(batch))}
-    second = write_rollouts(str(tmp_path), reordered, dict(reversed(list(METADATA.items()))))
+    second = write_rollouts(run_url, reordered, dict(reversed(list(METADATA.items()))))
     assert first == second
-    assert rollout_files(tmp_path) == [f"{first[1]}.safetensors"]
+    assert fsio.filesystem(run_url).join("rollouts").list_names() == [f"{first[1]}.safetensors"]
 
 
 def test_the_bytes_do_not_depend_on_the_order_safetensors_keeps_metadata_in():
