@@ -8,15 +8,17 @@ from __future__ import annotations
 from rewind.engine.datasets import DatasetError
 from rewind.engine.documents import DocumentError, expand_inputs
 from rewind.engine.row_sources import FileRows, RowKind, TaskRows
-from rewind.engine.rowfiles import read_preference_rows, read_sft_rows
-from rewind.engine.rows import PreferenceRow, SftRow, end_token
+from rewind.engine.rowfiles import read_preference_rows, read_prompt_rows, read_sft_rows
+from rewind.engine.rows import PreferenceRow, PromptRow, SftRow, end_token
+from rewind.engine.task_rows import ANSWER_FIELD
 from rewind.engine.userdata import DataHome
 from rewind.states.config import Config
 
 
 class ExampleSources:
     """The examples the post-training stages read, by dataset name and kind (an sft stage's
-    prompt/response rows, a dpo stage's prompt/chosen/rejected rows), opened on first use and kept."""
+    prompt/response rows, a dpo stage's prompt/chosen/rejected rows, a grpo stage's prompts with their
+    answers), opened on first use and kept."""
 
     def __init__(self, config: Config, home: DataHome):
         self.config, self.home = config, home
@@ -27,6 +29,14 @@ class ExampleSources:
 
     def preferences(self, name: str) -> TaskRows | FileRows[PreferenceRow]:
         return self._get(name, "preference")
+
+    def prompts(self, name: str) -> TaskRows | FileRows[PromptRow]:
+        return self._get(name, "prompt")
+
+    def answer(self, name: str, row: PromptRow) -> str:
+        """The answer a grpo stage's exact_match reward compares `row`'s completions with."""
+        source = self.config.data.get(name)
+        return row.fields[ANSWER_FIELD if source is None else source.answer_field]
 
     def reshuffles(self, name: str) -> bool:
         source = self.config.data.get(name)
@@ -54,6 +64,9 @@ class ExampleSources:
         if kind == "sft":
             fields = {"prompt_field": source.prompt_field, "response_field": source.response_field}
             read = read_sft_rows
+        elif kind == "prompt":
+            fields = {"prompt_field": source.prompt_field, "fields": (source.answer_field,)}
+            read = read_prompt_rows
         else:
             fields = {f: getattr(source, f) for f in ("prompt_field", "chosen_field", "rejected_field")}
             read = read_preference_rows

@@ -26,6 +26,8 @@ from rewind.engine.dpo_step import dpo_train_step, preference_rows
 from rewind.engine.effects import apply_effect
 from rewind.engine.evaluation import evaluate, validate
 from rewind.engine.example_rows import step_rows
+from rewind.engine.grpo_rollouts import sample_rollouts
+from rewind.engine.grpo_step import grpo_train_step
 from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
 from rewind.engine.placement import launched_world_size
@@ -51,6 +53,7 @@ from rewind.states.plan import (
     Evaluate,
     Intent,
     RunStep,
+    SampleRollouts,
     TakeCheckpoint,
     Validate,
     decide,
@@ -183,11 +186,19 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
     lr = step_lr(state, parts.schedule, k)  # the run's own curve: its features, its restarts
     stack_index, num_stacks = depth_of_training(config, current_layout(state))
     stage = config.stages[plan.stage]
-    if stage.strategy == "dpo":  # never faded into or out of (states.check_strategy): all rows are its pairs
+    # dpo and grpo stages are never faded into or out of (states.check_strategy): all rows are theirs.
+    if stage.strategy == "dpo":
         pairs, cursors = preference_rows(config, stage, plan.rows[plan.stage], state.cursors, parts.datasets.examples)
         result = dpo_train_step(
             parts.model, parts.optimizer, pairs, config=config, stage=stage, lr=lr, reference=parts.reference
         )
+    elif stage.strategy == "grpo":  # on the window's rollout batch; its prompts moved the cursors
+        examples, cursors = parts.datasets.examples, state.cursors
+        batch = parts.rollout_reader.rows(
+            parts.run_dir, state, end_id=examples.end_id, pad_id=examples.pad_id,
+            block_size=config.architecture.block_size, drop_truncated=stage.grpo_settings.mask_truncated_completions,
+        )  # fmt: skip
+        result = grpo_train_step(parts.model, parts.optimizer, batch, config=config, stage=stage, lr=lr)
     else:
         rows = step_rows(config, plan.rows, state.cursors, parts.datasets)
         cursors = rows.cursors
@@ -258,6 +269,8 @@ def perform(run: Run, state: State, intent: Intent) -> State:
             return delete_checkpoints(run, state, names)
         case CacheTrunk():
             return record(run, state, write_cache(parts, state, intent))
+        case SampleRollouts(stage=stage):
+            return record(run, state, sample_rollouts(parts, state, stage))
     return record(run, state, intent)
 
 
@@ -276,6 +289,8 @@ def pause_note(intent: Intent) -> str:
             return f"growing the model: {num_blocks} block(s) join"
         case CacheTrunk():
             return "caching the trunk's activations"
+        case SampleRollouts():
+            return "sampling rollouts"
     return ""
 
 

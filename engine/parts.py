@@ -25,6 +25,7 @@ from rewind.engine.placement import place
 from rewind.engine.pretrained import Pretrained, PretrainedError, apply_pretrained, load_pretrained
 from rewind.engine.reference import reference_at
 from rewind.engine.registry import DatasetRegistry
+from rewind.engine.rolloutreader import RolloutReader
 from rewind.engine.step import apply_hyperparameters, build_optimizer
 from rewind.engine.tensors import load_optimizer_tensors
 from rewind.engine.trunkreader import TrunkReader
@@ -65,6 +66,7 @@ class Parts:
     trunk_sources: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     trunk_hashes: dict[int, str] = field(default_factory=dict)
     trunk_reader: TrunkReader = field(default_factory=TrunkReader)
+    rollout_reader: RolloutReader = field(default_factory=RolloutReader)
 
 
 def trunk_digests(sources: dict[int, dict[str, torch.Tensor]], known: dict[int, str]) -> dict[int, str]:
@@ -118,6 +120,8 @@ def open_datasets(config: Config, home: DataHome) -> DatasetRegistry:
                     datasets.examples.sft(sampling.name)
                 elif stage.strategy == "dpo":
                     datasets.examples.preferences(sampling.name)
+                elif stage.strategy == "grpo":
+                    datasets.examples.prompts(sampling.name)
         for name in config.training.evaluations:
             datasets[name]
     except DatasetError as exc:

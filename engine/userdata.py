@@ -194,8 +194,9 @@ def _open_prepared(name, directory, block_size, vocab_size, home: DataHome, sour
 
 
 def _tokenised_pairs(paths: list[str], source: DataSource, home: DataHome) -> list[tuple[list[int], list[int]]]:
-    # A dpo dataset (prompt/chosen/rejected) reads as pairs with its chosen responses.
-    response = source.response_field or source.chosen_field
+    # A dpo dataset (prompt/chosen/rejected) reads as pairs with its chosen responses, a grpo one
+    # (prompt/answer) with its answers.
+    response = source.response_field or source.chosen_field or source.answer_field
     pairs = list(iter_pairs(paths, source.kind, source.prompt_field, response))
     tokenizer = home.tokenizer
     prompts = tokenizer.encode_batch([p for p, _ in pairs])

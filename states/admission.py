@@ -38,6 +38,7 @@ from rewind.states.events import (
     Event,
     ForkOrigin,
     ReferenceRefreshed,
+    RolloutsRecorded,
     RunResumed,
     RunStarted,
     StepCommitted,
@@ -80,6 +81,21 @@ def cache_path_problem(path: object, version: int, step: int) -> str:
         )
     if int(match.group(1)) != version or (match.group(2) is not None and int(match.group(2)) != step):
         return f"activation cache path {path} is not the cache of its record's trunk {version} at step {step}"
+    return ""
+
+
+ROLLOUTS_DIR = "rollouts"
+_ROLLOUT_PATH = re.compile(r"rollouts/([0-9a-f]{64})\.safetensors", re.ASCII)
+
+
+def rollout_path_problem(path: object, sha256: object) -> str:
+    """Why `path` cannot be the rollout file a RolloutsRecorded names by `sha256` ("" if it can): only
+    RUN/rollouts/<its sha256>.safetensors, so a forged record cannot lead a reader out of the run."""
+    match = _ROLLOUT_PATH.fullmatch(path) if isinstance(path, str) else None
+    if match is None:
+        return f"rollout path {str(path)[:80]!r} is not one rewind writes ({ROLLOUTS_DIR}/<sha256>.safetensors)"
+    if match.group(1) != sha256:
+        return f"rollout path {path} is not named by its recorded sha256 {str(sha256)[:80]!r}"
     return ""
 
 
@@ -190,6 +206,7 @@ CARRIERS = (
     CheckpointDeleted,
     ReferenceRefreshed,
     ActivationsCached,
+    RolloutsRecorded,
 )
 
 
@@ -230,6 +247,11 @@ class Admission:
                 )
             case ActivationsCached():
                 return cache_path_problem(event.path, event.version, event.step)
+            case RolloutsRecorded(cursors=cursors):
+                negative = [name for name, value in cursors.items() if value < 0]
+                return rollout_path_problem(event.path, event.sha256) or (
+                    f"data cursor {negative[0]!r} is negative" if negative else ""
+                )
             case CheckpointDeleted() | ReferenceRefreshed():
                 return _name_problem(event.checkpoint, None, empty_ok=isinstance(event, ReferenceRefreshed))
             case RunResumed():

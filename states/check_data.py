@@ -33,7 +33,8 @@ def source_problems(name: str, source: DataSource) -> list[str]:
             add(f"{where}.split: the validation split comes from validation_path; leave split unset")
     elif not 0.0 < source.validation_fraction < 1.0:
         add(f"{where}.validation_fraction: must be in (0, 1), got {source.validation_fraction}")
-    fields = {f: getattr(source, f) for f in ("prompt_field", "response_field", "chosen_field", "rejected_field")}
+    names = ("prompt_field", "response_field", "chosen_field", "rejected_field", "answer_field")
+    fields = {f: getattr(source, f) for f in names}
     if any(fields.values()):
         problems += _example_field_problems(where, source.kind, fields)
     elif source.kind in ("jsonl", "parquet") and not source.text_field:
@@ -42,12 +43,13 @@ def source_problems(name: str, source: DataSource) -> list[str]:
 
 
 def _example_field_problems(where: str, kind: str, fields: dict[str, str]) -> list[str]:
-    """Prompt/response pairs and prompt/chosen/rejected examples: the fields that go together, apart."""
+    """Prompt/response pairs, prompt/chosen/rejected examples and prompt/answer rows: the fields that go
+    together, apart."""
     if kind not in ("jsonl", "parquet"):
         return [f"{where}.prompt_field: prompt/response pairs need kind jsonl or parquet, not {kind!r}"]
     prompt, response = fields["prompt_field"], fields["response_field"]
     chosen, rejected = fields["chosen_field"], fields["rejected_field"]
-    if not prompt or not (response or chosen):
+    if not prompt or not (response or chosen or fields["answer_field"]):
         missing = "response_field" if prompt else "prompt_field"
         return [f"{where}.{missing}: prompt_field and response_field go together"]
     if bool(chosen) != bool(rejected):

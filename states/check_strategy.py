@@ -7,6 +7,10 @@
   rejected one; or jsonl / parquet datasets with chosen_field and rejected_field), a causal objective,
   a KL reference refreshed on entering it or before (the loss compares against it), no token-level
   KL of its own (beta) and no fade into or out of it (its rows are pairs, not rows to mix).
+- `grpo`: prompts with answers (the built-in tasks but grammar, or jsonl / parquet datasets with
+  prompt_field and answer_field), a causal objective, no fade into or out of it and no token-level KL
+  (its own kl_beta, with a reference refreshed at it or before); a rollout batch of whole groups
+  (training.batch_size a multiple of group_size) whose prompt and completion fit the context.
 A settings table belongs to its strategy (`[stages.sft]` on an sft stage). Problems name the record's
 field (`stages[2].sft: ...`). Called by `rewind.states.config_rules.check_config`.
 """
@@ -18,7 +22,7 @@ from rewind.states.config import BUILTIN_DATASETS, Config, Stage
 # Built-in datasets that are prompt/answer examples (grammar is running text).
 BUILTIN_EXAMPLES: tuple[str, ...] = tuple(name for name in BUILTIN_DATASETS if name != "grammar")
 # The strategies whose settings are a table of the stage record, by the table's field name.
-SETTINGS_TABLES: tuple[str, ...] = ("sft", "dpo")
+SETTINGS_TABLES: tuple[str, ...] = ("sft", "dpo", "grpo")
 
 
 def gives_examples(config: Config, name: str) -> bool:
@@ -28,11 +32,22 @@ def gives_examples(config: Config, name: str) -> bool:
     return name in BUILTIN_EXAMPLES
 
 
+def gives_prompts(config: Config, name: str) -> bool:
+    """Whether dataset `name` is prompts with answers (what a grpo stage samples from and rewards)."""
+    if name in config.data:
+        return bool(config.data[name].answer_field)
+    return name in BUILTIN_EXAMPLES
+
+
 def gives_preferences(config: Config, name: str) -> bool:
     """Whether dataset `name` is prompt/chosen/rejected examples (what a dpo stage trains on)."""
     if name in config.data:
         return bool(config.data[name].chosen_field)
     return name in BUILTIN_EXAMPLES
+
+
+def _a(strategy: str) -> str:
+    return f"an {strategy}" if strategy == "sft" else f"a {strategy}"
 
 
 def strategy_problems(config: Config) -> list[str]:
@@ -54,45 +69,57 @@ def _stage_problems(config: Config, stage: Stage, i: int) -> list[str]:
         return problems
     if config.objective.kind != "clm":
         problems.append(
-            f"{at}.strategy: an {stage.strategy} stage predicts its responses left to right (objective.kind "
+            f"{at}.strategy: {_a(stage.strategy)} stage predicts its responses left to right (objective.kind "
             f"\"clm\"), not with objective.kind {config.objective.kind!r}"
         )
-    wanted = gives_examples if stage.strategy == "sft" else gives_preferences
+    wanted = {"sft": gives_examples, "dpo": gives_preferences, "grpo": gives_prompts}[stage.strategy]
     what = {
         "sft": "prompt/response examples; {name!r} has none (use a task, or a jsonl / parquet dataset with "
         "prompt_field and response_field)",
         "dpo": "prompt/chosen/rejected examples; {name!r} has none (use a task, or a jsonl / parquet dataset "
         "with prompt_field, chosen_field and rejected_field)",
+        "grpo": "prompts with answers; {name!r} has none (use a task, or a jsonl / parquet dataset with "
+        "prompt_field and answer_field)",
     }[stage.strategy]
     known = config.dataset_names()
     for j, sampling in enumerate(stage.datasets):
         if sampling.name in known and not wanted(config, sampling.name):
             problems.append(
-                f"{at}.datasets[{j}].name: an {stage.strategy} stage trains on " + what.format(name=sampling.name)
+                f"{at}.datasets[{j}].name: {_a(stage.strategy)} stage trains on " + what.format(name=sampling.name)
             )
     if stage.strategy == "dpo":
         problems += _dpo_problems(config, stage, i)
+    if stage.strategy == "grpo":
+        problems += _grpo_problems(config, stage, i)
     return problems
 
 
-def _dpo_problems(config: Config, stage: Stage, i: int) -> list[str]:
-    at, problems, settings = f"stages[{i}]", [], stage.dpo_settings
-    add = problems.append
-    if not any(s.refresh_reference for s in config.stages[: i + 1]):
-        add(
-            f"{at}.refresh_reference: a dpo stage compares the policy with the KL reference; refresh it on "
+def _unmixed_problems(config: Config, stage: Stage, i: int, needs_reference: bool) -> list[str]:
+    """A dpo or grpo stage: no fade into or out of it, no token-level KL, a reference when it uses one."""
+    at, kind, problems = f"stages[{i}]", stage.strategy, []
+    if needs_reference and not any(s.refresh_reference for s in config.stages[: i + 1]):
+        problems.append(
+            f"{at}.refresh_reference: a {kind} stage compares the policy with the KL reference; refresh it on "
             "entering this stage (or an earlier one)"
         )
     if stage.beta:
-        add(f"{at}.beta: a dpo stage's loss is its tie to the reference; its token-level KL beta must be 0")
+        tie = "loss is its tie to the reference" if kind == "dpo" else "KL to the reference is grpo.kl_beta"
+        problems.append(f"{at}.beta: a {kind} stage's {tie}; its token-level KL beta must be 0")
     fades = [(i - 1, "into")] if i > 0 else []
     fades += [(i, "out of")] if i < config.num_stages - 1 else []
     for boundary, way in fades:
         if config.fade_overlap(boundary) > 0:
-            add(
-                f"stages[{boundary}].overlap: no fade {way} a dpo stage (its rows are pairs), got "
+            problems.append(
+                f"stages[{boundary}].overlap: no fade {way} a {kind} stage (its rows are its own), got "
                 f"{config.fade_overlap(boundary):g}; set overlap = 0 on stages[{boundary}]"
             )
+    return problems
+
+
+def _dpo_problems(config: Config, stage: Stage, i: int) -> list[str]:
+    at, settings = f"stages[{i}]", stage.dpo_settings
+    problems = _unmixed_problems(config, stage, i, needs_reference=True)
+    add = problems.append
     if not settings.beta > 0:
         add(f"{at}.dpo.beta: must be positive, got {settings.beta}")
     if not 0.0 <= settings.label_smoothing < 0.5:
@@ -101,4 +128,35 @@ def _dpo_problems(config: Config, stage: Stage, i: int) -> list[str]:
         add(f"{at}.dpo.label_smoothing: the {settings.loss} loss has no label smoothing (sigmoid or robust do)")
     if settings.sft_weight < 0:
         add(f"{at}.dpo.sft_weight: must be >= 0, got {settings.sft_weight}")
+    return problems
+
+
+def _grpo_problems(config: Config, stage: Stage, i: int) -> list[str]:
+    at, settings, block = f"stages[{i}].grpo", stage.grpo_settings, config.architecture.block_size
+    problems = _unmixed_problems(config, stage, i, needs_reference=settings.kl_beta > 0)
+    add = problems.append
+    if settings.group_size < 2:
+        add(f"{at}.group_size: at least 2 (an advantage compares a completion with its group), got {settings.group_size}")
+    elif config.training.batch_size % settings.group_size:
+        add(
+            f"{at}.group_size: training.batch_size {config.training.batch_size} (completions a step) is not a "
+            f"multiple of group_size {settings.group_size}"
+        )
+    if not settings.temperature > 0:
+        add(f"{at}.temperature: must be positive (the log-probs are the sampled distribution's), got {settings.temperature}")
+    if not 1 <= settings.max_new_tokens < block:
+        add(f"{at}.max_new_tokens: must be in [1, block_size - 1 = {block - 1}] (the prompt needs a token), got {settings.max_new_tokens}")
+    if settings.num_iterations < 1:
+        add(f"{at}.num_iterations: must be >= 1, got {settings.num_iterations}")
+    if not 0.0 <= settings.epsilon_low <= 1.0:
+        add(f"{at}.epsilon_low: must be in [0, 1], got {settings.epsilon_low}")
+    if settings.epsilon_high < 0:
+        add(f"{at}.epsilon_high: must be >= 0, got {settings.epsilon_high}")
+    if settings.kl_beta < 0:
+        add(f"{at}.kl_beta: must be >= 0, got {settings.kl_beta}")
+    if not settings.rewards:
+        add(f"{at}.rewards: at least one reward function")
+    for j, reward in enumerate(settings.rewards):
+        if not reward.weight > 0:
+            add(f"{at}.rewards[{j}].weight: must be positive, got {reward.weight}")
     return problems

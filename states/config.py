@@ -36,7 +36,11 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 ComputePrecision = Literal["fp32", "bf16-autocast", "bf16-mixed"]
 LossKernel = Literal["logits", "chunked", "triton"]
 DpoLoss = Literal["sigmoid", "robust", "ipo", "hinge"]
-StrategyName = Literal["pretrain", "sft", "dpo"]  # how a stage trains (`rewind.states.check_strategy`)
+GrpoLossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
+KlEstimator = Literal["k1", "k2", "k3"]
+ScaleRewards = Literal["group", "batch", "none"]
+RewardName = Literal["exact_match"]  # the built-in reward functions (rewind.engine.rewards)
+StrategyName = Literal["pretrain", "sft", "dpo", "grpo"]  # how a stage trains (`rewind.states.check_strategy`)
 
 # Embedded synthetic datasets the engine generates in code (no download). Their names live here so
 # that a config can be checked without importing torch; the engine's registry asserts it matches.
@@ -112,6 +116,33 @@ class DpoSettings(Struct):
     sft_weight: float = 0.0  # > 0: plus this times the chosen responses' NLL (token mean over the step)
 
 
+class RewardSpec(Struct):
+    """One reward function of a grpo stage and its weight in the completion's reward (the weighted sum
+    of the functions that score it)."""
+
+    function: RewardName = "exact_match"  # 1 when the completion's first line is the row's answer
+    weight: float = 1.0
+
+
+class GrpoSettings(Struct):
+    """How a `grpo` stage trains (`[stages.grpo]`): a rollout batch of batch_size / group_size prompts,
+    group_size completions each, sampled by the policy and kept on record, then num_iterations updates on
+    it (one a step), the loss `rewind.engine.grpo_losses` defines. See docs/posttraining.md."""
+
+    group_size: int = 4  # completions per prompt (G); training.batch_size is prompts x G
+    temperature: float = 1.0  # sampling temperature (the log-probs are taken at it too)
+    max_new_tokens: int = 16
+    num_iterations: int = 1  # updates per rollout batch (> 1: the PPO clip acts from the second)
+    loss_type: GrpoLossType = "dapo"  # how token losses are normalised (over the whole step in every case)
+    epsilon_low: float = 0.2  # the ratio's clip: [1 - epsilon_low, 1 + epsilon_high]
+    epsilon_high: float = 0.2
+    kl_beta: float = 0.0  # > 0: a KL penalty to the reference (refreshed at this stage or before)
+    kl_estimator: KlEstimator = "k3"
+    scale_rewards: ScaleRewards = "group"  # divide the advantage by the group's std, the batch's, or not
+    mask_truncated_completions: bool = False  # completions cut at max_new_tokens train on nothing
+    rewards: list[RewardSpec] = msgspec.field(default_factory=lambda: [RewardSpec()])
+
+
 class Stage(Struct):
     """One stage of the curriculum (`[[stages]]`): its token budget and data mixture, the KL beta it
     trains with, what happens on entering it, and the fade into the next one. `beta` and `overlap`
@@ -128,6 +159,7 @@ class Stage(Struct):
     overlap: float | None = None  # the fade into the next stage; None: training.fade.overlap
     sft: SftSettings | None = None  # strategy "sft": its settings (None: the defaults)
     dpo: DpoSettings | None = None  # strategy "dpo": its settings (None: the defaults)
+    grpo: GrpoSettings | None = None  # strategy "grpo": its settings (None: the defaults)
 
     @property
     def sft_settings(self) -> SftSettings:
@@ -136,6 +168,10 @@ class Stage(Struct):
     @property
     def dpo_settings(self) -> DpoSettings:
         return self.dpo or DpoSettings()
+
+    @property
+    def grpo_settings(self) -> GrpoSettings:
+        return self.grpo or GrpoSettings()
 
 
 class OptimizationSection(Struct):
@@ -185,6 +221,8 @@ class DataSource(Struct):
     # prompt_field). Read as prompt/response pairs elsewhere (validation, evaluation), the chosen one.
     chosen_field: str = ""
     rejected_field: str = ""
+    # jsonl / parquet: a grpo stage's prompts (prompt_field) and the answer its exact_match reward compares with.
+    answer_field: str = ""
     validation_fraction: float = 0.05
     validation_path: str = ""  # the validation split from its own file(s); validation_fraction is then unused
     # How validation rows are carved out of `path`: random (a fixed pseudo-random choice of windows) or tail

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from rewind.states.config import Config, DpoSettings, SftSettings
+from rewind.states.config import Config, DpoSettings, GrpoSettings, SftSettings
 from rewind.states.stageform import BETAS, DATASETS, OVERLAPS, REFRESHES, RESETS, TOKENS
 
 
@@ -74,6 +74,7 @@ def flat_lists(config: Config) -> dict[tuple[str, ...], Any]:
                 overlap=None,
                 sft=None if s.sft == SftSettings() else s.sft,  # an empty table is the defaults
                 dpo=None if s.dpo == DpoSettings() else s.dpo,
+                grpo=None if s.grpo == GrpoSettings() else s.grpo,
             )
         )
         for s in stages

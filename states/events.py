@@ -36,7 +36,7 @@ from rewind.states.shapes import CheckpointReason, ModelLayout, OptimizerResetRe
 # 6: where a run computes (RunStarted/RunResumed .device and .world_size; additions).
 # 7: RunResumed.num_threads (an addition: a resume may compute with another thread count than the run's).
 # 8: a config's stages are records (Config.stages); the flat per-stage lists older configs held are upcast.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -151,6 +151,21 @@ class ActivationsCached(Event, frozen=True, kw_only=True, tag="ActivationsCached
     num_rows: int
     path: str = ""  # "" in a dry-run
     num_bytes: int = 0
+
+
+class RolloutsRecorded(Event, frozen=True, kw_only=True, tag="RolloutsRecorded"):
+    """A grpo stage's rollout batch, sampled by the policy before step `step` and kept at `path` (RUN/
+    rollouts/<sha256>.safetensors, written durably before this record: rewind.stores.rollouts): the
+    steps [step, step + num_iterations) update on it. `cursors`: the prompt datasets' cursors after its
+    prompts (the fold takes them)."""
+
+    stage: int
+    path: str
+    sha256: str
+    num_prompts: int
+    group_size: int
+    cursors: dict[str, int] = {}
+    mean_reward: float = 0.0
 
 
 class StepCommitted(Event, frozen=True, kw_only=True, tag="StepCommitted"):
@@ -299,6 +314,7 @@ AnyEvent = (
     | OptimizerReset
     | StackAppended
     | ActivationsCached
+    | RolloutsRecorded
     | EpochStarted
     | StepCommitted
     | Validated

@@ -172,9 +172,9 @@ def caches_trunk(config: Config, layout: ModelLayout) -> bool:
     if not 0 <= layout.growth < len(config.growth) or config.growth[layout.growth].cache == "off":
         return False  # (a config without the entry: refused as a continuation, see engine.session)
     spec = config.growth[layout.growth]
-    # A packed sft stage's rows attend per document, a dpo stage's rows are its pairs: the cache holds the
+    # A packed sft stage's rows attend per document, a dpo or grpo stage's rows are its own: the cache holds the
     # trunk outputs of whole rows as pretraining draws them.
-    packed = any(s.strategy == "dpo" or (s.strategy == "sft" and s.sft_settings.packing) for s in config.stages)
+    packed = any(s.strategy in ("dpo", "grpo") or (s.strategy == "sft" and s.sft_settings.packing) for s in config.stages)
     return spec.position == "append" and trunk_is_frozen(layout) and config.objective.kind == "clm" and not packed
 
 

@@ -18,6 +18,7 @@ from rewind.states.events import (
     NonFiniteLoss,
     OptimizerReset,
     ReferenceRefreshed,
+    RolloutsRecorded,
     RunFinished,
     RunStarted,
     RunStopped,
@@ -145,6 +146,14 @@ def activations_cached(state: State, event: ActivationsCached) -> State:
     require(event.version == layout.version, event, f"the trunk is at version {layout.version}")
     require(event.num_steps >= 0 and event.num_rows >= 0, event, "counts must be >= 0")
     return replace(state, activation_cache=event)
+
+
+@mutates(RolloutsRecorded)
+def rollouts_recorded(state: State, event: RolloutsRecorded) -> State:
+    require(event.step == state.step, event, f"expected step {state.step} (rollouts are sampled before a step)")
+    require(event.stage == state.stage, event, f"the run is in stage {state.stage}")
+    require(event.num_prompts >= 1 and event.group_size >= 1, event, "counts must be >= 1")
+    return replace(state, rollouts=event, cursors=event.cursors)
 
 
 @mutates(EpochStarted)

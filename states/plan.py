@@ -75,12 +75,20 @@ class DeleteCheckpoints:
     names: tuple[str, ...]  # retention: oldest first
 
 
+@dataclass(frozen=True, slots=True)
+class SampleRollouts:
+    """Sample the rollout batch a grpo stage's next steps update on (the window starting at this step),
+    keep it and record it (RolloutsRecorded)."""
+
+    stage: int
+
+
 # The control transitions that are their events: due before a step, nothing to measure or write first.
 ControlEvent = (
     StageEntered | FadeStarted | FadeEnded | ReferenceRefreshed | OptimizerReset | StackAppended | RunFinished
 )
 Control = ControlEvent | CacheTrunk
-Intent = Control | RunStep | Validate | Evaluate | TakeCheckpoint | DeleteCheckpoints
+Intent = Control | RunStep | Validate | Evaluate | TakeCheckpoint | DeleteCheckpoints | SampleRollouts
 
 
 def decide(state: State, schedule: Schedule) -> Intent | None:
@@ -98,7 +106,24 @@ def decide(state: State, schedule: Schedule) -> Intent | None:
         return TakeCheckpoint("reference")  # the reference is named by a committed checkpoint of the model
     if control is not None:
         return control
-    return RunStep(state.step)
+    return rollouts_due(state, schedule, state.step) or RunStep(state.step)
+
+
+def rollouts_due(state: State, schedule: Schedule, step: int) -> SampleRollouts | None:
+    """A grpo stage's next rollout batch, due before the first step of each window of num_iterations
+    steps (counted from the stage's entry) unless the state holds one sampled in that window (a fork
+    that begins mid-window samples its own at its first step)."""
+    if state.stage < 0 or step >= schedule.num_steps:
+        return None
+    stage = schedule.config.stages[state.stage]
+    if stage.strategy != "grpo":
+        return None
+    start, every = schedule.entry_steps[state.stage], stage.grpo_settings.num_iterations
+    window = start + (step - start) // every * every
+    held = state.rollouts
+    if held is not None and held.stage == state.stage and held.step >= window:
+        return None
+    return SampleRollouts(state.stage)
 
 
 def pending_duty(state: State, schedule: Schedule) -> Intent | None:

@@ -13,7 +13,13 @@ from __future__ import annotations
 import msgspec
 
 from rewind.states.data_identity import DataIdentity
-from rewind.states.events import SEED_FALLS_BACK_TO_CHILD, ActivationsCached, CheckpointCommitted, ForkSeed
+from rewind.states.events import (
+    SEED_FALLS_BACK_TO_CHILD,
+    ActivationsCached,
+    CheckpointCommitted,
+    ForkSeed,
+    RolloutsRecorded,
+)
 from rewind.states.features import Features
 from rewind.states.shapes import (
     BaseMode,
@@ -84,6 +90,8 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     # The last ActivationsCached: a complete cache of the current trunk, one chunk per step for the steps
     # [step, step + num_steps), in the order training reads them.
     activation_cache: ActivationsCached | None = None
+    # The last RolloutsRecorded: the rollout batch a grpo stage's steps update on (its window).
+    rollouts: RolloutsRecorded | None = None
     cursors: dict[str, int] = {}
     last_loss: float | None = None
     num_skipped_steps: int = 0

@@ -51,6 +51,7 @@ from rewind.states.events import (
     CheckpointDeleted,
     Evaluated,
     Event,
+    RolloutsRecorded,
     RunResumed,
     StepCommitted,
     Validated,
@@ -63,6 +64,7 @@ from rewind.states.plan import (
     DeleteCheckpoints,
     Evaluate,
     RunStep,
+    SampleRollouts,
     TakeCheckpoint,
     Validate,
     decide,
@@ -335,6 +337,10 @@ def simulate_run(config: Config, crash_after: Iterable[int] = ()) -> list[Event]
                     emit(CheckpointDeleted(**at, checkpoint=doomed))
             case CacheTrunk():
                 emit(dry_run_event(intent, state.step, state.tokens))
+            case SampleRollouts(stage=stage):  # a made-up file name: nothing is written
+                digest = hashlib.sha256(f"{identity}:rollouts:{state.step}".encode()).hexdigest()
+                emit(RolloutsRecorded(**at, stage=stage, path=f"rollouts/{digest}.safetensors", sha256=digest,
+                                      num_prompts=1, group_size=2, cursors=state.cursors))
             case _:
                 emit(intent)  # a control transition that is its event
     return log

@@ -44,15 +44,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from rewind.states.admission import ROLLOUTS_DIR, rollout_path_problem
 from rewind.stores import confine
 from rewind.stores.fsio import Location, RefusedFile, decode_json, filesystem, fsync_dir
 
 if TYPE_CHECKING:
     import torch
 
-ROLLOUTS_DIR = "rollouts"
 SUFFIX = ".safetensors"
-PATH_PATTERN = re.compile(r"rollouts/([0-9a-f]{64})\.safetensors", re.ASCII)
 MAX_ROLLOUT_BYTES = 1 << 30  # far beyond a real batch; keeps a forged file from taking a reader's memory
 METADATA_KEY = "rewind_rollouts"
 REQUIRED_METADATA = ("reward_functions", "group_size", "policy_step")
@@ -248,23 +247,13 @@ def _read(run: Location, target: Location) -> bytes:
     return target.read_bounded(MAX_ROLLOUT_BYTES)
 
 
-def path_problem(path: object, sha256: object) -> str:
-    """Why `path` cannot be the rollout file recorded with `sha256` ("" if it can)."""
-    match = PATH_PATTERN.fullmatch(path) if isinstance(path, str) else None
-    if match is None:
-        return f"rollout path {str(path)[:80]!r} is not one rewind writes ({ROLLOUTS_DIR}/<sha256>{SUFFIX})"
-    if match.group(1) != sha256:
-        return f"rollout path {path} is not named by its recorded sha256 {str(sha256)[:80]!r}"
-    return ""
-
-
 def read_rollouts(run_dir: str, path: str, sha256: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of the rollout file a record names by `path` and `sha256`, every check of the
     module doc passed; RolloutError (one line) otherwise."""
     import safetensors
     import safetensors.torch
 
-    if problem := path_problem(path, sha256):
+    if problem := rollout_path_problem(path, sha256):
         raise RolloutError(problem)
     run = filesystem(run_dir)
     target = run.join(*path.split("/"))

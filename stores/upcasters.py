@@ -101,6 +101,13 @@ def v7_to_v8(raw: dict) -> dict:
     return {**raw, "config": translated}
 
 
+def v8_to_v9(raw: dict) -> dict:
+    """Schema 8 -> 9 added post-training: RolloutsRecorded (a grpo stage's rollout batch) and
+    StepCommitted.metrics (default {}). A schema 8 record holds neither, which is what their absence
+    means."""
+    return raw
+
+
 UPCASTERS[1] = v1_to_v2
 UPCASTERS[2] = v2_to_v3
 UPCASTERS[3] = v3_to_v4
@@ -108,3 +115,4 @@ UPCASTERS[4] = v4_to_v5
 UPCASTERS[5] = v5_to_v6
 UPCASTERS[6] = v6_to_v7
 UPCASTERS[7] = v7_to_v8
+UPCASTERS[8] = v8_to_v9

@@ -83,6 +83,8 @@ def describe(seq: int, event: Event) -> str:
         data["manifest_sha256"] = data["manifest_sha256"][:12]
     if name == "ConfigChanged":
         data.pop("config")
+    if name == "StepCommitted" and not data.get("metrics"):
+        data.pop("metrics", None)  # a pretraining step has none (a post-training one shows its own)
     fields = " ".join(f"{k}={_short(v)}" for k, v in data.items())
     return f"{seq:>7} {step:>8} {tokens:>12,}  {name:<20} {fields}"
 

@@ -14,7 +14,7 @@ import sys
 from rewind.states.diffing import promises_bits
 from rewind.tools.errors import CommandError, UsageError
 
-COMPARED = "stage, lr, beta, loss, kl, grad norm, rows, cursors, skipped"
+COMPARED = "stage, lr, beta, loss, kl, grad norm, rows, cursors, skipped, metrics"
 # What a run computed on a GPU or by several processes can be expected to match within (docs/distributed.md).
 TOLERANCE_ADVICE = "--rtol 1e-5 (fp32; bf16 runs need ~1e-2), see docs/distributed.md"
 

@@ -1,7 +1,8 @@
-"""A run through every strategy (pretrain -> sft -> packed sft -> dpo, fading between the first three,
-with dropout and two micro-batches a step) SIGKILLed at a random moment inside each stage and restarted
-at once ends on the tensors and the effective StepCommitted stream (dpo metrics included) of the run
-that never stopped."""
+"""A run through every strategy (pretrain -> sft -> packed sft -> dpo -> grpo, fading between the first
+three, with dropout and two micro-batches a step; grpo with two updates per rollout batch and a KL term)
+SIGKILLed at a random moment inside each stage and restarted at once ends on the tensors and the
+effective StepCommitted and RolloutsRecorded streams (metrics, rollout files by hash) of the run that
+never stopped: a kill inside a rollout window resumes without sampling differently."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewind.states.events import StepCommitted
+from rewind.states.events import RolloutsRecorded, StepCommitted
 from rewind.states.history import effective
 from rewind.stores.runs import read_seq_events
 from tests.conftest import EXAMPLES
@@ -47,6 +48,14 @@ tokens = 12_800
 datasets = [{ name = "reverse", rate = 0.5 }, { name = "sort", rate = 0.5 }]
 refresh_reference = true
 dpo = { beta = 0.1, sft_weight = 0.1 }
+overlap = 0.0
+
+[[stages]]
+strategy = "grpo"
+tokens = 12_800
+datasets = [{ name = "sort", rate = 0.5 }, { name = "reverse", rate = 0.5 }]
+refresh_reference = true
+grpo = { group_size = 4, max_new_tokens = 12, num_iterations = 2, kl_beta = 0.05 }
 """
 CONFIG = TINY[: TINY.index("[[stages]]")].replace("block_size = 32", "block_size = 64") + STAGES
 SETS = ("architecture.dropout=0.1", "training.per_device_batch_size=4", "logging.report_interval=3",
@@ -69,8 +78,9 @@ def _final(run_dir) -> dict:
     return load_file(out)
 
 
-def _steps(run_dir) -> list[StepCommitted]:
-    return [e for _, e in effective(read_seq_events(run_dir)) if isinstance(e, StepCommitted)]
+def _records(run_dir) -> list[StepCommitted | RolloutsRecorded]:
+    kept = (StepCommitted, RolloutsRecorded)
+    return [e for _, e in effective(read_seq_events(run_dir)) if isinstance(e, kept)]
 
 
 @pytest.mark.slow
@@ -84,7 +94,7 @@ def test_a_run_through_every_strategy_killed_at_random_moments_ends_as_the_strai
     rng = random.Random(20261127)
     # One kill in each stage (25 steps each), at a step reached by polling the log (a loaded machine
     # delays a kill but does not move it to another stage), then a moment later: mid-step or mid-commit.
-    targets = [rng.randrange(25 * stage + 2, 25 * stage + 23) for stage in range(4)]
+    targets = [rng.randrange(25 * stage + 2, 25 * stage + 23) for stage in range(5)]
     kills = 0
     try:
         for target in targets:
@@ -112,10 +122,13 @@ def test_a_run_through_every_strategy_killed_at_random_moments_ends_as_the_strai
             done.kill()
             done.wait()
         done.stderr.close()
-    assert kills == 4  # every kill happened (the run did not finish first)
-    want, got = _steps(straight), _steps(killed)
-    assert {e.stage for e in got} == {0, 1, 2, 3}
-    assert all(e.metrics for e in got if e.stage == 3) and not any(e.metrics for e in got if e.stage < 3)
+    assert kills == 5  # every kill happened (the run did not finish first)
+    want, got = _records(straight), _records(killed)
+    assert {e.stage for e in got if isinstance(e, StepCommitted)} == {0, 1, 2, 3, 4}
+    assert all(e.metrics for e in got if isinstance(e, StepCommitted) and e.stage >= 3)
+    assert not any(e.metrics for e in got if isinstance(e, StepCommitted) and e.stage < 3)
+    # rollouts on record: sampled once a window (every 2 steps), the same files by name and content
+    assert [e.step for e in got if isinstance(e, RolloutsRecorded)] == list(range(100, 125, 2))
     assert [msgspec.msgpack.encode(e) for e in got] == [msgspec.msgpack.encode(e) for e in want]
     a, b = _final(straight), _final(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -76,7 +76,7 @@ def test_a_jsonl_dataset_is_examples_only_with_its_prompt_and_response_fields(tm
 
 def test_an_unknown_strategy_is_a_type_error_naming_the_choices():
     problems = _problems(TINY.replace(SECOND, f'strategy = "rlhf"\n{SECOND}'))
-    assert problems == ["stages[1].strategy: expected one of dpo, pretrain, sft, got 'rlhf'"]
+    assert problems == ["stages[1].strategy: expected one of dpo, grpo, pretrain, sft, got 'rlhf'"]
 
 
 THIRD = 'datasets = [{ name = "sort", rate = 0.5 }, { name = "reverse", rate = 0.5 }]\nbeta = 0.2'
@@ -100,7 +100,7 @@ def test_every_dpo_problem_is_said_at_once():
         "stages[2].refresh_reference: a dpo stage compares the policy with the KL reference; refresh it on "
         "entering this stage (or an earlier one)",
         "stages[2].beta: a dpo stage's loss is its tie to the reference; its token-level KL beta must be 0",
-        "stages[1].overlap: no fade into a dpo stage (its rows are pairs), got 0.5; set overlap = 0 on stages[1]",
+        "stages[1].overlap: no fade into a dpo stage (its rows are its own), got 0.5; set overlap = 0 on stages[1]",
         "stages[2].dpo.beta: must be positive, got 0.0",
         "stages[2].dpo.label_smoothing: the hinge loss has no label smoothing (sigmoid or robust do)",
         "stages[2].dpo.sft_weight: must be >= 0, got -1.0",
@@ -116,9 +116,55 @@ def test_a_dpo_stage_reads_preferences_and_a_jsonl_dataset_gives_them_with_its_c
     assert loads_config(ok).stages[2].datasets[0].name == "prefs"
     grammar = base.replace(THIRD, 'strategy = "dpo"\ndatasets = [{ name = "grammar", rate = 1.0 }]')
     assert [p.split(";")[0] for p in _problems(grammar)] == [
-        "stages[2].datasets[0].name: an dpo stage trains on prompt/chosen/rejected examples"
+        "stages[2].datasets[0].name: a dpo stage trains on prompt/chosen/rejected examples"
     ]
     half = ok.replace('rejected_field = "bad"\n', "")
     assert _problems(half) == ["data.prefs.rejected_field: chosen_field and rejected_field go together"]
     twice = ok.replace('rejected_field = "bad"', 'rejected_field = "good"')
     assert _problems(twice) == ["data.prefs.rejected_field: must differ from the other fields ('good' is named twice)"]
+
+
+GRPO_THIRD = 'strategy = "grpo"\ndatasets = [{ name = "sort", rate = 0.5 }, { name = "reverse", rate = 0.5 }]'
+NO_FADE = ("[training.fade]\noverlap = 0.5", "[training.fade]\noverlap = 0.0")
+
+
+def test_a_grpo_stage_loads_with_its_defaults_and_its_settings_count_in_the_identity():
+    text = TINY.replace(THIRD, GRPO_THIRD).replace(*NO_FADE)
+    config = loads_config(text)
+    settings = config.stages[2].grpo_settings
+    assert (settings.group_size, settings.num_iterations, settings.loss_type) == (4, 1, "dapo")
+    assert [r.function for r in settings.rewards] == ["exact_match"]
+    tuned = loads_config(text.replace(GRPO_THIRD, f"{GRPO_THIRD}\ngrpo = {{ num_iterations = 2 }}"))
+    assert config_hash(tuned) != config_hash(config)
+
+
+def test_every_grpo_problem_is_said_at_once():
+    settings = (
+        "grpo = { group_size = 3, temperature = 0.0, max_new_tokens = 32, num_iterations = 0, epsilon_low = 1.5, "
+        "epsilon_high = -0.1, kl_beta = 0.1, rewards = [{ function = \"exact_match\", weight = 0.0 }] }"
+    )
+    text = TINY.replace(THIRD, f"{GRPO_THIRD}\n{settings}").replace("refresh_reference = true\n", "").replace(*NO_FADE)
+    assert _problems(text) == [
+        "stages[2].refresh_reference: a grpo stage compares the policy with the KL reference; refresh it on "
+        "entering this stage (or an earlier one)",
+        "stages[2].grpo.group_size: training.batch_size 8 (completions a step) is not a multiple of group_size 3",
+        "stages[2].grpo.temperature: must be positive (the log-probs are the sampled distribution's), got 0.0",
+        "stages[2].grpo.max_new_tokens: must be in [1, block_size - 1 = 31] (the prompt needs a token), got 32",
+        "stages[2].grpo.num_iterations: must be >= 1, got 0",
+        "stages[2].grpo.epsilon_low: must be in [0, 1], got 1.5",
+        "stages[2].grpo.epsilon_high: must be >= 0, got -0.1",
+        "stages[2].grpo.rewards[0].weight: must be positive, got 0.0",
+    ]
+
+
+def test_a_grpo_stage_samples_prompts_with_answers(tmp_path):
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text('{"q": "1+1=", "a": "2"}\n')
+    data = f'\n[data.maths]\nkind = "jsonl"\npath = "{rows}"\nprompt_field = "q"\nanswer_field = "a"\n'
+    base = TINY.replace(*NO_FADE)
+    ok = base.replace(THIRD, 'strategy = "grpo"\ndatasets = [{ name = "maths", rate = 1.0 }]') + data
+    assert loads_config(ok).data["maths"].answer_field == "a"
+    grammar = base.replace(THIRD, 'strategy = "grpo"\ndatasets = [{ name = "grammar", rate = 1.0 }]')
+    assert [p.split(";")[0] for p in _problems(grammar)] == [
+        "stages[2].datasets[0].name: a grpo stage trains on prompts with answers"
+    ]

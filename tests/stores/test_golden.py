@@ -35,6 +35,7 @@ from rewind.states.events import (
     NonFiniteLoss,
     OptimizerReset,
     ReferenceRefreshed,
+    RolloutsRecorded,
     RunFinished,
     RunResumed,
     RunStarted,
@@ -60,11 +61,12 @@ GOLDEN_RUNS = {
     6: GOLDEN_DIR / "run-v6-f2",
     7: GOLDEN_DIR / "run-v7-f2",
     8: GOLDEN_DIR / "run-v8-f2",
+    9: GOLDEN_DIR / "run-v9-f2",
 }  # 1, 2: frame format 1
 # By frame format: format 2 marks the end of each commit group (stores/codec.py).
 GOLDEN_FRAME_RUNS = {1: GOLDEN_DIR / "run-v2", 2: GOLDEN_DIR / "run-v3-f2"}
 # Event types a schema version added, which the goldens of older versions cannot hold.
-ADDED_IN = {"OptimizerReset": 3, "ActivationsCached": 4, "EpochStarted": 5}
+ADDED_IN = {"OptimizerReset": 3, "ActivationsCached": 4, "EpochStarted": 5, "RolloutsRecorded": 9}
 GOLDEN_CONFIG = GOLDEN_DIR / "config.json"  # Config() as it was when the log was written
 GOLDEN_SEGMENT_BYTES = 1024  # small, so the golden log spans several segments
 HASH = "9f2c4e1a" * 8
@@ -186,6 +188,23 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
             rows=[8, 0],
             cursors={"grammar": 8},
         ),
+        *(
+            [
+                RolloutsRecorded(
+                    step=1,
+                    tokens=512,
+                    stage=0,
+                    path=f"rollouts/{SHA}.safetensors",
+                    sha256=SHA,
+                    num_prompts=2,
+                    group_size=4,
+                    cursors={"grammar": 8, "add": 2},
+                    mean_reward=0.375,
+                )
+            ]
+            if version >= 9
+            else []
+        ),
         StepCommitted(
             step=2,
             tokens=1024,
@@ -196,6 +215,7 @@ def golden_events(config: Config | None = None, version: int = SCHEMA_VERSION) -
             rows=[8, 0],
             cursors={"grammar": 16},
             skipped=True,
+            **({"metrics": {"reward": 0.375, "clipped_low": 0.0625}} if version >= 9 else {}),
         ),
         NonFiniteLoss(
             step=2, tokens=1024, loss=float("inf"), action="skip", quantity="grad_norm" if newer else "loss"

@@ -146,7 +146,7 @@ def test_a_lost_last_partial_sector_of_an_unacknowledged_commit_is_a_torn_tail(t
     """The last sector a commit wrote may be partial (the segment ends mid-sector) and never reach the
     disk while the closing frame's header, in the sector before, did: zeros from the sector boundary to
     the end, however few bytes that is (here under 64), are a torn write, not damage."""
-    events = sample_events(40)
+    events = sample_events(160)
     for n in range(1, len(events) - 1):  # a first commit whose second commit's end lands 4..63 bytes into a sector
         run = str(tmp_path / f"run{n}")
         sizes = write(run, [events[:n], [events[n]]])

@@ -201,3 +201,38 @@ def test_nan_free_json_even_when_the_mean_reward_is_nan(run):
     shown = show_rollouts(run_dir, {**record, "mean_reward": NAN}, ByteTokenizer().decode)
     assert math.isnan(shown["mean_reward"])
     assert json.loads(json.dumps(json_safe(shown), allow_nan=False))["mean_reward"] is None
+
+
+def test_the_command_shows_a_real_grpo_run_s_batch_as_its_file_holds_it(tmp_path):
+    """End to end: a short run whose last stage is grpo (two updates per batch), then the command."""
+    import json as json_module
+
+    from rewind.states.events import RolloutsRecorded
+    from rewind.stores.rollouts import read_rollouts
+    from rewind.stores.runs import read_seq_events
+    from tests.conftest import EXAMPLES
+    from tests.engine.test_loop import run_cli
+
+    tiny = (EXAMPLES / "tiny.toml").read_text()
+    config = tiny[: tiny.index("[[stages]]")] + (
+        '[[stages]]\ntokens = 2_560\ndatasets = [{ name = "reverse", rate = 1.0 }]\noverlap = 0.0\n\n'
+        '[[stages]]\nstrategy = "grpo"\ntokens = 1_024\ndatasets = [{ name = "reverse", rate = 1.0 }]\n'
+        "grpo = { group_size = 4, max_new_tokens = 6, num_iterations = 2 }\n"
+    )
+    path, run = tmp_path / "grpo.toml", tmp_path / "run"
+    path.write_text(config)
+    code, _, err = run_cli("train", path, "--run-dir", run, "--no-progress")
+    assert code == 0, err
+    records = [e for _, e in read_seq_events(run) if isinstance(e, RolloutsRecorded)]
+    assert [r.step for r in records] == [10, 12]  # 10 steps of stage 0, then a batch every 2 steps
+    code, out, err = run_cli("rollouts", run, "--step", "11", "--json")
+    assert code == 0, err
+    shown = json_module.loads(out)
+    tensors, _ = read_rollouts(str(run), records[0].path, records[0].sha256)
+    assert shown["step"] == 10 and shown["sha256"] == records[0].sha256
+    completions = [c for p in shown["prompts"] for c in p["completions"]]
+    assert len(completions) == 8
+    for n, completion in enumerate(completions):
+        length = int(tensors["completion_lengths"][n])
+        assert completion["tokens"] == tensors["completions"][n, :length].tolist()
+        assert completion["advantage"] == pytest.approx(float(tensors["advantages"][n]))

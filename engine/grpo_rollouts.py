@@ -1,0 +1,145 @@
+"""A grpo stage's rollout batch: sampled by the policy, scored, kept on record before any step uses it.
+
+Before the first step of each window of `num_iterations` steps (rewind.states.plan.rollouts_due), the
+stage reads training.batch_size / group_size prompts at its datasets' cursors (each dataset its share,
+through the keyed permutation), left-truncated to leave max_new_tokens in the context, and samples
+group_size completions of each with the batched sampler (rewind.engine.generation: every draw keyed by
+seed, stage, step, prompt id "<dataset>:<row>", sample index and position, so a resumed run that
+samples this window again draws the same tokens). Each completion is scored by the stage's reward
+functions (on its text without the end token), the weighted rewards become advantages within their
+group (rewind.engine.grpo_losses.group_advantages), and the training rows (prompt + completion) get
+their old-policy log-probs now, through the forward and micro-batches the updates use, without dropout
+(so the first update's ratio is exactly 1), and the reference's when the stage has a KL term.
+
+Everything the updates need is written to one content-addressed file (rewind.stores.rollouts) before
+RolloutsRecorded names it: a resume inside the window reads it back and samples nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rewind.engine.cursors import sample_indices, split_rows
+from rewind.engine.generation import sample_completions
+from rewind.engine.grpo_losses import group_advantages, weighted_rewards
+from rewind.engine.layout import eval_mode
+from rewind.engine.parts import Parts
+from rewind.engine.response_logprobs import token_logprobs
+from rewind.engine.rolloutreader import off_rows, training_rows
+from rewind.engine.row_batches import prompt_tokens
+from rewind.engine.step import compute_precision, micro_batches
+from rewind.engine.task_rows import exact_match_reward
+from rewind.states.config import Config, Stage
+from rewind.states.events import RolloutsRecorded
+from rewind.states.state import State
+from rewind.stores.rollouts import write_rollouts
+
+# The built-in reward functions: (completion text without its end token, the row's answer) -> reward.
+REWARDS = {"exact_match": exact_match_reward}
+
+
+def sample_rollouts(parts: Parts, state: State, stage_index: int) -> RolloutsRecorded:
+    """Sample, score and keep the rollout batch of the window starting at state.step (module doc)."""
+    config, examples = parts.config, parts.datasets.examples
+    stage = config.stages[stage_index]
+    settings = stage.grpo_settings
+    group = settings.group_size
+    sources, rows, prompt_rows, cursors = _prompts(config, stage, config.training.batch_size // group, state.cursors, parts)
+    prompts = prompt_tokens(prompt_rows, config.architecture.block_size - settings.max_new_tokens)
+    names = [stage.datasets[s].name for s in sources]
+    completions = sample_completions(
+        parts.model, prompts, samples_per_prompt=group, max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature, seed=config.run.seed, stage=stage_index, step=state.step,
+        prompt_ids=[f"{name}:{row}" for name, row in zip(names, rows, strict=True)], eos_id=examples.end_id,
+    )  # fmt: skip
+    tokenizer = parts.datasets.home.tokenizer
+    answers = [examples.answer(name, row) for name, row in zip(names, prompt_rows, strict=True)]
+    texts = [tokenizer.decode([t for t in c.tokens if t != examples.end_id]) for c in completions]
+    scores = torch.tensor(
+        [[REWARDS[r.function](text, answers[n // group]) for n, text in enumerate(texts)] for r in settings.rewards],
+        dtype=torch.float32,
+    )
+    rewards = weighted_rewards(scores, [r.weight for r in settings.rewards])
+    advantages = group_advantages(rewards.view(-1, group), scale_rewards=settings.scale_rewards).reshape(-1)
+    width = settings.max_new_tokens
+    tensors = {
+        "prompt_sources": torch.tensor(sources, dtype=torch.int64),
+        "prompt_rows": torch.tensor(rows, dtype=torch.int64),
+        "prompts": _padded(prompts, max(map(len, prompts)), 0, torch.int64),
+        "prompt_lengths": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+        "completions": _padded([c.tokens for c in completions], width, 0, torch.int64),
+        "completion_lengths": torch.tensor([len(c.tokens) for c in completions], dtype=torch.int64),
+        "finished": torch.tensor([c.finish_reason == "eos" for c in completions], dtype=torch.int8),
+        "sample_logprobs": _padded([c.log_probs for c in completions], width, 0.0, torch.float32),
+        "rewards": scores,
+        "advantages": advantages.float(),
+    }
+    # The old policy's log-probs (and the reference's) on the rows the updates compute on, kept in the
+    # completions' coordinates.
+    train = training_rows(
+        tensors, end_id=examples.end_id, pad_id=examples.pad_id, block_size=config.architecture.block_size,
+        drop_truncated=settings.mask_truncated_completions,
+    )  # fmt: skip
+    models = {"old_logprobs": parts.model}
+    if settings.kl_beta > 0:
+        assert parts.reference is not None  # the config rule: a refresh at or before the stage
+        models["reference_logprobs"] = parts.reference
+    for name, model in models.items():
+        on_rows = logprobs_of(model, train.tokens, train.mask, config, settings.temperature)
+        tensors[name] = off_rows(on_rows, train.mask, width)
+    metadata = {
+        "reward_functions": ",".join(r.function for r in settings.rewards),
+        "group_size": str(group),
+        "policy_step": str(state.step),
+    }
+    path, sha256 = write_rollouts(parts.run_dir, tensors, metadata)
+    return RolloutsRecorded(
+        step=state.step, tokens=state.tokens, stage=stage_index, path=path, sha256=sha256,
+        num_prompts=len(prompts), group_size=group, cursors=cursors, mean_reward=float(rewards.nan_to_num().mean()),
+    )  # fmt: skip
+
+
+def logprobs_of(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor, config: Config, temperature: float) -> torch.Tensor:
+    """(N, block) per-token log-probs of the rows' masked targets, micro-batch by micro-batch as an update
+    computes them, without dropout and without a gradient."""
+    device = next(model.parameters()).device
+    inputs, targets, mask = tokens[:, :-1].to(device), tokens[:, 1:].to(device), mask.to(device)
+    was_training = model.training
+    eval_mode(model)
+    parts = []
+    try:
+        with torch.no_grad():
+            for rows in micro_batches(tokens.shape[0], config.training.per_device_batch_size):
+                with compute_precision(config, device):
+                    logits = model(inputs[rows])
+                parts.append(token_logprobs(logits, targets[rows], mask[rows], temperature))
+    finally:
+        model.train(was_training)
+    return torch.cat(parts).cpu()
+
+
+def _prompts(config: Config, stage: Stage, count: int, cursors: dict[str, int], parts: Parts):
+    """(source index, row index, PromptRow) of the window's prompts, dataset by dataset, and the cursors after."""
+    after, sources, rows, read = dict(cursors), [], [], []
+    examples = parts.datasets.examples
+    for s, (sampling, share) in enumerate(zip(stage.datasets, split_rows(stage.datasets, count), strict=True)):
+        if share == 0:
+            continue
+        name, source = sampling.name, examples.prompts(sampling.name)
+        start = after.get(name, 0)
+        indices = sample_indices(
+            config.run.seed, name, source.num_rows("train"), start, share, reshuffle=examples.reshuffles(name)
+        )
+        for index in indices.tolist():
+            sources.append(s)
+            rows.append(int(index))
+            read.append(source.row("train", int(index)))
+        after[name] = start + share
+    return sources, rows, read, after
+
+
+def _padded(rows: list, width: int, fill, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out

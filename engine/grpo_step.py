@@ -1,0 +1,73 @@
+"""One step of a grpo stage: an update on the rollout batch of its window (rewind.engine.grpo_rollouts).
+
+The batch is read from the file the state's RolloutsRecorded names (rewind.engine.rolloutreader, kept
+while the window lasts), so a step is a function of the folded state and the weights, as any other step is: a
+resume inside a window reads the same batch and samples nothing. The policy's per-token log-probs come
+through the path the old ones did (the same micro-batches, no dropout, the sampling temperature); the
+loss is `rewind.engine.grpo_losses.grpo_loss` with its normaliser counted once over the step's every
+micro-batch, so accumulation changes no figure. Metrics on record: the batch's mean reward, the mean KL
+estimate (with a reference) and the shares of tokens the clip held at each side.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rewind.engine.grpo_losses import grpo_loss, grpo_normaliser, weighted_rewards
+from rewind.engine.layout import eval_mode
+from rewind.engine.optimizer import AdamW
+from rewind.engine.response_logprobs import token_logprobs
+from rewind.engine.rolloutreader import TrainingRows
+from rewind.engine.step import StepResult, apply_update, compute_precision, micro_batches
+from rewind.states.config import Config, Stage
+
+
+def grpo_train_step(
+    model: nn.Module, optimizer: AdamW, batch: TrainingRows, *, config: Config, stage: Stage, lr: float
+) -> StepResult:
+    """Forward/backward over micro-batches of the rollout batch's rows, clip, and (if finite) one update."""
+    settings = stage.grpo_settings
+    device = next(model.parameters()).device
+    inputs, targets = batch.tokens[:, :-1].to(device), batch.tokens[:, 1:].to(device)
+    mask, advantages = batch.mask.to(device), batch.advantages.to(device)
+    assert batch.old_logprobs is not None  # written with every rollout batch
+    old = batch.old_logprobs.to(device)
+    reference = None if batch.reference_logprobs is None else batch.reference_logprobs.to(device)
+    slices = micro_batches(batch.tokens.shape[0], config.training.per_device_batch_size)
+    # Completion-aligned masks (each row's completion tokens first) for the normaliser: its dr_grpo form
+    # counts max_new_tokens a row, the others count the masked tokens.
+    aligned = torch.arange(settings.max_new_tokens, device=device) < mask.sum(dim=1)[:, None]
+    normaliser = grpo_normaliser([aligned[rows] for rows in slices], settings.loss_type, settings.max_new_tokens)
+    eval_mode(model)  # no dropout: the old log-probs were computed without it (module doc)
+    optimizer.zero_grad(set_to_none=True)
+    total = kl = low = high = counted = 0.0
+    for rows in slices:
+        with compute_precision(config, device):
+            logits = model(inputs[rows])
+        logprobs = token_logprobs(logits, targets[rows], mask[rows], settings.temperature)
+        out = grpo_loss(
+            logprobs, old[rows], None if reference is None else reference[rows], advantages[rows], mask[rows],
+            loss_type=settings.loss_type, epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high,
+            normaliser=normaliser, kl_beta=settings.kl_beta, kl_estimator=settings.kl_estimator,
+        )  # fmt: skip
+        out.loss.backward()
+        total += float(out.loss.detach())
+        kl += float(out.kl_sum)
+        low, high = low + float(out.clipped_low), high + float(out.clipped_high)
+        counted += float(out.num_tokens)
+    model.train()
+    grad_norm, finite = apply_update(model, optimizer, config, lr, (total, kl))
+    per_token = max(counted, 1.0)
+    rewards = weighted_rewards(batch.rewards, [r.weight for r in settings.rewards])
+    metrics = {
+        "reward": float(rewards.nan_to_num().mean()),
+        "kl": kl / per_token,
+        "clipped_low": low / per_token,
+        "clipped_high": high / per_token,
+        "completion_tokens": counted / batch.tokens.shape[0],
+    }
+    return StepResult(
+        loss=total, kl=kl / per_token, grad_norm=grad_norm, num_correct=0,
+        num_target_tokens=int(counted), finite=finite, metrics=metrics,
+    )  # fmt: skip

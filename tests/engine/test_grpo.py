@@ -1,0 +1,101 @@
+"""A grpo stage's update: the first update of a rollout batch sees a ratio of exactly 1 (the old
+log-probs come through the path the update computes on, kept in the file and laid back on the rows bit
+for bit), so even a clip band of zero width holds nothing; the second update of the batch (after an
+optimizer step) is clipped; the rollout batch's rows and values move between the file's coordinates and
+the training rows exactly. (Killed and resumed inside a window: test_posttrain_kill.)"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rewind.engine.grpo_rollouts import logprobs_of
+from rewind.engine.grpo_step import grpo_train_step
+from rewind.engine.layout import build_model
+from rewind.engine.rolloutreader import TrainingRows, off_rows, on_rows, training_rows
+from rewind.engine.row_batches import completion_batch
+from rewind.engine.step import build_optimizer
+from rewind.states.config_reading import loads_config
+from tests.conftest import EXAMPLES
+
+TINY = (EXAMPLES / "tiny.toml").read_text()
+THIRD = 'datasets = [{ name = "sort", rate = 0.5 }, { name = "reverse", rate = 0.5 }]\nbeta = 0.2'
+SETTINGS = "grpo = { group_size = 4, max_new_tokens = 8, epsilon_low = 0.0, epsilon_high = 0.0 }"
+TEXT = (
+    TINY.replace(THIRD, f'strategy = "grpo"\ndatasets = [{{ name = "sort", rate = 1.0 }}]\n{SETTINGS}')
+    .replace("[training.fade]\noverlap = 0.5", "[training.fade]\noverlap = 0.0")
+    .replace("[architecture]", "[architecture]\ndropout = 0.1")  # off in grpo updates
+)
+WHOLE = loads_config(TEXT)
+CONFIG = loads_config(TEXT.replace("[training]", "[training]\nper_device_batch_size = 2"))  # 4 micro-batches
+NEWLINE = 10
+
+
+def _rows(model, seed: int = 0) -> TrainingRows:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(11, 120, (int(n),), generator=generator).tolist() for n in (5, 9)]
+    completions = []
+    for n in range(8):
+        length = 1 + n % 8
+        tokens = torch.randint(11, 120, (length,), generator=generator).tolist()
+        completions.append(tokens + ([NEWLINE] if n % 3 else []))  # some finished, some cut
+    batch = completion_batch([prompts[i // 4] for i in range(8)], completions, NEWLINE, 0, 32)
+    old = logprobs_of(model, batch.tokens, batch.completion_mask, CONFIG, 1.0)
+    advantages = torch.randn(8, generator=generator)
+    return TrainingRows(batch.tokens, batch.completion_mask, old, None, advantages, torch.zeros(1, 8))
+
+
+def test_the_first_update_of_a_rollout_batch_sees_a_ratio_of_exactly_one_and_the_second_is_clipped():
+    model = build_model(CONFIG, None)
+    rows = _rows(model)
+    optimizer = build_optimizer(model, CONFIG)
+    first = grpo_train_step(model, optimizer, rows, config=CONFIG, stage=CONFIG.stages[2], lr=0.05)
+    # a band of zero width: any ratio other than exactly 1 would be counted as clipped
+    assert first.metrics["clipped_low"] == 0.0 and first.metrics["clipped_high"] == 0.0
+    assert first.finite and first.grad_norm > 0
+    second = grpo_train_step(model, optimizer, rows, config=CONFIG, stage=CONFIG.stages[2], lr=0.05)
+    assert second.metrics["clipped_low"] + second.metrics["clipped_high"] > 0
+
+
+def test_an_update_is_the_same_in_one_micro_batch_or_several():
+    model = build_model(CONFIG, None)
+    rows = _rows(model, seed=3)
+    results = []
+    for config in (WHOLE, CONFIG):
+        copied = copy.deepcopy(model)
+        optimizer = build_optimizer(copied, config)
+        results.append(grpo_train_step(copied, optimizer, rows, config=config, stage=config.stages[2], lr=0.0))
+    a, b = results
+    assert abs(a.loss - b.loss) <= 1e-6 * max(abs(a.loss), 1e-6) and abs(a.grad_norm - b.grad_norm) <= 1e-5 * a.grad_norm
+
+
+@given(st.lists(st.integers(0, 8), min_size=1, max_size=6), st.integers(0, 2**31 - 1))
+def test_values_move_between_the_file_and_the_rows_exactly(lengths, seed):
+    generator = torch.Generator().manual_seed(seed)
+    completions = [torch.randint(11, 120, (n,), generator=generator).tolist() for n in lengths]
+    batch = completion_batch([[1, 2, 3]] * len(lengths), completions, NEWLINE, 0, 16)
+    values = torch.randn(len(lengths), 8, generator=generator)
+    within = torch.arange(8).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    values = values * within  # the file's padding is 0
+    laid = on_rows(values, torch.tensor(lengths), batch.completion_mask)
+    assert torch.equal(off_rows(laid, batch.completion_mask, 8), values)
+
+
+def test_a_rollout_batch_s_rows_are_its_prompts_and_completions():
+    tensors = {
+        "prompts": torch.tensor([[5, 6, 0], [7, 8, 9]]),
+        "prompt_lengths": torch.tensor([2, 3]),
+        "completions": torch.tensor([[1, NEWLINE], [2, 0], [3, 3], [4, NEWLINE]]),
+        "completion_lengths": torch.tensor([2, 1, 2, 2]),
+        "old_logprobs": torch.tensor([[-1.0, -2.0], [-3.0, 0.0], [-4.0, -5.0], [-6.0, -7.0]]),
+        "advantages": torch.zeros(4),
+        "rewards": torch.zeros(1, 4),
+    }
+    rows = training_rows(tensors, end_id=NEWLINE, pad_id=0, block_size=8, drop_truncated=True)
+    assert rows.tokens[0, :4].tolist() == [5, 6, 1, NEWLINE] and rows.tokens[3, :5].tolist() == [7, 8, 9, 4, NEWLINE]
+    # rows 1 and 2 have no end token: dropped from the loss, their values with them
+    assert rows.mask.sum(dim=1).tolist() == [2, 0, 0, 2]
+    assert rows.old_logprobs[0][rows.mask[0]].tolist() == [-1.0, -2.0] and rows.old_logprobs[1].abs().sum() == 0
