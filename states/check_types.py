@@ -111,6 +111,12 @@ def _walk(value: Any, info: mi.Type, path: str) -> list[str]:
         for i, item in enumerate(value):
             problems += _walk(item, info.item_type, f"{path}[{i}]")
         return problems
+    if isinstance(info, mi.UnionType) and (tables := [t for t in info.types if isinstance(t, mi.StructType)]):
+        # A table that may be left out (a stage's `sft`, ...): walked as its struct, so its problems are
+        # said with their paths (a leaf check would take any value for it).
+        if value is None and any(isinstance(t, mi.NoneType) for t in info.types):
+            return []
+        return _walk(value, tables[0], path)
     if isinstance(info, mi.DictType) and isinstance(info.value_type, mi.StructType):
         if not isinstance(value, dict):
             return [f"{_label(path)}: expected a table, got {_kind(value)}"]

@@ -168,3 +168,17 @@ def test_a_grpo_stage_samples_prompts_with_answers(tmp_path):
     assert [p.split(";")[0] for p in _problems(grammar)] == [
         "stages[2].datasets[0].name: a grpo stage trains on prompts with answers"
     ]
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        ("sft = []", "stages[1].sft: expected a table, got a list"),
+        ("sft = 3", "stages[1].sft: expected a table, got an integer"),
+        ("sft = { packing = 2 }", "stages[1].sft.packing: expected `bool`, got `int`"),
+        ("grpo = { rewards = [{ function = \"judge\" }] }", "stages[1].grpo.rewards[0].function: expected one of exact_match, got 'judge'"),
+        ("dpo = { margin = 1.0 }", "stages[1].dpo.margin: unknown key (expected one of: beta, label_smoothing, loss, sft_weight)"),
+    ],
+)
+def test_a_settings_table_of_the_wrong_type_is_one_line_with_its_path(table, problem):
+    assert _problems(TINY.replace(SECOND, f"{SECOND}\n{table}")) == [problem]
