@@ -13,7 +13,9 @@ that scores running text):
 (d) the KL term itself, KL(policy || reference) per target token, and beta x KL, the part it adds
     to the objective (smoothed as the loss is);
 (e) the realised data mixture per dataset (each step's cursor advance / batch) as a stacked area, so
-    the split inside a stage (80% task, 20% replay) shows, not only the fades between stages.
+    the split inside a stage (80% task, 20% replay) shows, not only the fades between stages;
+(f) for a run with post-training stages, their steps' own figures: a grpo stage's mean reward and KL
+    to the reference, a dpo stage's implicit-reward accuracy and margin.
 
 Every panel carries the stage context (boundaries, fade windows, reference refreshes) and the run's
 markers (stack appends, resumes, checkpoints, non-finite losses). It draws from a `Timeline`
@@ -221,6 +223,25 @@ def _draw_kl(ax, timeline: Timeline, steps: StepColumns) -> None:
     ax.set_ylim(bottom=0)
 
 
+# The post-training figures the panel draws (StepCommitted.metrics), in its legend's order.
+POSTTRAINING_METRICS = {
+    "reward": "grpo: mean reward",
+    "accuracy": "dpo: reward accuracy",
+    "margin": "dpo: reward margin",
+    "kl": "grpo: KL to the reference",
+}
+
+
+def _draw_posttraining(ax, timeline: Timeline) -> None:
+    """(f) Each post-training step's own figures: a grpo stage's mean reward (and KL to the reference),
+    a dpo stage's implicit-reward accuracy and margin."""
+    for name, label in POSTTRAINING_METRICS.items():
+        if name in timeline.metric_points:
+            xs, ys = timeline.metric_points[name].points()
+            ax.plot(xs, ys, linewidth=1.0, label=label)
+    ax.set_ylabel("post-training", fontsize=9)
+
+
 def _draw_mixture(ax, steps: StepColumns, styles: dict) -> None:
     ax.set_ylim(0, 1)
     ax.set_ylabel("realised data\nmixture")
@@ -288,7 +309,8 @@ def _draw_stops(ax, timeline: Timeline) -> None:
 
 def timeline_figure(timeline: Timeline):
     """The picture of a Timeline read `with_plot` (its bounded series), as a matplotlib Figure whose
-    panels are labelled (Axes.get_label): loss, bits per byte (text runs), accuracy, lr, kl, mixture."""
+    panels are labelled (Axes.get_label): loss, bits per byte (text runs), accuracy, lr, kl, mixture,
+    post-training (runs with post-training stages)."""
     if timeline.steps is None:
         raise ValueError("the timeline was read without with_plot: it has no series to draw")
     plt = pyplot()
@@ -307,6 +329,9 @@ def timeline_figure(timeline: Timeline):
     heights = {"loss": 2.6, "bits per byte": 1.3, "accuracy": 1.5, "lr": 1.1, "kl": 1.0, "mixture": 1.0}
     if not bits:
         del heights["bits per byte"]
+    posttraining = any(name in timeline.metric_points for name in POSTTRAINING_METRICS)
+    if posttraining:
+        heights["post-training"] = 1.2
     panels = {"height_ratios": list(heights.values()), "hspace": 0.08}
     fig, axes = plt.subplots(
         len(heights), 1, figsize=(12, 1.74 * sum(heights.values())), sharex=True, gridspec_kw=panels
@@ -322,6 +347,8 @@ def timeline_figure(timeline: Timeline):
     twin = _draw_lr_beta(ax_lr, timeline, steps)
     _draw_kl(ax_kl, timeline, steps)
     _draw_mixture(ax_mix, steps, styles)
+    if posttraining:
+        _draw_posttraining(by_name["post-training"], timeline)
     total = schedule.num_steps * tps
     for i, ax in enumerate(axes):
         draw_stage_context(ax, schedule, refreshes, label=i == 0)
@@ -338,9 +365,10 @@ def timeline_figure(timeline: Timeline):
     for ax in axes:
         if ax is not ax_lr and ax.get_legend_handles_labels()[0]:
             ax.legend(**LEGEND)
-    ax_mix.set_xlim(0, total * 1.005)  # room for the markers of the final evaluation
-    ax_mix.set_xlabel("training tokens")
-    ax_mix.xaxis.set_major_formatter(FuncFormatter(format_tokens))
+    bottom = axes[-1]
+    bottom.set_xlim(0, total * 1.005)  # room for the markers of the final evaluation
+    bottom.set_xlabel("training tokens")
+    bottom.xaxis.set_major_formatter(FuncFormatter(format_tokens))
     top = ax_loss.secondary_xaxis("top", functions=(lambda t: t / tps, lambda s: s * tps))
     top.xaxis.set_major_locator(MaxNLocator(integer=True))
     top.set_xlabel("optimizer steps", fontsize=9)

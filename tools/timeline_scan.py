@@ -127,6 +127,9 @@ class Timeline:
         self.steps = StepBuckets() if with_plot else None
         self.superseded_points = PointSampler()
         self.validation_points: dict[str, PointSampler] = {}
+        # Post-training steps' own figures (StepCommitted.metrics: a dpo step's margin, a grpo step's
+        # reward, ...), by name.
+        self.metric_points: dict[str, PointSampler] = {}
 
     def add(self, seq: int, event: Event, superseded: bool) -> None:
         if isinstance(event, RAW_MARKERS):
@@ -175,6 +178,8 @@ class Timeline:
         self.last_step = e
         if self.steps is not None:
             self.steps.add(e)
+            for name, value in e.metrics.items():
+                self.metric_points.setdefault(name, PointSampler()).add(e.tokens, value)
 
     def finish(self, state) -> Timeline:
         """The pass is over: `state` is the fold of the whole log."""

@@ -24,10 +24,11 @@ from tests.engine.test_loop import EXAMPLES
 PROGRESSIVE, TEXT = EXAMPLES / "progressive.toml", EXAMPLES / "text.toml"
 
 
-def written_timeline(config_path, loss_of, evaluation_of) -> Timeline:
+def written_timeline(config_path, loss_of, evaluation_of, metrics_of=lambda k: {}) -> Timeline:
     """A finished run of an example as its log reads: the planned control events (stage entries,
-    growths, refreshes, fades) where they fall, step k's loss `loss_of(k, stage)`, and before training
-    and at each stage's end an Evaluated whose fields are `evaluation_of(boundary)`."""
+    growths, refreshes, fades) where they fall, step k's loss `loss_of(k, stage)` (and metrics
+    `metrics_of(k)`), and before training and at each stage's end an Evaluated whose fields are
+    `evaluation_of(boundary)`."""
     config = load_config(str(config_path), [])
     schedule = Schedule(config)
     tps = schedule.tokens_per_step
@@ -47,7 +48,8 @@ def written_timeline(config_path, loss_of, evaluation_of) -> Timeline:
             loss = loss_of(k, p.stage)
             records.append(
                 StepCommitted(
-                    step=k + 1, tokens=(k + 1) * tps, stage=p.stage, lr=p.lr, beta=p.beta, loss=loss
+                    step=k + 1, tokens=(k + 1) * tps, stage=p.stage, lr=p.lr, beta=p.beta, loss=loss,
+                    metrics=metrics_of(k),
                 )
             )
     timeline = Timeline("written", with_plot=True)
@@ -135,3 +137,21 @@ def test_accuracy_is_drawn_as_points_where_it_was_measured(figures):
         assert line.get_linestyle() == "None" and line.get_marker() != "None"  # nothing drawn between
         assert list(line.get_xdata()) == tokens
         assert list(line.get_ydata()) == [e.scores[task] for e in timeline.evaluations]
+
+
+def test_post_training_steps_get_a_panel_of_their_own_figures(figures):
+    """A step's metrics (a dpo step's accuracy and margin, a grpo step's reward) are drawn where they were
+    measured, in a panel only runs with such steps get."""
+
+    def metrics(k: int) -> dict:
+        return {"reward": k / 100, "margin": -k / 50} if k >= 50 else {}
+
+    plain = written_timeline(PROGRESSIVE, lambda k, stage: 3.0, no_text)
+    assert "post-training" not in panels(figures(plain))  # a pretraining run: no such panel
+    timeline = written_timeline(PROGRESSIVE, lambda k, stage: 3.0, no_text, metrics)
+    drawn = panels(figures(timeline))["post-training"].get_lines()
+    lines = {line.get_label(): line for line in drawn if line.get_label().partition(":")[0] in ("grpo", "dpo")}
+    assert set(lines) == {"grpo: mean reward", "dpo: reward margin"}
+    tps = timeline.schedule.tokens_per_step
+    reward = lines["grpo: mean reward"]
+    assert list(reward.get_xdata())[:2] == [51 * tps, 52 * tps] and list(reward.get_ydata())[:2] == [0.5, 0.51]
