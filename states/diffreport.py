@@ -17,6 +17,7 @@ from rewind.states.events import (
     NonFiniteLoss,
     OptimizerReset,
     ReferenceRefreshed,
+    RolloutsRecorded,
     RunFinished,
     StackAppended,
     StageEntered,
@@ -31,6 +32,7 @@ CONTENT_TYPES: tuple[type[Event], ...] = (
     ReferenceRefreshed,
     OptimizerReset,
     StackAppended,
+    RolloutsRecorded,  # a grpo stage's batch, named by its content: two runs sampled alike or not
     StepCommitted,
     Validated,
     Evaluated,

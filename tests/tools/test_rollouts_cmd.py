@@ -203,13 +203,8 @@ def test_nan_free_json_even_when_the_mean_reward_is_nan(run):
     assert json.loads(json.dumps(json_safe(shown), allow_nan=False))["mean_reward"] is None
 
 
-def test_the_command_shows_a_real_grpo_run_s_batch_as_its_file_holds_it(tmp_path):
-    """End to end: a short run whose last stage is grpo (two updates per batch), then the command."""
-    import json as json_module
-
-    from rewind.states.events import RolloutsRecorded
-    from rewind.stores.rollouts import read_rollouts
-    from rewind.stores.runs import read_seq_events
+def _grpo_run(tmp_path, name: str, settings: str = "") -> str:
+    """A short run whose last stage is grpo (two updates per batch): 10 steps of reverse, then 4 of grpo."""
     from tests.conftest import EXAMPLES
     from tests.engine.test_loop import run_cli
 
@@ -217,12 +212,24 @@ def test_the_command_shows_a_real_grpo_run_s_batch_as_its_file_holds_it(tmp_path
     config = tiny[: tiny.index("[[stages]]")] + (
         '[[stages]]\ntokens = 2_560\ndatasets = [{ name = "reverse", rate = 1.0 }]\noverlap = 0.0\n\n'
         '[[stages]]\nstrategy = "grpo"\ntokens = 1_024\ndatasets = [{ name = "reverse", rate = 1.0 }]\n'
-        "grpo = { group_size = 4, max_new_tokens = 6, num_iterations = 2 }\n"
+        f"grpo = {{ group_size = 4, max_new_tokens = 6, num_iterations = 2{settings} }}\n"
     )
-    path, run = tmp_path / "grpo.toml", tmp_path / "run"
+    path, run = tmp_path / f"{name}.toml", tmp_path / name
     path.write_text(config)
     code, _, err = run_cli("train", path, "--run-dir", run, "--no-progress")
     assert code == 0, err
+    return str(run)
+
+
+def test_the_command_shows_a_real_grpo_run_s_batch_as_its_file_holds_it(tmp_path):
+    import json as json_module
+
+    from rewind.states.events import RolloutsRecorded
+    from rewind.stores.rollouts import read_rollouts
+    from rewind.stores.runs import read_seq_events
+    from tests.engine.test_loop import run_cli
+
+    run = _grpo_run(tmp_path, "run")
     records = [e for _, e in read_seq_events(run) if isinstance(e, RolloutsRecorded)]
     assert [r.step for r in records] == [10, 12]  # 10 steps of stage 0, then a batch every 2 steps
     code, out, err = run_cli("rollouts", run, "--step", "11", "--json")
@@ -236,3 +243,15 @@ def test_the_command_shows_a_real_grpo_run_s_batch_as_its_file_holds_it(tmp_path
         length = int(tensors["completion_lengths"][n])
         assert completion["tokens"] == tensors["completions"][n, :length].tolist()
         assert completion["advantage"] == pytest.approx(float(tensors["advantages"][n]))
+
+
+def test_diff_finds_the_first_rollout_batch_two_runs_sampled_differently(tmp_path):
+    from tests.engine.test_loop import run_cli
+
+    a, b = _grpo_run(tmp_path, "a"), _grpo_run(tmp_path, "b", ", temperature = 0.7")
+    code, out, err = run_cli("diff", a, b, "--json")
+    assert code == 1, err
+    import json as json_module
+
+    divergence = json_module.loads(out)["divergence"]
+    assert (divergence["step"], divergence["a"]["type"], divergence["field"]) == (10, "RolloutsRecorded", "path")
