@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rewind.engine.grpo_step import window_rows
 from rewind.engine.parts import Parts, build_parts, fresh_parts, open_datasets, starting_weights
 from rewind.engine.placement import (
     Placement,
@@ -28,6 +29,7 @@ from rewind.engine.rundata import DataChanged, check_data
 from rewind.engine.userdata import DataHome
 from rewind.states.config import Config
 from rewind.states.entry import Site
+from rewind.states.plan import rollouts_due
 from rewind.states.state import State
 
 
@@ -84,4 +86,8 @@ def assemble(
         pretrained = starting_weights(config, None)
         parts = fresh_parts(config, run_dir, datasets, pretrained)
         return Assembled(parts, pretrained.identity if pretrained is not None else "")
-    return Assembled(build_parts(config, run_dir, state, datasets), state.pretrained)
+    parts = build_parts(config, run_dir, state, datasets)
+    in_window = state.rollouts is not None and config.stages[state.stage].strategy == "grpo"
+    if in_window and not rollouts_due(state, parts.schedule, state.step):
+        window_rows(parts, state)  # the batch the next steps read: checked now, before a resume records anything
+    return Assembled(parts, state.pretrained)

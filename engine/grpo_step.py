@@ -11,6 +11,8 @@ estimate (with a reference) and the shares of tokens the clip held at each side.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -21,6 +23,20 @@ from rewind.engine.response_logprobs import token_logprobs
 from rewind.engine.rolloutreader import TrainingRows
 from rewind.engine.step import StepResult, apply_update, compute_precision, micro_batches
 from rewind.states.config import Config, Stage
+from rewind.states.state import State
+
+if TYPE_CHECKING:
+    from rewind.engine.parts import Parts
+
+
+def window_rows(parts: Parts, state: State) -> TrainingRows:
+    """The training rows of the rollout batch the state's grpo window updates on (read once per window)."""
+    config, examples = parts.config, parts.datasets.examples
+    return parts.rollout_reader.rows(
+        parts.run_dir, state, end_id=examples.end_id, pad_id=examples.pad_id,
+        block_size=config.architecture.block_size,
+        drop_truncated=config.stages[state.stage].grpo_settings.mask_truncated_completions,
+    )  # fmt: skip
 
 
 def grpo_train_step(

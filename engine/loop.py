@@ -27,7 +27,7 @@ from rewind.engine.effects import apply_effect
 from rewind.engine.evaluation import evaluate, validate
 from rewind.engine.example_rows import step_rows
 from rewind.engine.grpo_rollouts import sample_rollouts
-from rewind.engine.grpo_step import grpo_train_step
+from rewind.engine.grpo_step import grpo_train_step, window_rows
 from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
 from rewind.engine.placement import launched_world_size
@@ -193,11 +193,7 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
             parts.model, parts.optimizer, pairs, config=config, stage=stage, lr=lr, reference=parts.reference
         )
     elif stage.strategy == "grpo":  # on the window's rollout batch; its prompts moved the cursors
-        examples, cursors = parts.datasets.examples, state.cursors
-        batch = parts.rollout_reader.rows(
-            parts.run_dir, state, end_id=examples.end_id, pad_id=examples.pad_id,
-            block_size=config.architecture.block_size, drop_truncated=stage.grpo_settings.mask_truncated_completions,
-        )  # fmt: skip
+        batch, cursors = window_rows(parts, state), state.cursors
         result = grpo_train_step(parts.model, parts.optimizer, batch, config=config, stage=stage, lr=lr)
     else:
         rows = step_rows(config, plan.rows, state.cursors, parts.datasets)

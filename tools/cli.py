@@ -142,6 +142,7 @@ _DAMAGE = {
     ("rewind.stores.confine", "NotConfined"),  # a name in the run that leads out of it
     ("rewind.engine.rundata", "DataChanged"),  # a data file changed under a training run
     ("rewind.engine.tokens", "TokenFileError"),  # a token file cut short while it was read
+    ("rewind.stores.rollouts", "RolloutError"),  # a grpo run's rollout file missing or damaged
 }
 
 

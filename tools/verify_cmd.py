@@ -47,7 +47,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str]]:
     """(problems, notes). Problems make the run fail verification; notes are informational. `data`: the
     run's data files too (8.)."""
-    from rewind.states.events import ActivationsCached, CheckpointCommitted, ConfigChanged, RunStarted
+    from rewind.states.events import (
+        ActivationsCached,
+        CheckpointCommitted,
+        ConfigChanged,
+        RolloutsRecorded,
+        RunStarted,
+    )
     from rewind.states.fold import IllegalTransition, apply
     from rewind.states.state import State, anchor_checkpoint, control_summary
     from rewind.stores import snapshots
@@ -82,6 +88,7 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
     at_checkpoint: dict[str, dict] = {}
     cached = {seq: snapshots.read(run_dir, seq) for seq in snapshots.list_seqs(run_dir)}
     checker, max_step, end_seq = RecordChecker(), 0, -1
+    rollouts: dict[str, tuple[str, str]] = {}  # sha256 -> (where first recorded, path)
     elsewhere: list[int] = []  # snapshots of another release: unused, replaced at the next checkpoint
     with EventLog.open(run_dir) as log:
         for record in log.records(check=False):  # checked below, so each problem is reported
@@ -101,6 +108,8 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
                 at_checkpoint[record.event.checkpoint] = control_summary(state)
             if isinstance(record.event, ActivationsCached) and record.event.path:
                 problems += [f"record: {where}: {p}" for p in _cache_problems(run_dir, record.event.path)]
+            if isinstance(record.event, RolloutsRecorded):
+                rollouts.setdefault(record.event.sha256, (where, record.event.path))
             if record.seq in cached:
                 snapshot = cached.pop(record.seq)
                 if snapshot is None and snapshots.written_elsewhere(run_dir, record.seq):
@@ -141,6 +150,10 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
             problems.append(f"restore point: its {role} {ref.checkpoint} is not live: a resume could not load it")
     verdict = f"{num_bad} with problems" if num_bad else "verified"
     notes.append(f"checkpoints: {len(state.live_checkpoints)} live, {verdict}")
+    if rollouts:
+        found = _rollout_problems(run_dir, rollouts)
+        problems += found
+        notes.append(f"rollouts: {len(rollouts)} file(s), {f'{len(found)} with problems' if found else 'verified'}")
     live_names = [c.checkpoint for c in state.live_checkpoints]
     end = LogEnd(end_seq, state.step, lambda: max_step)
     interval = config.logging.report_interval if config is not None else 1
@@ -176,6 +189,20 @@ def _trunk_problems(run_dir: str, trunks: dict, checked: dict[str, str]) -> list
                 checked[digest] = str(exc)
         if checked[digest]:
             found.append(f"frozen stack {stack}: {checked[digest]}")
+    return found
+
+
+def _rollout_problems(run_dir: str, rollouts: dict[str, tuple[str, str]]) -> list[str]:
+    """Every rollout file the log names (a grpo stage's batches, kept for the record and read by the steps
+    of their window): present, its bytes hashing to its name, a batch in rewind's format."""
+    from rewind.stores.rollouts import RolloutError, read_rollouts
+
+    found = []
+    for sha256, (where, path) in rollouts.items():
+        try:
+            read_rollouts(run_dir, path, sha256)
+        except RolloutError as exc:
+            found.append(f"record: {where}: {exc}")
     return found
 
 

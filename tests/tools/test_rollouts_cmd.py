@@ -203,7 +203,7 @@ def test_nan_free_json_even_when_the_mean_reward_is_nan(run):
     assert json.loads(json.dumps(json_safe(shown), allow_nan=False))["mean_reward"] is None
 
 
-def _grpo_run(tmp_path, name: str, settings: str = "") -> str:
+def _grpo_run(tmp_path, name: str, settings: str = "", *args: str) -> str:
     """A short run whose last stage is grpo (two updates per batch): 10 steps of reverse, then 4 of grpo."""
     from tests.conftest import EXAMPLES
     from tests.engine.test_loop import run_cli
@@ -216,7 +216,7 @@ def _grpo_run(tmp_path, name: str, settings: str = "") -> str:
     )
     path, run = tmp_path / f"{name}.toml", tmp_path / name
     path.write_text(config)
-    code, _, err = run_cli("train", path, "--run-dir", run, "--no-progress")
+    code, _, err = run_cli("train", path, "--run-dir", run, "--no-progress", *args)
     assert code == 0, err
     return str(run)
 
@@ -255,3 +255,35 @@ def test_diff_finds_the_first_rollout_batch_two_runs_sampled_differently(tmp_pat
 
     divergence = json_module.loads(out)["divergence"]
     assert (divergence["step"], divergence["a"]["type"], divergence["field"]) == (10, "RolloutsRecorded", "path")
+
+
+def test_a_rollout_file_lost_inside_its_window_stops_a_resume_before_it_records_anything(tmp_path):
+    """Stopped at step 11, the second update of the window sampled at step 10: its steps need that batch.
+    Without the file a resume is one line and leaves the log as it was; with it back, the run ends on
+    the straight run's records (and `rewind verify` says which file is missing meanwhile)."""
+    import shutil
+
+    from rewind.states.events import RolloutsRecorded, StepCommitted
+    from rewind.states.history import effective
+    from rewind.stores.runs import read_seq_events
+    from tests.engine.test_loop import run_cli
+
+    straight = _grpo_run(tmp_path, "straight")
+    stopped = _grpo_run(tmp_path, "stopped", "", "--max-steps", "11")
+    (record,) = [e for _, e in read_seq_events(stopped) if isinstance(e, RolloutsRecorded)]
+    kept = tmp_path / "kept.safetensors"
+    shutil.move(f"{stopped}/{record.path}", kept)
+    before = read_seq_events(stopped)
+    code, _, err = run_cli("train", tmp_path / "stopped.toml", "--run-dir", stopped, "--no-progress")
+    assert code == 1 and err.count("\n") == 1 and "missing" in err and record.path in err, err
+    assert read_seq_events(stopped) == before  # nothing recorded
+    code, out, _ = run_cli("verify", stopped)
+    assert code == 1 and "PROBLEM record: seq" in out and record.path in out
+    shutil.move(kept, f"{stopped}/{record.path}")
+    code, _, err = run_cli("train", tmp_path / "stopped.toml", "--run-dir", stopped, "--no-progress")
+    assert code == 0, err
+
+    def records(run: str) -> list:
+        return [e for _, e in effective(read_seq_events(run)) if isinstance(e, StepCommitted | RolloutsRecorded)]
+
+    assert records(stopped) == records(straight)
