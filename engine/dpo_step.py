@@ -18,9 +18,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from rewind.engine.cursors import sample_indices, split_rows
 from rewind.engine.dpo_losses import dpo_loss
-from rewind.engine.example_sources import ExampleSources
+from rewind.engine.example_sources import ExampleSources, mixture_rows
 from rewind.engine.layout import eval_mode
 from rewind.engine.optimizer import AdamW
 from rewind.engine.placement import placement_for
@@ -37,18 +36,9 @@ def preference_rows(
     config: Config, stage: Stage, pairs: int, cursors: Mapping[str, int], examples: ExampleSources
 ) -> tuple[RowBatch, dict[str, int]]:
     """The step's pairs as [chosen rows; rejected rows] (2 * pairs rows) and the cursors after them."""
-    after, read = dict(cursors), []
-    for sampling, count in zip(stage.datasets, split_rows(stage.datasets, pairs), strict=True):
-        if count == 0:
-            continue
-        name, source = sampling.name, examples.preferences(sampling.name)
-        start = after.get(name, 0)
-        indices = sample_indices(
-            config.run.seed, name, source.num_rows("train"), start, count, reshuffle=examples.reshuffles(name)
-        )
-        read += [source.row("train", int(i)) for i in indices]
-        after[name] = start + count
-    return preference_batch(read, config.architecture.block_size, examples.end_id, examples.pad_id), after
+    read, after = mixture_rows(config.run.seed, stage, pairs, cursors, examples, "preference")
+    rows = [row for _, _, row in read]
+    return preference_batch(rows, config.architecture.block_size, examples.end_id, examples.pad_id), after
 
 
 def dpo_train_step(

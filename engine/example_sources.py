@@ -5,14 +5,17 @@ give the same two splits)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from rewind.engine.cursors import sample_indices, split_rows
 from rewind.engine.datasets import DatasetError
 from rewind.engine.documents import DocumentError, expand_inputs
-from rewind.engine.row_sources import FileRows, RowKind, TaskRows
+from rewind.engine.row_sources import FileRows, Row, RowKind, TaskRows
 from rewind.engine.rowfiles import read_preference_rows, read_prompt_rows, read_sft_rows
 from rewind.engine.rows import PreferenceRow, PromptRow, SftRow, end_token
 from rewind.engine.task_rows import ANSWER_FIELD
 from rewind.engine.userdata import DataHome
-from rewind.states.config import Config
+from rewind.states.config import Config, Stage
 
 
 class ExampleSources:
@@ -25,13 +28,13 @@ class ExampleSources:
         self._opened: dict[tuple[str, RowKind], TaskRows | FileRows] = {}
 
     def sft(self, name: str) -> TaskRows | FileRows[SftRow]:
-        return self._get(name, "sft")
+        return self.rows_of(name, "sft")
 
     def preferences(self, name: str) -> TaskRows | FileRows[PreferenceRow]:
-        return self._get(name, "preference")
+        return self.rows_of(name, "preference")
 
     def prompts(self, name: str) -> TaskRows | FileRows[PromptRow]:
-        return self._get(name, "prompt")
+        return self.rows_of(name, "prompt")
 
     def answer(self, name: str, row: PromptRow) -> str:
         """The answer a grpo stage's exact_match reward compares `row`'s completions with."""
@@ -50,7 +53,7 @@ class ExampleSources:
     def pad_id(self) -> int:
         return self.home.tokenizer.pad_id
 
-    def _get(self, name: str, kind: RowKind) -> TaskRows | FileRows:
+    def rows_of(self, name: str, kind: RowKind) -> TaskRows | FileRows:
         if (name, kind) not in self._opened:
             self._opened[name, kind] = self._open(name, kind)
         return self._opened[name, kind]
@@ -80,3 +83,21 @@ class ExampleSources:
             raise DatasetError(f"dataset {name!r}: {exc}") from None
         mode = source.split or self.home.default_split
         return FileRows(train, validation, mode=mode, fraction=source.validation_fraction)
+
+
+def mixture_rows(
+    seed: int, stage: Stage, count: int, cursors: Mapping[str, int], examples: ExampleSources, kind: RowKind
+) -> tuple[list[tuple[int, int, Row]], dict[str, int]]:
+    """`count` examples of `kind` split over the stage's mixture (rewind.engine.cursors.split_rows), each
+    dataset's share read at its cursor through its keyed permutation: (index in the mixture, row index,
+    row) in mixture order, and the cursors after."""
+    after, read = dict(cursors), []
+    for s, (sampling, share) in enumerate(zip(stage.datasets, split_rows(stage.datasets, count), strict=True)):
+        if share == 0:
+            continue
+        name, source = sampling.name, examples.rows_of(sampling.name, kind)
+        start = after.get(name, 0)
+        indices = sample_indices(seed, name, source.num_rows("train"), start, share, reshuffle=examples.reshuffles(name))
+        read += [(s, int(i), source.row("train", int(i))) for i in indices.tolist()]
+        after[name] = start + share
+    return read, after

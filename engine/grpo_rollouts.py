@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from rewind.engine.cursors import sample_indices, split_rows
+from rewind.engine.example_sources import mixture_rows
 from rewind.engine.generation import sample_completions
 from rewind.engine.grpo_losses import group_advantages, weighted_rewards
 from rewind.engine.layout import eval_mode
@@ -29,7 +29,7 @@ from rewind.engine.rolloutreader import off_rows, training_rows
 from rewind.engine.row_batches import prompt_tokens
 from rewind.engine.step import compute_precision, micro_batches
 from rewind.engine.task_rows import exact_match_reward
-from rewind.states.config import Config, Stage
+from rewind.states.config import Config
 from rewind.states.events import RolloutsRecorded
 from rewind.states.state import State
 from rewind.stores.rollouts import write_rollouts
@@ -44,7 +44,8 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int) -> RolloutsRec
     stage = config.stages[stage_index]
     settings = stage.grpo_settings
     group = settings.group_size
-    sources, rows, prompt_rows, cursors = _prompts(config, stage, config.training.batch_size // group, state.cursors, parts)
+    read, cursors = mixture_rows(config.run.seed, stage, config.training.batch_size // group, state.cursors, examples, "prompt")
+    sources, rows, prompt_rows = (list(column) for column in zip(*read, strict=True))
     prompts = prompt_tokens(prompt_rows, config.architecture.block_size - settings.max_new_tokens)
     names = [stage.datasets[s].name for s in sources]
     completions = sample_completions(
@@ -116,26 +117,6 @@ def logprobs_of(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor
     finally:
         model.train(was_training)
     return torch.cat(parts).cpu()
-
-
-def _prompts(config: Config, stage: Stage, count: int, cursors: dict[str, int], parts: Parts):
-    """(source index, row index, PromptRow) of the window's prompts, dataset by dataset, and the cursors after."""
-    after, sources, rows, read = dict(cursors), [], [], []
-    examples = parts.datasets.examples
-    for s, (sampling, share) in enumerate(zip(stage.datasets, split_rows(stage.datasets, count), strict=True)):
-        if share == 0:
-            continue
-        name, source = sampling.name, examples.prompts(sampling.name)
-        start = after.get(name, 0)
-        indices = sample_indices(
-            config.run.seed, name, source.num_rows("train"), start, share, reshuffle=examples.reshuffles(name)
-        )
-        for index in indices.tolist():
-            sources.append(s)
-            rows.append(int(index))
-            read.append(source.row("train", int(index)))
-        after[name] = start + share
-    return sources, rows, read, after
 
 
 def _padded(rows: list, width: int, fill, dtype: torch.dtype) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Post-training rows out of a user's JSONL / Parquet files (rewind.engine.documents reads them), tokenised by
-the run's tokenizer, and the identity of those files to put on record.
+the run's tokenizer. (Their identity goes on record as the dataset's: rewind.engine.userdata.)
 
 Every field read must be a string, in every row; a row that breaks that, or whose prompt is empty, or whose
 chosen and rejected responses are the same tokens, is a DocumentError of one line naming its file and line
@@ -16,8 +16,6 @@ from rewind.engine.documents import DocumentError, iter_rows
 from rewind.engine.rows import PreferenceRow, PromptRow, SftRow, Tokens, encode_text
 from rewind.engine.tasks import Encoder
 from rewind.engine.tokenizer import TokenizerError
-from rewind.states.data_identity import DataIdentity, SourceFile
-from rewind.stores.datafiles import file_identity
 
 
 def _encoded(place: str, field: str, text: str, encode: Encoder | None) -> Tokens:
@@ -94,34 +92,3 @@ def read_prompt_rows(
         PromptRow(index, prompt, texts[0], MappingProxyType(dict(zip(fields, texts[1:], strict=True))))
         for index, (_, prompt, texts) in enumerate(_prompted_rows(paths, kind, names, encode))
     ]
-
-
-def _file_identities(paths: Sequence[str], full: bool) -> list[SourceFile]:
-    found = []
-    for path in paths:
-        try:
-            found.append(file_identity(path, full=full))
-        except FileNotFoundError:
-            raise DocumentError(f"{path}: no such file") from None
-        except OSError as exc:
-            raise DocumentError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    return found
-
-
-def row_files_identity(
-    paths: Sequence[str],
-    kind: str,
-    tokenizer_identity: str,
-    *,
-    validation_paths: Sequence[str] = (),
-    full: bool = False,
-) -> DataIdentity:
-    """What row files are, for the record: each file's size and fingerprint (and with `full` its sha256) and
-    the tokenizer that tokenises them ("" = UTF-8 bytes), the shape a prompt/response dataset records
-    (rewind.engine.userdata), so rewind.states.data_identity.identity_changes says how they changed."""
-    return DataIdentity(
-        kind=kind,
-        sources=_file_identities(paths, full),
-        validation_sources=_file_identities(validation_paths, full),
-        tokenizer=tokenizer_identity,
-    )

@@ -11,10 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from rewind.engine.documents import DocumentError, iter_rows
-from rewind.engine.rowfiles import read_preference_rows, read_prompt_rows, read_sft_rows, row_files_identity
+from rewind.engine.rowfiles import read_preference_rows, read_prompt_rows, read_sft_rows
 from rewind.engine.rows import PreferenceRow, PromptRow, SftRow, encode_text, end_token
 from rewind.engine.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, train_bpe
-from rewind.states.data_identity import identity_changes
 
 
 @pytest.fixture(scope="module")
@@ -162,22 +161,3 @@ def test_iter_rows_says_where_each_row_is(tmp_path):
     assert [place for place, _ in iter_rows([str(parquet)], "parquet", ("x",))] == [
         f"{parquet}: row 0", f"{parquet}: row 1"
     ]  # fmt: skip
-
-
-# --- identity ---------------------------------------------------------------------------------------
-
-
-def test_the_identity_of_row_files_sees_a_changed_file(tmp_path, bpe):
-    path = jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "r"}])
-    recorded = row_files_identity([path], "jsonl", bpe.identity, full=True)
-    assert recorded.tokenizer == bpe.identity and len(recorded.sources[0].sha256) == 64
-    assert identity_changes("sft", recorded, row_files_identity([path], "jsonl", bpe.identity)) == []
-    jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "response": "s"}])  # same size, other contents
-    (change,) = identity_changes("sft", recorded, row_files_identity([path], "jsonl", bpe.identity))
-    assert "contents changed" in change
-    now = row_files_identity([path], "jsonl", bpe.identity)
-    (change,) = identity_changes("sft", now, row_files_identity([path], "jsonl", ""))
-    assert "another tokenizer" in change
-    refused(
-        lambda: row_files_identity([str(tmp_path / "gone.jsonl")], "jsonl", ""), "gone.jsonl: no such file"
-    )
