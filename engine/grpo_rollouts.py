@@ -32,14 +32,16 @@ from rewind.engine.task_rows import exact_match_reward
 from rewind.states.config import Config
 from rewind.states.events import RolloutsRecorded
 from rewind.states.state import State
-from rewind.stores.rollouts import write_rollouts
+from rewind.stores.rollouts import rollout_name, write_rollouts
 
 # The built-in reward functions: (completion text without its end token, the row's answer) -> reward.
 REWARDS = {"exact_match": exact_match_reward}
 
 
-def sample_rollouts(parts: Parts, state: State, stage_index: int) -> RolloutsRecorded:
-    """Sample, score and keep the rollout batch of the window starting at state.step (module doc)."""
+def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool = True) -> RolloutsRecorded:
+    """Sample, score and keep the rollout batch of the window starting at state.step (module doc), and
+    return its record. `keep` False: nothing is written (`rewind replay` compares the record it would
+    make with the logged one: the file is named by its content)."""
     config, examples = parts.config, parts.datasets.examples
     stage = config.stages[stage_index]
     settings = stage.grpo_settings
@@ -93,7 +95,7 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int) -> RolloutsRec
         "group_size": str(group),
         "policy_step": str(state.step),
     }
-    path, sha256 = write_rollouts(parts.run_dir, tensors, metadata)
+    path, sha256 = write_rollouts(parts.run_dir, tensors, metadata) if keep else rollout_name(tensors, metadata)
     return RolloutsRecorded(
         step=state.step, tokens=state.tokens, stage=stage_index, path=path, sha256=sha256,
         num_prompts=len(prompts), group_size=group, cursors=cursors, mean_reward=float(rewards.nan_to_num().mean()),

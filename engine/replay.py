@@ -37,6 +37,7 @@ import torch
 from rewind.engine.assemble import assemble, enter_site
 from rewind.engine.checkpointing import checkpoint_groups, tensor_hashes
 from rewind.engine.effects import apply_effect
+from rewind.engine.grpo_rollouts import sample_rollouts
 from rewind.engine.loop import execute_step
 from rewind.engine.parts import Parts, RunError
 from rewind.engine.placement import PlacementError, adopt_threads
@@ -45,7 +46,13 @@ from rewind.engine.tensors import model_tensors
 from rewind.states.compare import FieldDifference, first_difference
 from rewind.states.diffing import ComputeSite, compute_site
 from rewind.states.entry import checkpoint_points, choose_point, site_of
-from rewind.states.events import CheckpointCommitted, CheckpointDeleted, RunStarted, StepCommitted
+from rewind.states.events import (
+    CheckpointCommitted,
+    CheckpointDeleted,
+    RolloutsRecorded,
+    RunStarted,
+    StepCommitted,
+)
 from rewind.states.fold import apply, fold
 from rewind.states.history import RestorePoint, SeqEvent, config_in_force, effective, restore_points
 from rewind.states.state import State
@@ -100,6 +107,9 @@ class ReplayReport:
     # Where the compared steps were computed as the log records it (RunStarted, each RunResumed):
     # ("cpu", 1) unless a run recorded otherwise.
     computed_on: list[ComputeSite] = field(default_factory=list)
+    # grpo rollout batches sampled again and compared with their records (rtol 0 only: within a
+    # tolerance, another device may draw other tokens, so the records are taken as they are).
+    num_rollouts: int = 0
     mismatch: Mismatch | None = None
 
 
@@ -192,6 +202,14 @@ def replay(
             if progress is not None:
                 progress(logged.step)
             continue
+        if isinstance(logged, RolloutsRecorded) and rtol == 0:
+            # Sampled again from the same weights and keys: the same tokens make the same file name.
+            resampled = sample_rollouts(parts, state, logged.stage, keep=False)
+            report.num_rollouts += 1
+            difference = first_difference(logged, resampled)
+            if difference is not None:
+                report.mismatch = Mismatch(logged.step, seq, "RolloutsRecorded", difference)
+                return report
         if isinstance(logged, CheckpointCommitted):
             compared = (
                 (_tensor_difference(parts, logged), None)

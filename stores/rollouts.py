@@ -210,6 +210,13 @@ def encode_rollouts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, 
     return data
 
 
+def rollout_name(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[str, str]:
+    """(path relative to the run, sha256) a batch's file has, without writing it: what a re-sampling
+    (`rewind replay`) compares with the record."""
+    sha256 = hashlib.sha256(encode_rollouts(tensors, metadata)).hexdigest()
+    return rollout_path(sha256), sha256
+
+
 def write_rollouts(
     run_dir: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
 ) -> tuple[str, str]:

@@ -77,6 +77,7 @@ def as_dict(report, rtol: float) -> dict:
         "to_step": report.to_step,
         "rtol": rtol,
         "num_steps_compared": report.num_steps,
+        "num_rollouts_resampled": report.num_rollouts,
         "checkpoints_matched": report.checkpoints_matched,
         "checkpoints_not_compared": report.checkpoints_not_compared,
         "computed_on": [{"device": device, "world_size": size} for device, size in report.computed_on],
@@ -106,6 +107,9 @@ def describe(report, run_dir: str, rtol: float) -> str:
                      f"all equal to the log {exact} ({COMPARED})")
     else:
         lines.append(f"  {report.num_steps - (mismatch.event == 'StepCommitted')} steps matched {exact} before")
+    if report.num_rollouts and (mismatch is None or mismatch.event != "RolloutsRecorded"):
+        lines.append(f"  rollouts: {report.num_rollouts} batch(es) sampled again, the same tokens as on record "
+                     "(their files' names)")
     if report.checkpoints_matched:
         against = "hashes" if rtol == 0 else f"files (hashes, once deleted) within rtol {rtol:g} by norm"
         lines.append(f"  model and optimizer tensors equal the {against} of {len(report.checkpoints_matched)} "
