@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rewind.engine.grpo_step import window_rows
-from rewind.engine.parts import Parts, build_parts, fresh_parts, open_datasets, starting_weights
+from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts, open_datasets, starting_weights
 from rewind.engine.placement import (
     Placement,
     adopt_cpu_capability,
@@ -25,6 +25,7 @@ from rewind.engine.placement import (
     placement_for,
     prepare_device,
 )
+from rewind.engine.rewards import reward_code_changes
 from rewind.engine.rundata import DataChanged, check_data
 from rewind.engine.userdata import DataHome
 from rewind.states.config import Config
@@ -87,7 +88,10 @@ def assemble(
         parts = fresh_parts(config, run_dir, datasets, pretrained)
         return Assembled(parts, pretrained.identity if pretrained is not None else "")
     parts = build_parts(config, run_dir, state, datasets)
-    in_window = state.rollouts is not None and config.stages[state.stage].strategy == "grpo"
-    if in_window and not rollouts_due(state, parts.schedule, state.step):
-        window_rows(parts, state)  # the batch the next steps read: checked now, before a resume records anything
+    held = state.rollouts
+    if held is not None and config.stages[state.stage].strategy == "grpo":
+        if not rollouts_due(state, parts.schedule, state.step):
+            window_rows(parts, state)  # the batch the next steps read: checked now, before a resume records anything
+        if held.stage == state.stage and (changed := reward_code_changes(held.reward_code)):
+            raise RunError(f"{run_dir}: {changed}", 1)
     return Assembled(parts, state.pretrained)

@@ -6,7 +6,8 @@ through the keyed permutation), left-truncated to leave max_new_tokens in the co
 group_size completions of each with the batched sampler (rewind.engine.generation: every draw keyed by
 seed, stage, step, prompt id "<dataset>:<row>", sample index and position, so a resumed run that
 samples this window again draws the same tokens). Each completion is scored by the stage's reward
-functions (on its text without the end token), the weighted rewards become advantages within their
+functions (rewind.engine.rewards: on its text without the end token; their code's identity goes on the
+record), the weighted rewards become advantages within their
 group (rewind.engine.grpo_losses.group_advantages), and the training rows (prompt + completion) get
 their old-policy log-probs now, through the forward and micro-batches the updates use, without dropout
 (so the first update's ratio is exactly 1), and the reference's when the stage has a KL term.
@@ -25,17 +26,14 @@ from rewind.engine.grpo_losses import group_advantages, weighted_rewards
 from rewind.engine.layout import eval_mode
 from rewind.engine.parts import Parts
 from rewind.engine.response_logprobs import token_logprobs
+from rewind.engine.rewards import reward_identities, score
 from rewind.engine.rolloutreader import off_rows, training_rows
 from rewind.engine.row_batches import prompt_tokens
 from rewind.engine.step import compute_precision, micro_batches
-from rewind.engine.task_rows import exact_match_reward
 from rewind.states.config import Config
 from rewind.states.events import RolloutsRecorded
 from rewind.states.state import State
 from rewind.stores.rollouts import rollout_name, write_rollouts
-
-# The built-in reward functions: (completion text without its end token, the row's answer) -> reward.
-REWARDS = {"exact_match": exact_match_reward}
 
 
 def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool = True) -> RolloutsRecorded:
@@ -55,13 +53,13 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
         temperature=settings.temperature, seed=config.run.seed, stage=stage_index, step=state.step,
         prompt_ids=[f"{name}:{row}" for name, row in zip(names, rows, strict=True)], eos_id=examples.end_id,
     )  # fmt: skip
-    tokenizer = parts.datasets.home.tokenizer
+    tokenizer, functions = parts.datasets.home.tokenizer, [r.function for r in settings.rewards]
     answers = [examples.answer(name, row) for name, row in zip(names, prompt_rows, strict=True)]
-    texts = [tokenizer.decode([t for t in c.tokens if t != examples.end_id]) for c in completions]
-    scores = torch.tensor(
-        [[REWARDS[r.function](text, answers[n // group]) for n, text in enumerate(texts)] for r in settings.rewards],
-        dtype=torch.float32,
-    )
+    ids = [[t for t in c.tokens if t != examples.end_id] for c in completions]
+    scores = score(
+        functions, [prompt_rows[n // group].text for n in range(len(ids))], [tokenizer.decode(c) for c in ids], ids,
+        {"answer": [answers[n // group] for n in range(len(ids))]},
+    )  # fmt: skip
     rewards = weighted_rewards(scores, [r.weight for r in settings.rewards])
     advantages = group_advantages(rewards.view(-1, group), scale_rewards=settings.scale_rewards).reshape(-1)
     width = settings.max_new_tokens
@@ -99,6 +97,7 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
     return RolloutsRecorded(
         step=state.step, tokens=state.tokens, stage=stage_index, path=path, sha256=sha256,
         num_prompts=len(prompts), group_size=group, cursors=cursors, mean_reward=float(rewards.nan_to_num().mean()),
+        reward_code=reward_identities(functions),
     )  # fmt: skip
 
 

@@ -17,10 +17,15 @@ field (`stages[2].sft: ...`). Called by `rewind.states.config_rules.check_config
 
 from __future__ import annotations
 
+import re
+
 from rewind.states.config import BUILTIN_DATASETS, Config, Stage
 
 # Built-in datasets that are prompt/answer examples (grammar is running text).
 BUILTIN_EXAMPLES: tuple[str, ...] = tuple(name for name in BUILTIN_DATASETS if name != "grammar")
+# The reward functions rewind has (rewind.engine.rewards); others are named "module:function".
+BUILTIN_REWARDS: tuple[str, ...] = ("exact_match",)
+_ENTRY_POINT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 # The strategies whose settings are a table of the stage record, by the table's field name.
 SETTINGS_TABLES: tuple[str, ...] = ("sft", "dpo", "grpo")
 
@@ -157,6 +162,11 @@ def _grpo_problems(config: Config, stage: Stage, i: int) -> list[str]:
     if not settings.rewards:
         add(f"{at}.rewards: at least one reward function")
     for j, reward in enumerate(settings.rewards):
+        if reward.function not in BUILTIN_REWARDS and not _ENTRY_POINT.fullmatch(reward.function):
+            add(
+                f"{at}.rewards[{j}].function: {reward.function!r} is neither a built-in reward "
+                f"({', '.join(BUILTIN_REWARDS)}) nor \"module:function\""
+            )
         if not reward.weight > 0:
             add(f"{at}.rewards[{j}].weight: must be positive, got {reward.weight}")
     return problems

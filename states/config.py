@@ -39,7 +39,6 @@ DpoLoss = Literal["sigmoid", "robust", "ipo", "hinge"]
 GrpoLossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 KlEstimator = Literal["k1", "k2", "k3"]
 ScaleRewards = Literal["group", "batch", "none"]
-RewardName = Literal["exact_match"]  # the built-in reward functions (rewind.engine.rewards)
 StrategyName = Literal["pretrain", "sft", "dpo", "grpo"]  # how a stage trains (`rewind.states.check_strategy`)
 
 # Embedded synthetic datasets the engine generates in code (no download). Their names live here so
@@ -120,7 +119,9 @@ class RewardSpec(Struct):
     """One reward function of a grpo stage and its weight in the completion's reward (the weighted sum
     of the functions that score it)."""
 
-    function: RewardName = "exact_match"  # 1 when the completion's first line is the row's answer
+    # "exact_match" (1 when the completion's first line is the row's answer) or your own, "module:function"
+    # (rewind.engine.rewards: its signature, and its code's identity on record)
+    function: str = "exact_match"
     weight: float = 1.0
 
 

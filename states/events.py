@@ -166,6 +166,9 @@ class RolloutsRecorded(Event, frozen=True, kw_only=True, tag="RolloutsRecorded")
     group_size: int
     cursors: dict[str, int] = {}
     mean_reward: float = 0.0
+    # Each reward function's code as it scored this batch ("builtin", or the sha256 of its module's file
+    # and its version): a resume under other code is refused (rewind.engine.rewards).
+    reward_code: dict[str, str] = {}
 
 
 class StepCommitted(Event, frozen=True, kw_only=True, tag="StepCommitted"):

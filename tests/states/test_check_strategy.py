@@ -176,9 +176,20 @@ def test_a_grpo_stage_samples_prompts_with_answers(tmp_path):
         ("sft = []", "stages[1].sft: expected a table, got a list"),
         ("sft = 3", "stages[1].sft: expected a table, got an integer"),
         ("sft = { packing = 2 }", "stages[1].sft.packing: expected `bool`, got `int`"),
-        ("grpo = { rewards = [{ function = \"judge\" }] }", "stages[1].grpo.rewards[0].function: expected one of exact_match, got 'judge'"),
+        ("grpo = { rewards = [{ function = 3 }] }", "stages[1].grpo.rewards[0].function: expected `str`, got `int`"),
         ("dpo = { margin = 1.0 }", "stages[1].dpo.margin: unknown key (expected one of: beta, label_smoothing, loss, sft_weight)"),
     ],
 )
 def test_a_settings_table_of_the_wrong_type_is_one_line_with_its_path(table, problem):
     assert _problems(TINY.replace(SECOND, f"{SECOND}\n{table}")) == [problem]
+
+
+@pytest.mark.parametrize("function", ["judge", "my module:f", "mod:", ":f", "a..b:f", "mod:f(x)"])
+def test_a_reward_function_is_a_built_in_or_module_colon_function(function):
+    text = TINY.replace(THIRD, f'{GRPO_THIRD}\ngrpo = {{ rewards = [{{ function = "{function}" }}] }}').replace(*NO_FADE)
+    assert _problems(text) == [
+        f"stages[2].grpo.rewards[0].function: {function!r} is neither a built-in reward (exact_match) nor "
+        '"module:function"'
+    ]
+    fine = text.replace(function, "my_rewards.judge:score")
+    assert loads_config(fine).stages[2].grpo_settings.rewards[0].function == "my_rewards.judge:score"
