@@ -7,8 +7,9 @@ dropout (a dropout mask would make the log-ratios noise at initialisation: polic
 exactly 0), through the same code path (`sequence_logprobs` of the model's logits, the "logits" path
 whatever compute.loss_kernel says: the loss needs each response's log-probabilities). Micro-batches are
 slices of pairs (chosen and rejected together); each divides its sum by the step's pair count, and the
-SFT term by the step's chosen token count, so accumulation changes no figure. Sharded runs do not train
-dpo stages in this release (refused before the run starts: rewind.engine.placement.check_compute).
+SFT term by the step's chosen token count, so accumulation changes no figure. Under torchrun each rank
+takes its share of the pairs (the batch is read whole on every rank) and the figures are summed over the
+ranks before the record is built.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from rewind.engine.dpo_losses import dpo_loss
 from rewind.engine.example_sources import ExampleSources, mixture_rows
 from rewind.engine.layout import eval_mode
 from rewind.engine.optimizer import AdamW
-from rewind.engine.placement import placement_for
+from rewind.engine.placement import is_sharded, placement_for
+from rewind.engine.ranks import sum_over_ranks
 from rewind.engine.response_logprobs import sequence_logprobs, token_counts
 from rewind.engine.row_batches import RowBatch, preference_batch
 from rewind.engine.step import StepResult, apply_update, compute_precision, micro_batches
@@ -54,7 +56,8 @@ def dpo_train_step(
     """Forward/backward over micro-batches of pairs, clip, and (if finite) one update (module doc)."""
     if reference is None:  # the config rule (a refresh at or before a dpo stage) makes this unreachable
         raise RuntimeError("a dpo step needs the KL reference, and the run has none")
-    settings, device = stage.dpo_settings, placement_for(config).device
+    settings, placement = stage.dpo_settings, placement_for(config)
+    device = placement.device
     num_pairs = batch.tokens.shape[0] // 2
     inputs, targets = batch.tokens[:, :-1].to(device), batch.tokens[:, 1:].to(device)
     mask = batch.loss_mask.to(device)
@@ -63,7 +66,13 @@ def dpo_train_step(
     optimizer.zero_grad(set_to_none=True)
     sums = dict.fromkeys(METRICS, 0.0)
     total_loss = 0.0
-    for pairs in micro_batches(num_pairs, config.training.per_device_batch_size):
+    mine = placement.row_range(num_pairs)  # this process's pairs (all of them in one process)
+    slices = micro_batches(len(mine), config.training.per_device_batch_size)
+    sharded = is_sharded(model)
+    for index, part in enumerate(slices):
+        if sharded:  # gradients are reduced over the ranks once, after the last micro-batch
+            model.set_requires_gradient_sync(index == len(slices) - 1)  # type: ignore[operator]
+        pairs = range(mine.start + part.start, mine.start + part.stop)
         rows = torch.cat([torch.arange(pairs.start, pairs.stop), torch.arange(pairs.start, pairs.stop) + num_pairs])
         with compute_precision(config, device):
             policy = sequence_logprobs(model(inputs[rows]), targets[rows], mask[rows])
@@ -85,6 +94,9 @@ def dpo_train_step(
         sums["margin"] += float((out.chosen_rewards - out.rejected_rewards).sum()) / num_pairs
         sums["accuracy"] += float((out.chosen_rewards > out.rejected_rewards).sum()) / num_pairs
     model.train()
+    # Every rank's share, summed before the record is built: all ranks record the same figures.
+    total_loss, *summed = sum_over_ranks([total_loss, *sums.values()])
+    sums = dict(zip(sums, summed, strict=True))
     grad_norm, finite = apply_update(model, optimizer, config, lr, (total_loss, sums["sft_loss"]))
     return StepResult(
         loss=total_loss,

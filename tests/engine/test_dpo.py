@@ -1,7 +1,7 @@
 """The `dpo` strategy: a step reads its pairs at the datasets' cursors as [chosen; rejected]; at the
 reference (policy = reference, as on entering the stage) the log-ratios are exactly 0, the loss ln 2
-and the accuracy 0; micro-batches of pairs give the gradient of the whole batch; a sharded run is
-refused before it starts. (Killed and resumed: test_posttrain_kill.)"""
+and the accuracy 0; micro-batches of pairs give the gradient of the whole batch. (Killed and resumed:
+test_posttrain_kill; two processes: test_distributed_posttrain.)"""
 
 from __future__ import annotations
 
@@ -85,8 +85,10 @@ def test_micro_batches_of_pairs_give_the_whole_batch_s_figures_and_gradient():
     assert a.metrics["margin"] != 0.0
 
 
-def test_a_sharded_run_with_a_dpo_stage_is_refused_before_it_starts():
+def test_a_sharded_run_with_a_grpo_stage_is_refused_before_it_starts_a_dpo_one_is_not():
     placement = Placement(device=torch.device("cpu"), rank=0, world_size=2, sharded=True)
-    with pytest.raises(PlacementError, match="a dpo stage trains in one process"):
-        check_compute(DPO, placement)
-    check_compute(loads_config(TINY), placement)  # the same world size without one: accepted
+    check_compute(DPO, placement)  # dpo trains its pairs a share per rank
+    grpo = loads_config(DPO_TEXT.replace('strategy = "dpo"', 'strategy = "grpo"').replace(
+        "refresh_reference = true\ndpo = { beta = 0.1, sft_weight = 0.1 }", "refresh_reference = true"))
+    with pytest.raises(PlacementError, match="a grpo stage trains in one process"):
+        check_compute(grpo, placement)

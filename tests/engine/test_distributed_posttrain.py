@@ -1,0 +1,50 @@
+"""A dpo stage under torchrun (gloo, two CPU processes): each rank trains its share of the pairs and the
+step's figures are summed over the ranks, so the run matches the one-process run within the documented
+tolerance (docs/distributed.md), dpo metrics included."""
+
+from __future__ import annotations
+
+import pytest
+
+from rewind.states.events import RunStarted, StepCommitted
+from rewind.states.history import effective
+from rewind.stores.runs import read_records
+from tests.engine.test_distributed import _run, _worst_relative
+from tests.engine.test_dpo import DPO_TEXT
+
+pytestmark = pytest.mark.distributed
+LOSS_RTOL = 1e-4
+
+
+def _train(config, run_dir, num_processes: int) -> list[str]:
+    import sys
+
+    rewind = ["-m", "rewind.tools.cli", "train", str(config), "--run-dir", str(run_dir), "--no-progress",
+              "--set", "logging.report_interval=5"]
+    if num_processes == 1:
+        return [sys.executable, *rewind]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *rewind]
+
+
+def _dpo_steps(run_dir) -> dict[int, StepCommitted]:
+    records = effective([(r.seq, r.event) for r in read_records(str(run_dir))])
+    return {e.step: e for _, e in records if isinstance(e, StepCommitted) and e.stage == 2}
+
+
+@pytest.mark.slow
+def test_a_dpo_stage_trains_sharded_as_in_one_process_within_tolerance(tmp_path):
+    config = tmp_path / "dpo.toml"
+    short = DPO_TEXT.replace("tokens = 25_600", "tokens = 5_120").replace("tokens = 12_800", "tokens = 2_560")
+    config.write_text(short + "\n")
+    one, two = tmp_path / "one", tmp_path / "two"
+    for run_dir, processes in ((one, 1), (two, 2)):
+        done = _run(_train(config, run_dir, processes), tmp_path)
+        assert done.returncode == 0, done.stderr
+    started = next(r.event for r in read_records(str(two)) if isinstance(r.event, RunStarted))
+    assert started.world_size == 2
+    a, b = _dpo_steps(one), _dpo_steps(two)
+    assert a.keys() == b.keys() and len(a) == 10
+    assert _worst_relative({k: e.loss for k, e in a.items()}, {k: e.loss for k, e in b.items()}) < LOSS_RTOL
+    for name in ("accuracy", "chosen_logps", "rejected_logps"):
+        assert _worst_relative({k: e.metrics[name] or 1.0 for k, e in a.items()},
+                               {k: e.metrics[name] or 1.0 for k, e in b.items()}) < 1e-3, name
