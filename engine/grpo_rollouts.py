@@ -23,13 +23,15 @@ import torch
 from rewind.engine.example_sources import mixture_rows
 from rewind.engine.generation import sample_completions
 from rewind.engine.grpo_losses import group_advantages, weighted_rewards
+from rewind.engine.grpo_step import rank_slices
 from rewind.engine.layout import eval_mode
 from rewind.engine.parts import Parts
+from rewind.engine.ranks import is_writer
 from rewind.engine.response_logprobs import token_logprobs
 from rewind.engine.rewards import reward_identities, score
 from rewind.engine.rolloutreader import off_rows, training_rows
 from rewind.engine.row_batches import prompt_tokens
-from rewind.engine.step import compute_precision, micro_batches
+from rewind.engine.step import compute_precision
 from rewind.states.config import Config
 from rewind.states.events import RolloutsRecorded
 from rewind.states.state import State
@@ -93,7 +95,9 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
         "group_size": str(group),
         "policy_step": str(state.step),
     }
-    path, sha256 = write_rollouts(parts.run_dir, tensors, metadata) if keep else rollout_name(tensors, metadata)
+    # Every rank sampled the same batch; rank 0 keeps it (the others name it by its content alone).
+    write = keep and is_writer()
+    path, sha256 = write_rollouts(parts.run_dir, tensors, metadata) if write else rollout_name(tensors, metadata)
     return RolloutsRecorded(
         step=state.step, tokens=state.tokens, stage=stage_index, path=path, sha256=sha256,
         num_prompts=len(prompts), group_size=group, cursors=cursors, mean_reward=float(rewards.nan_to_num().mean()),
@@ -110,8 +114,8 @@ def logprobs_of(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor
     eval_mode(model)
     parts = []
     try:
-        with torch.no_grad():
-            for rows in micro_batches(tokens.shape[0], config.training.per_device_batch_size):
+        with torch.no_grad():  # every rank computes every row (a sharded forward is collective)
+            for rows in [rows for rank in rank_slices(tokens.shape[0], config) for rows in rank]:
                 with compute_precision(config, device):
                     logits = model(inputs[rows])
                 parts.append(token_logprobs(logits, targets[rows], mask[rows], temperature))

@@ -19,6 +19,8 @@ from torch import nn
 from rewind.engine.grpo_losses import grpo_loss, grpo_normaliser, weighted_rewards
 from rewind.engine.layout import eval_mode
 from rewind.engine.optimizer import AdamW
+from rewind.engine.placement import is_sharded, placement_for
+from rewind.engine.ranks import sum_over_ranks
 from rewind.engine.response_logprobs import token_logprobs
 from rewind.engine.rolloutreader import TrainingRows
 from rewind.engine.step import StepResult, apply_update, compute_precision, micro_batches
@@ -39,6 +41,15 @@ def window_rows(parts: Parts, state: State) -> TrainingRows:
     )  # fmt: skip
 
 
+def rank_slices(num_rows: int, config: Config) -> list[list[slice]]:
+    """Each rank's micro-batches of a batch of `num_rows` rows (one rank in one process): the slicing the
+    updates compute in, and the old log-probs too, so a window's first update sees its own bits."""
+    placement = placement_for(config)
+    share = num_rows // placement.world_size
+    per_rank = micro_batches(share, config.training.per_device_batch_size)
+    return [[slice(rank * share + s.start, rank * share + s.stop) for s in per_rank] for rank in range(placement.world_size)]
+
+
 def grpo_train_step(
     model: nn.Module, optimizer: AdamW, batch: TrainingRows, *, config: Config, stage: Stage, lr: float
 ) -> StepResult:
@@ -50,15 +61,19 @@ def grpo_train_step(
     assert batch.old_logprobs is not None  # written with every rollout batch
     old = batch.old_logprobs.to(device)
     reference = None if batch.reference_logprobs is None else batch.reference_logprobs.to(device)
-    slices = micro_batches(batch.tokens.shape[0], config.training.per_device_batch_size)
+    slices = rank_slices(batch.tokens.shape[0], config)[placement_for(config).rank]  # this process's rows
     # Completion-aligned masks (each row's completion tokens first) for the normaliser: its dr_grpo form
-    # counts max_new_tokens a row, the others count the masked tokens.
+    # counts max_new_tokens a row, the others count the masked tokens; counted here, summed over the ranks.
     aligned = torch.arange(settings.max_new_tokens, device=device) < mask.sum(dim=1)[:, None]
-    normaliser = grpo_normaliser([aligned[rows] for rows in slices], settings.loss_type, settings.max_new_tokens)
+    here = grpo_normaliser([aligned[rows] for rows in slices], settings.loss_type, settings.max_new_tokens)
+    (normaliser,) = sum_over_ranks([here])
     eval_mode(model)  # no dropout: the old log-probs were computed without it (module doc)
     optimizer.zero_grad(set_to_none=True)
     total = kl = low = high = counted = 0.0
-    for rows in slices:
+    sharded = is_sharded(model)
+    for index, rows in enumerate(slices):
+        if sharded:  # gradients are reduced over the ranks once, after the last micro-batch
+            model.set_requires_gradient_sync(index == len(slices) - 1)  # type: ignore[operator]
         with compute_precision(config, device):
             logits = model(inputs[rows])
         logprobs = token_logprobs(logits, targets[rows], mask[rows], settings.temperature)
@@ -73,6 +88,7 @@ def grpo_train_step(
         low, high = low + float(out.clipped_low), high + float(out.clipped_high)
         counted += float(out.num_tokens)
     model.train()
+    total, kl, low, high, counted = sum_over_ranks([total, kl, low, high, counted])  # the same on every rank
     grad_norm, finite = apply_update(model, optimizer, config, lr, (total, kl))
     per_token = max(counted, 1.0)
     rewards = weighted_rewards(batch.rewards, [r.weight for r in settings.rewards])

@@ -31,7 +31,7 @@ from rewind.engine.grpo_step import grpo_train_step, window_rows
 from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
 from rewind.engine.placement import launched_world_size
-from rewind.engine.ranks import any_rank, check_same_state, is_writer
+from rewind.engine.ranks import any_rank, check_same_state, is_writer, shared_event
 from rewind.engine.rundata import check_unchanged
 from rewind.engine.step import nonfinite_quantity, train_step
 from rewind.engine.trunkcache import write_cache
@@ -265,8 +265,9 @@ def perform(run: Run, state: State, intent: Intent) -> State:
             return delete_checkpoints(run, state, names)
         case CacheTrunk():
             return record(run, state, write_cache(parts, state, intent))
-        case SampleRollouts(stage=stage):
-            return record(run, state, sample_rollouts(parts, state, stage))
+        case SampleRollouts(stage=stage):  # every rank samples (collective forwards); rank 0's record
+            sampled = sample_rollouts(parts, state, stage)
+            return record(run, state, shared_event(sampled if is_writer() else None))
     return record(run, state, intent)
 
 

@@ -192,8 +192,6 @@ def check_compute(config: Config, placement: Placement) -> None:
             f"training.per_device_batch_size {per_device} does not divide the {batch // world} rows each of "
             f"{world} processes computes"
         )
-    if world > 1 and any(s.strategy == "grpo" for s in config.stages):
-        raise PlacementError("a grpo stage trains in one process in this release (run it without torchrun)")
     if config.compute.device == "cuda" and placement.device.type != "cuda":
         raise PlacementError("compute.device is cuda, and this process computes on the CPU")
     if config.compute.loss_kernel == "triton":

@@ -85,10 +85,11 @@ def test_micro_batches_of_pairs_give_the_whole_batch_s_figures_and_gradient():
     assert a.metrics["margin"] != 0.0
 
 
-def test_a_sharded_run_with_a_grpo_stage_is_refused_before_it_starts_a_dpo_one_is_not():
+def test_a_sharded_run_with_post_training_stages_passes_the_compute_checks():
     placement = Placement(device=torch.device("cpu"), rank=0, world_size=2, sharded=True)
-    check_compute(DPO, placement)  # dpo trains its pairs a share per rank
+    check_compute(DPO, placement)  # each rank trains its share of the pairs
     grpo = loads_config(DPO_TEXT.replace('strategy = "dpo"', 'strategy = "grpo"').replace(
         "refresh_reference = true\ndpo = { beta = 0.1, sft_weight = 0.1 }", "refresh_reference = true"))
-    with pytest.raises(PlacementError, match="a grpo stage trains in one process"):
-        check_compute(grpo, placement)
+    check_compute(grpo, placement)  # ... and of the completions
+    with pytest.raises(PlacementError, match="cannot be split over 3 processes"):
+        check_compute(grpo, Placement(device=torch.device("cpu"), rank=0, world_size=3, sharded=True))
