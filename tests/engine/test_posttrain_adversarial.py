@@ -316,6 +316,30 @@ def test_a_fork_that_turns_the_kl_term_on_mid_window_trains_on_or_refuses_in_one
         assert run_cli("verify", run)[0] == 0
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the rollout file keeps no sampling temperature and a --fork may change grpo.temperature inside a window: "
+    "the window's next update takes the policy's log-probs at the new temperature against old and reference "
+    "log-probs taken at the old one (a KL estimate from weights equal to the reference's)",
+)
+def test_a_fork_that_changes_the_temperature_mid_window_never_mixes_two_temperatures(tmp_path):
+    config = tmp_path / "grpo.toml"
+    config.write_text(GRPO)
+    run = tmp_path / "run"
+    # lr 1e-30: no weight moves, so the policy stays the reference entered at step 2 (KL exactly 0)
+    still = ("--set", "optimization.lr=1e-30")
+    code, _, err = train(config, run, "--max-steps", 3, *still)
+    assert code == 0, err
+    assert all(
+        e.metrics["kl"] == 0.0 for _, e in read_seq_events(run) if isinstance(e, StepCommitted) and e.stage
+    )
+    code, _, err = train(config, run, "--fork", *still, "--set", "stages[1].grpo.temperature=0.5")
+    assert code == 0, err
+    after = [e for _, e in effective(read_seq_events(run)) if isinstance(e, StepCommitted) and e.step > 3]
+    # resampled at the new temperature, or the batch's own temperature kept: either way policy = reference
+    assert [e.metrics["kl"] for e in after] == [0.0] * len(after)
+
+
 def test_a_fork_that_changes_the_window_length_mid_window_keeps_the_held_batch(
     mid_window, grpo_config, tmp_path
 ):
@@ -357,3 +381,36 @@ def test_a_post_training_stage_at_a_growth_trains_the_same_bits_with_or_without_
                 first.loss == pytest.approx(0.6931471805599453, abs=1e-6) and first.metrics["margin"] == 0.0
             )
     assert_bitwise_equal(exports["auto"], exports["off"])
+
+
+# --- the commands on a run of each strategy ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("strategy", "settings"),
+    [
+        ("sft", "sft = { packing = true }"),
+        ("dpo", "dpo = { sft_weight = 0.1 }"),
+        ("grpo", GRPO_SETTINGS % "0.05"),
+    ],
+)
+def test_every_reading_command_works_on_a_run_of_each_strategy(tmp_path, strategy, settings):
+    config = tmp_path / "run.toml"
+    config.write_text(config_text(strategy, settings))
+    run = tmp_path / "run"
+    code, _, err = train(config, run)
+    assert code == 0, err
+    for args in (("log", run), ("state", run), ("timeline", run, "--json"), ("timeline", run, "--plot",
+                 tmp_path / "t.png"), ("diff", run, run), ("verify", run), ("replay", run),
+                 ("export", run, "--hf", tmp_path / "hf")):  # fmt: skip
+        code, out, err = run_cli(*args)
+        assert code == 0 and "Traceback" not in err, (args[0], err)
+        said = {"verify": "verify: clean", "replay": "replay: reproducible", "diff": "no divergence"}
+        assert said.get(args[0], "") in out, (args[0], out)
+    assert (tmp_path / "t.png").stat().st_size > 0 and (tmp_path / "hf" / "model.safetensors").exists()
+    metrics = [e.metrics for _, e in read_seq_events(run) if isinstance(e, StepCommitted) and e.stage == 1]
+    assert all(metrics) if strategy != "sft" else not any(metrics)
+    code, _, err = run_cli("rollouts", run, "--json")
+    assert (
+        (code == 0) if strategy == "grpo" else (code == 1 and "no rollout batch on record" in one_line(err))
+    )
