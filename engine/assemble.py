@@ -25,7 +25,7 @@ from rewind.engine.placement import (
     placement_for,
     prepare_device,
 )
-from rewind.engine.rewards import reward_code_changes
+from rewind.engine.rewards import RewardError, reward_code_changes
 from rewind.engine.rundata import DataChanged, check_data
 from rewind.engine.userdata import DataHome
 from rewind.states.config import Config
@@ -82,7 +82,10 @@ def assemble(
         changes = check_data(recorded or config, checked or state, home)
         if changes:
             raise DataChanged(changes)
-    datasets = open_datasets(config, home)
+    try:
+        datasets = open_datasets(config, home)
+    except RewardError as exc:  # the config names it wrongly (a start), or the run's code is gone (1)
+        raise RunError(str(exc), 2 if state is None else 1) from None
     if state is None:
         pretrained = starting_weights(config, None)
         parts = fresh_parts(config, run_dir, datasets, pretrained)

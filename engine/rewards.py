@@ -32,6 +32,8 @@ from rewind.engine.task_rows import exact_match_rewards
 
 RewardFunction = Callable[..., list]
 BUILTIN: dict[str, RewardFunction] = {"exact_match": exact_match_rewards}
+# Rewards are kept as float32 (the rollout file): a larger magnitude would be kept as infinite.
+FLOAT32_MAX = 3.4028234663852886e38
 # What a built-in function's identity is on record as: its code is rewind's (the release is on record).
 BUILTIN_IDENTITY = "builtin"
 
@@ -98,7 +100,12 @@ def score(
     """(F, N) float32 rewards of the N completions by each function (NaN where it gave None)."""
     rows = []
     for name in names:
-        values = load_reward(name)(prompts, completions, completion_ids, **row_fields)
+        try:
+            values = load_reward(name)(prompts, completions, completion_ids, **row_fields)
+        except RewardError:
+            raise
+        except Exception as exc:  # the function's own failure: said in one line, naming it
+            raise RewardError(f"reward function {name} failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(values, list | tuple) or len(values) != len(completions):
             raise RewardError(
                 f"reward function {name}: returned {type(values).__name__} of "
@@ -108,9 +115,11 @@ def score(
         for value in values:
             if value is None:
                 row.append(math.nan)
-            elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-                row.append(float(value))
+            elif isinstance(value, int | float) and not isinstance(value, bool) and abs(value) <= FLOAT32_MAX:
+                row.append(float(value))  # (NaN fails the comparison: refused too)
             else:
-                raise RewardError(f"reward function {name}: returned {value!r}, not a finite number or None")
+                raise RewardError(
+                    f"reward function {name}: returned {value!r}, not a finite number (float32: |r| <= 3.4e38) or None"
+                )
         rows.append(row)
     return torch.tensor(rows, dtype=torch.float32)

@@ -68,7 +68,7 @@ def _stage_problems(config: Config, stage: Stage, i: int) -> list[str]:
     for table in SETTINGS_TABLES:
         if getattr(stage, table) is not None and stage.strategy != table:
             problems.append(
-                f"{at}.{table}: settings of an {table} stage, but this stage's strategy is {stage.strategy!r}"
+                f"{at}.{table}: settings of {_a(table)} stage, but this stage's strategy is {stage.strategy!r}"
             )
     if stage.strategy == "pretrain":
         return problems

@@ -143,6 +143,7 @@ _DAMAGE = {
     ("rewind.engine.rundata", "DataChanged"),  # a data file changed under a training run
     ("rewind.engine.tokens", "TokenFileError"),  # a token file cut short while it was read
     ("rewind.stores.rollouts", "RolloutError"),  # a grpo run's rollout file missing or damaged
+    ("rewind.engine.rewards", "RewardError"),  # a grpo stage's reward function cannot score
 }
 
 

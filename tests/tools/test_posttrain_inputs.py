@@ -227,11 +227,6 @@ def test_a_nonsense_setting_is_one_line_with_its_path_and_nothing_is_recorded(
     assert said in line, line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check_strategy writes 'settings of an {table} stage' for every table: 'an dpo', 'an grpo' (its _a() "
-    "helper, used for the other messages, is not used there)",
-)
 @pytest.mark.parametrize("table", ["dpo", "grpo"])
 def test_a_settings_table_on_another_strategy_reads_a_dpo_or_a_grpo_stage(tmp_path, table):
     config = tmp_path / "run.toml"
@@ -278,11 +273,6 @@ def train_with_reward(folder: Path, function: str, *extra: str) -> subprocess.Co
     return cli_in(folder, "train", "grpo.toml", "--run-dir", "run", "--no-progress", *sets, *extra)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RewardError is not among tools/cli._DAMAGE (nor caught by the session) and rewards.score does not wrap "
-    "the function's own exception: a traceback, and the run has recorded its start and pretraining first",
-)
 @pytest.mark.parametrize(
     "function", ["nosuchmodule:f", "my_rewards:raises", "my_rewards:generator", "os:getcwd"]
 )
@@ -292,22 +282,12 @@ def test_a_reward_function_that_cannot_score_is_one_line(tmp_path, function):
     assert function in one_line(result.stderr)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a reward module that does not import is found at the grpo stage's first rollout batch, after the run "
-    "recorded its start, pretraining steps and checkpoints; it can be checked before RunStarted",
-)
 def test_a_reward_module_that_does_not_import_is_refused_before_anything_is_recorded(tmp_path):
     result = train_with_reward(tmp_path, "nosuchmodule:f")
     assert result.returncode != 0
     assert not (tmp_path / "run" / "events").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rewards.score checks math.isfinite on the Python float, then keeps it as float32: 1e39 becomes inf in "
-    "the rollout file, and the run stops on a 'non-finite loss' that never names the reward function",
-)
 def test_a_reward_beyond_float32_is_refused_naming_its_function(tmp_path):
     result = train_with_reward(tmp_path, "my_rewards:huge")
     assert result.returncode != 0 and "my_rewards:huge" in one_line(result.stderr), result.stderr
@@ -324,9 +304,6 @@ def test_a_resume_under_changed_reward_code_is_refused_and_records_nothing(tmp_p
     assert {p.name: p.read_bytes() for p in (tmp_path / "run" / "events").iterdir()} == before
 
 
-@pytest.mark.xfail(
-    strict=True, reason="RewardError (cannot import) escapes as a traceback from resume and replay"
-)
 @pytest.mark.parametrize("command", ["resume", "replay"])
 def test_a_resume_or_replay_whose_reward_module_is_gone_is_one_line(tmp_path, command):
     result = train_with_reward(tmp_path, "my_rewards:length", "--max-steps", "3")
