@@ -73,6 +73,7 @@ class ExampleSources:
         else:
             fields = {f: getattr(source, f) for f in ("prompt_field", "chosen_field", "rejected_field")}
             read = read_preference_rows
+        fields["end_id"] = self.end_id  # refused inside a response or an answer
         try:
             train = read(expand_inputs(self.home.resolve(source.path)), source.kind, encode, **fields)
             validation = None

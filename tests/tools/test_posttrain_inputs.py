@@ -115,12 +115,6 @@ def test_a_grpo_prompt_longer_than_the_context_is_left_truncated_and_trains(tmp_
     assert prompts and all(p == "x" * (64 - 8 - 4) + "1+1=" for p in prompts)  # room left for 8 new tokens
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with the byte-level tokenizer the end of a response is '\\n' (docs: 'a response is then one line'), "
-    "yet a response or answer holding '\\n' is taken silently: sft/dpo train an end token mid-response, and a grpo "
-    "answer with a line break can never be matched by exact_match (its reward is 0 forever); rowfiles should refuse it",
-)
 @pytest.mark.parametrize(
     ("strategy", "bad"),
     [
