@@ -45,6 +45,7 @@ from rewind.states.history import RestorePoint, SeqEvent, config_in_force, effec
 from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog
+from rewind.stores.rollouts import RolloutError, read_rollouts, write_rollouts
 from rewind.stores.runs import read_seq_events
 from rewind.stores.trunks import TrunkStore
 from rewind.stores.trust import RecordChecker
@@ -96,6 +97,14 @@ def _trunks_intact(store: CheckpointStore, name: str) -> bool:
 
 def _run_identity(run_dir: str) -> str:
     return run_dir if "://" in run_dir else str(Path(run_dir).resolve())
+
+
+def _copy_rollouts(parent_dir: str, child_dir: str, record) -> None:
+    """The rollout file `record` names, read (checked against its hash) and written into the child: the
+    same tensors make the same bytes, so the same name."""
+    tensors, metadata = read_rollouts(parent_dir, record.path, record.sha256)
+    if write_rollouts(child_dir, tensors, metadata) != (record.path, record.sha256):
+        raise RolloutError(f"copying {record.path} gave other bytes: the copy is not faithful")
 
 
 def _copy_checkpoint(parent: CheckpointStore, child: CheckpointStore, ref) -> None:
@@ -185,9 +194,13 @@ def open_fork(
         try:
             for ref in state.live_checkpoints:  # before the log names them
                 _copy_checkpoint(parent_store, child_store, ref)
+            if state.rollouts is not None:  # the window's batch the child's next updates read
+                _copy_rollouts(parent_dir, child_dir, state.rollouts)
             copy_run_data(home, config, parent_dir, child_dir)
         except CheckpointError as exc:
             raise RunError(f"{parent_dir}: cannot copy its checkpoint: {exc}", 1) from None
+        except RolloutError as exc:
+            raise RunError(f"{parent_dir}: cannot copy its rollout batch: {exc}", 1) from None
         run = Run(parts, Journal(log, metrics_for(child_dir, metrics), config.logging.report_interval))
         if run.journal.metrics is not None:
             run.journal.metrics.resume(-1, 0)

@@ -34,6 +34,7 @@ from rewind.engine.row_batches import prompt_tokens
 from rewind.engine.step import compute_precision
 from rewind.states.config import Config
 from rewind.states.events import RolloutsRecorded
+from rewind.states.plan import rollout_settings
 from rewind.states.state import State
 from rewind.stores.rollouts import rollout_name, write_rollouts
 
@@ -101,7 +102,7 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
     return RolloutsRecorded(
         step=state.step, tokens=state.tokens, stage=stage_index, path=path, sha256=sha256,
         num_prompts=len(prompts), group_size=group, cursors=cursors, mean_reward=float(rewards.nan_to_num().mean()),
-        reward_code=reward_identities(functions),
+        reward_code=reward_identities(functions), settings=rollout_settings(config, stage_index),
     )  # fmt: skip
 
 

@@ -287,6 +287,8 @@ class Admission:
             problem := _name_problem(seed.reference.checkpoint, None, empty_ok=False)
         ):
             return f"the fork seed's reference: {problem}"
+        if seed.rollouts is not None and (problem := rollout_path_problem(seed.rollouts.path, seed.rollouts.sha256)):
+            return f"the fork seed's rollout batch: {problem}"
         return ""
 
 

@@ -169,6 +169,9 @@ class RolloutsRecorded(Event, frozen=True, kw_only=True, tag="RolloutsRecorded")
     # Each reward function's code as it scored this batch ("builtin", or the sha256 of its module's file
     # and its version): a resume under other code is refused (rewind.engine.rewards).
     reward_code: dict[str, str] = {}
+    # What shaped the batch (rewind.states.plan.rollout_settings: the stage's grpo settings, the batch and
+    # context sizes): a config change mid-window that alters it samples the window's batch again.
+    settings: str = ""
 
 
 class StepCommitted(Event, frozen=True, kw_only=True, tag="StepCommitted"):
@@ -258,6 +261,8 @@ class ForkSeed(msgspec.Struct, frozen=True, kw_only=True):
     features: list[str] = []
     pending_optimizer_resets: list[int] = []
     last_optimizer_reset: OptimizerResetRef | None = None
+    # A grpo window's rollout batch (the fork copies its file): the child's next updates are the parent's.
+    rollouts: RolloutsRecorded | None = None
 
 
 # The seed's config-derived fields: unset (0, "", []) they are the child's own.

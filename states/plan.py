@@ -16,11 +16,14 @@ change, which is what makes a million-step dry-run take well under a second.
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
+
 from rewind.states.config import Config
-from rewind.states.config_identity import config_hash
+from rewind.states.config_identity import canonical, config_hash
 from rewind.states.events import (
     RUN_FEATURES,
     ActivationsCached,
@@ -121,9 +124,28 @@ def rollouts_due(state: State, schedule: Schedule, step: int) -> SampleRollouts 
     start, every = schedule.entry_steps[state.stage], stage.grpo_settings.num_iterations
     window = start + (step - start) // every * every
     held = state.rollouts
-    if held is not None and held.stage == state.stage and held.step >= window:
+    # (A record without settings predates them: taken as the config's.)
+    same = held is not None and held.settings in ("", rollout_settings(schedule.config, state.stage))
+    if same and held.stage == state.stage and held.step >= window:
         return None
     return SampleRollouts(state.stage)
+
+
+def rollout_settings(config: Config, stage: int) -> str:
+    """A digest of what shapes stage `stage`'s rollout batches: how they are sampled and scored (group
+    size, temperature, new tokens, rewards, their scaling, whether reference log-probs are kept), its
+    datasets, the batch and context sizes. A config change that alters it (a fork in place mid-window)
+    samples again rather than train on a batch made otherwise; one that changes only the updates (their
+    number, loss, clip, KL weight) trains on the batch held."""
+    grpo = config.stages[stage].grpo_settings
+    shaping = {
+        "grpo": [grpo.group_size, grpo.temperature, grpo.max_new_tokens, canonical(grpo.rewards),
+                 grpo.scale_rewards, grpo.kl_beta > 0],
+        "datasets": canonical(config.stages[stage].datasets),
+        "batch_size": config.training.batch_size,
+        "block_size": config.architecture.block_size,
+    }
+    return hashlib.sha256(msgspec.json.encode(shaping, order="sorted")).hexdigest()[:16]
 
 
 def pending_duty(state: State, schedule: Schedule) -> Intent | None:

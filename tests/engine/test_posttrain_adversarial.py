@@ -275,12 +275,6 @@ def test_the_same_grpo_config_trained_twice_writes_the_same_rollout_files(grpo_c
 # --- forks and changed configs inside a rollout window ----------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ForkSeed carries no `rollouts` (and fork copies no rollout file): a fork at a checkpoint inside a "
-    "window samples a new batch at its first step (plan.rollouts_due), so an unchanged fork is not its parent "
-    "bit for bit, as ForkSeed's comment promises",
-)
 def test_an_unchanged_fork_inside_a_rollout_window_goes_on_as_its_parent(straight, tmp_path):
     child = tmp_path / "child"
     # checkpoint 3 is inside the window sampled at step 2
@@ -295,11 +289,6 @@ def test_an_unchanged_fork_inside_a_rollout_window_goes_on_as_its_parent(straigh
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a --fork that turns grpo.kl_beta on inside a window trains on the window's batch, which has no "
-    "reference log-probs: ValueError traceback from grpo_losses after RunResumed and ConfigChanged are recorded",
-)
 def test_a_fork_that_turns_the_kl_term_on_mid_window_trains_on_or_refuses_in_one_line(tmp_path):
     config = tmp_path / "grpo.toml"
     config.write_text(GRPO)
@@ -316,12 +305,6 @@ def test_a_fork_that_turns_the_kl_term_on_mid_window_trains_on_or_refuses_in_one
         assert run_cli("verify", run)[0] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the rollout file keeps no sampling temperature and a --fork may change grpo.temperature inside a window: "
-    "the window's next update takes the policy's log-probs at the new temperature against old and reference "
-    "log-probs taken at the old one (a KL estimate from weights equal to the reference's)",
-)
 def test_a_fork_that_changes_the_temperature_mid_window_never_mixes_two_temperatures(tmp_path):
     config = tmp_path / "grpo.toml"
     config.write_text(GRPO)

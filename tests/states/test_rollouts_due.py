@@ -71,3 +71,41 @@ def test_a_rollout_path_other_than_its_own_name_is_refused(path):
     event = RolloutsRecorded(step=0, tokens=0, stage=0, path=path, sha256="a" * 64, num_prompts=1, group_size=2)
     assert Admission().problem(event)
     assert rollout_path_problem("rollouts/" + "a" * 64 + ".safetensors", "a" * 64) == ""
+
+
+def test_what_shapes_a_batch_is_in_its_settings_digest_and_what_only_updates_on_it_is_not():
+    import msgspec
+
+    from rewind.states.plan import rollout_settings
+
+    def with_grpo(**changes):
+        stage = GRPO.stages[2]
+        settings = msgspec.structs.replace(stage.grpo_settings, **changes)
+        stages = [*GRPO.stages[:2], msgspec.structs.replace(stage, grpo=settings)]
+        return msgspec.structs.replace(GRPO, stages=stages)
+
+    base = rollout_settings(GRPO, 2)
+    for same in ({"num_iterations": 5}, {"loss_type": "grpo"}, {"epsilon_high": 0.3}, {"kl_beta": 0.0}):
+        assert rollout_settings(with_grpo(**same), 2) == base, same
+    for other in ({"temperature": 0.5}, {"group_size": 2}, {"max_new_tokens": 3}, {"kl_beta": 0.1}):
+        assert rollout_settings(with_grpo(**other), 2) != base, other
+
+
+def test_a_config_that_samples_otherwise_samples_the_window_again_and_one_that_only_updates_otherwise_not():
+    import msgspec
+
+    from rewind.states.fold import apply, fold
+    from rewind.states.plan import SampleRollouts, rollout_settings, rollouts_due
+
+    def with_grpo(**changes):
+        stage = GRPO.stages[2]
+        stages = [*GRPO.stages[:2], msgspec.structs.replace(stage, grpo=msgspec.structs.replace(stage.grpo_settings, **changes))]
+        return msgspec.structs.replace(GRPO, stages=stages)
+
+    log = simulate_run(GRPO)
+    first = next(i for i, e in enumerate(log) if isinstance(e, RolloutsRecorded))
+    record = msgspec.structs.replace(log[first], settings=rollout_settings(GRPO, 2))
+    state = apply(fold(log[:first]), record)
+    assert rollouts_due(state, Schedule(GRPO), state.step + 1) is None  # inside its window
+    assert rollouts_due(state, Schedule(with_grpo(num_iterations=5)), state.step + 1) is None
+    assert rollouts_due(state, Schedule(with_grpo(temperature=0.5)), state.step + 1) == SampleRollouts(2)
