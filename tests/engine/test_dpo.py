@@ -93,3 +93,22 @@ def test_a_sharded_run_with_post_training_stages_passes_the_compute_checks():
     check_compute(grpo, placement)  # ... and of the completions
     with pytest.raises(PlacementError, match="cannot be split over 3 processes"):
         check_compute(grpo, Placement(device=torch.device("cpu"), rank=0, world_size=3, sharded=True))
+
+
+def test_steps_on_the_same_pairs_lower_the_loss_and_widen_the_margin():
+    """The loss's sign and the update's direction: trained on one batch of pairs against a fixed reference,
+    the chosen responses gain on the rejected ones (from the recorded run: loss 0.693 -> 0.434, margin
+    0 -> 0.61 over 30 steps at lr 1e-3)."""
+    model = build_model(DPO, None)
+    reference = copy.deepcopy(model)
+    eval_mode(reference)
+    batch, _ = preference_rows(DPO, DPO.stages[2], 8, {}, DatasetRegistry(DPO).examples)
+    optimizer = build_optimizer(model, DPO)
+    results = [_step_with(model, optimizer, reference, batch) for _ in range(30)]
+    assert results[0].loss == pytest.approx(math.log(2), abs=1e-7)
+    assert results[-1].loss < 0.55 and results[-1].metrics["margin"] > 0.3 and results[-1].metrics["accuracy"] == 1.0
+    assert results[-1].metrics["chosen_rewards"] > results[-1].metrics["rejected_rewards"]
+
+
+def _step_with(model, optimizer, reference, batch):
+    return dpo_train_step(model, optimizer, batch, config=DPO, stage=DPO.stages[2], lr=1e-3, reference=reference)
