@@ -67,6 +67,8 @@ def record_problems(stage: Stage, i: int, num_stages: int, known: set[str]) -> l
         add(f"{at}.overlap: must be in [0, 1], got {stage.overlap}")
     if stage.overlap is not None and i == num_stages - 1:
         add(f"{at}.overlap: the last stage has no next stage to fade into")
+    if not stage.lr_scale > 0:
+        add(f"{at}.lr_scale: must be positive, got {stage.lr_scale}")
     if stage.reset_optimizer and i == 0:
         add(f"{at}.reset_optimizer: stage 0 has no moments to clear (the optimizer starts empty)")
     return problems

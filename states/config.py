@@ -158,6 +158,9 @@ class Stage(Struct):
     refresh_reference: bool = False  # entering it makes the current weights the KL reference
     reset_optimizer: bool = False  # entering it clears the Adam moments (an OptimizerReset event)
     overlap: float | None = None  # the fade into the next stage; None: training.fade.overlap
+    # Its steps train at lr_scale x the LR schedule's value (post-training takes smaller steps than
+    # pretraining); a step's primary stage decides.
+    lr_scale: float = 1.0
     sft: SftSettings | None = None  # strategy "sft": its settings (None: the defaults)
     dpo: DpoSettings | None = None  # strategy "dpo": its settings (None: the defaults)
     grpo: GrpoSettings | None = None  # strategy "grpo": its settings (None: the defaults)

@@ -315,13 +315,14 @@ def step_lr(state: State, schedule: Schedule, step: int) -> float:
     decay included only if the run gets that far again)."""
     reset = state.last_optimizer_reset
     count = step - reset.step if reset is not None and reset.lr_restarted else step
-    return lr_at(
+    curve = lr_at(
         schedule.config.optimization,
         count,
         schedule.num_steps,
         schedule.entry_steps,
         warmup_from_zero=not state.behaviours.lr_warmup_floor,
     )
+    return curve * schedule.lr_scale(step)
 
 
 def plan(schedule: Schedule, state: State | None = None, from_step: int = 0) -> Iterator[Event]:

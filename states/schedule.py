@@ -194,9 +194,14 @@ class Schedule:
     def lr(self, step: int) -> float:
         restart = bisect.bisect_right(self.lr_restarts, step)
         count = step - self.lr_restarts[restart - 1] if restart else step
-        return lr_at(
+        curve = lr_at(
             self.config.optimization, count, self.num_steps, self.entry_steps, warmup_from_zero=self.warmup_from_zero
         )
+        return curve * self.lr_scale(step)
+
+    def lr_scale(self, step: int) -> float:
+        """The step's primary stage's `lr_scale` (1.0 unless a stage sets it: x 1.0 changes no bit)."""
+        return self.config.stages[self.primary(step)].lr_scale if self.config.stages else 1.0
 
     def beta(self, step: int) -> float:
         return self.betas[self.primary(step)]

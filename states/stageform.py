@@ -18,7 +18,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import msgspec
+
 from rewind.states.check_types import collect_type_problems
+from rewind.states.config import Stage
 from rewind.states.config_error import ConfigError
 from rewind.states.overrides import PathPart, deep_copy, parse_override, shown
 
@@ -173,6 +176,12 @@ def flat_path(problem: str) -> str:
     return f"{_FLAT_PATH.get(field or '', 'training.tokens')}[{index}]{rest}"
 
 
+def _said(stage: dict[str, Any]) -> dict[str, Any]:
+    """A stage record's keys that say something: those left out, None, or at the record's default do not."""
+    defaults = msgspec.to_builtins(Stage())
+    return {k: v for k, v in stage.items() if v is not None and (k not in defaults or v != defaults[k])}
+
+
 def flat_for_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """`raw` written flat when an override sets a flat list (`--set training.tokens=[...]`) on a config
     whose stages are records, so that the override means what it always meant; else `raw` itself."""
@@ -183,7 +192,7 @@ def flat_for_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, A
     plain = {"tokens", "datasets", "beta", "refresh_reference", "reset_optimizer", "overlap"}
     if not (
         isinstance(stages, list)
-        and all(isinstance(s, dict) and {k for k, v in s.items() if v is not None} - {"name", "strategy"} <= plain for s in stages)
+        and all(isinstance(s, dict) and set(_said(s)) - {"name", "strategy"} <= plain for s in stages)
         and all(not s.get("name") and s.get("strategy", "pretrain") == "pretrain" for s in stages)
         and all(s.get("overlap") is None for s in stages[-1:])
     ):

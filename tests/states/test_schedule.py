@@ -488,3 +488,26 @@ steepness = 5000.0
     schedule = Schedule(config)
     incoming = [schedule.weights_at(x)[1] for x in range(0, 8000, 97)]
     assert incoming == sorted(incoming) and incoming[0] == 0.0 and incoming[-1] == 1.0
+
+
+def test_a_stage_s_lr_scale_multiplies_its_primary_steps_lr_and_nothing_else():
+    import msgspec
+
+    from rewind.states.config_identity import config_hash
+    from rewind.states.config_reading import loads_config
+    from rewind.states.plan import started_state, step_lr
+    from rewind.states.schedule import Schedule
+    from tests.conftest import EXAMPLES
+
+    plain = loads_config((EXAMPLES / "tiny.toml").read_text())
+    stages = [*plain.stages[:2], msgspec.structs.replace(plain.stages[2], lr_scale=0.1)]
+    scaled = msgspec.structs.replace(plain, stages=stages)
+    a, b = Schedule(plain), Schedule(scaled)
+    _, state = started_state(scaled)
+    for k in range(a.num_steps):
+        factor = 0.1 if b.primary(k) == 2 else 1.0
+        assert b.lr(k) == a.lr(k) * factor and step_lr(state, b, k) == b.lr(k)
+    assert any(b.primary(k) == 2 for k in range(b.num_steps))
+    assert config_hash(scaled) != config_hash(plain)
+    unscaled = msgspec.structs.replace(plain, stages=[*plain.stages[:2], msgspec.structs.replace(plain.stages[2], lr_scale=1.0)])
+    assert config_hash(unscaled) == config_hash(plain)  # the default changes no identity
