@@ -29,10 +29,12 @@ FLAT_HASHES = {
     "text": "434ef86d6c4663945d316617e1ca4438ef0803a180a78507a2a224dc9751977a",
     "tiny": "a9afe55947acbf6d4fc46c9c9a66f61e28d521eabc6f07a5536e01d2bfc980ce",
 }
+# Examples written after stages became records (post-training strategies have no flat form): no hash before.
+RECORDS_ONLY = {"posttrain"}
 
 
 def test_every_example_is_written_as_records_and_hashes_as_it_did_flat():
-    assert sorted(p.stem for p in EXAMPLES.glob("*.toml")) == sorted(FLAT_HASHES)
+    assert sorted(p.stem for p in EXAMPLES.glob("*.toml")) == sorted([*FLAT_HASHES, *RECORDS_ONLY])
     for name, expected in FLAT_HASHES.items():
         path = EXAMPLES / f"{name}.toml"
         text = path.read_text(encoding="utf-8")
