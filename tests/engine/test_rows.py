@@ -10,10 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rewind.engine.documents import DocumentError, iter_rows
+from rewind.engine.documents import iter_rows
 from rewind.engine.rowfiles import read_preference_rows, read_prompt_rows, read_sft_rows
 from rewind.engine.rows import PreferenceRow, PromptRow, SftRow, encode_text, end_token
 from rewind.engine.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, train_bpe
+from tests.engine.test_documents import one_line_error
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +27,6 @@ def jsonl(path, rows: list, blank_first: bool = False) -> str:
     lines = ([""] if blank_first else []) + [r if isinstance(r, str) else json.dumps(r) for r in rows]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return str(path)
-
-
-def refused(fn, *needles: str) -> str:
-    with pytest.raises(DocumentError) as info:
-        fn()
-    message = str(info.value)
-    assert "\n" not in message, message
-    for needle in needles:
-        assert needle in message, (needle, message)
-    return message
 
 
 # --- rows and the end token -------------------------------------------------------------------------
@@ -125,29 +116,29 @@ def test_parquet_rows_read_like_jsonl_ones(tmp_path):
 def test_a_malformed_sft_row_names_its_file_and_line(tmp_path, line, needle):
     # Line 3: a blank line and a good row come first, so the number is the file's line, not the row's.
     path = jsonl(tmp_path / "bad.jsonl", ['{"prompt": "p", "response": "r"}', line], blank_first=True)
-    refused(lambda: read_sft_rows([path], "jsonl"), f"{path}:3: ", needle)
+    one_line_error(lambda: read_sft_rows([path], "jsonl"), f"{path}:3: ", needle)
 
 
 def test_malformed_preference_and_prompt_rows_name_their_file_and_line(tmp_path):
     good = {"prompt": "p", "chosen": "c", "rejected": "r", "answer": "a"}
     path = jsonl(tmp_path / "same.jsonl", [good, {**good, "rejected": "c"}])
-    refused(
+    one_line_error(
         lambda: read_preference_rows([path], "jsonl"),
         f"{path}:2: fields 'chosen' and 'rejected' are the same",
     )
     path = jsonl(tmp_path / "noanswer.jsonl", [good, good, {"prompt": "p"}])
-    refused(lambda: read_prompt_rows([path], "jsonl", fields=("answer",)), f"{path}:3: no 'answer' field")
+    one_line_error(lambda: read_prompt_rows([path], "jsonl", fields=("answer",)), f"{path}:3: no 'answer' field")
     path = jsonl(tmp_path / "number.jsonl", [{**good, "answer": 7}])
-    refused(lambda: read_prompt_rows([path], "jsonl", fields=("answer",)), f"{path}:1: field 'answer' is int")
+    one_line_error(lambda: read_prompt_rows([path], "jsonl", fields=("answer",)), f"{path}:1: field 'answer' is int")
     parquet = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b", ""], "response": ["c", "d", "e"]}), parquet)
-    refused(lambda: read_sft_rows([str(parquet)], "parquet"), f"{parquet}: row 2: field 'prompt' is empty")
-    refused(lambda: read_sft_rows([path], "text"), "need jsonl or parquet")
+    one_line_error(lambda: read_sft_rows([str(parquet)], "parquet"), f"{parquet}: row 2: field 'prompt' is empty")
+    one_line_error(lambda: read_sft_rows([path], "text"), "need jsonl or parquet")
 
 
-def test_a_prompt_that_encodes_to_nothing_is_refused(tmp_path):
+def test_a_prompt_that_encodes_to_nothing_is_one_line_error(tmp_path):
     path = jsonl(tmp_path / "a.jsonl", [{"prompt": "x", "response": "r"}])
-    refused(
+    one_line_error(
         lambda: read_sft_rows([path], "jsonl", lambda text: []),
         f"{path}:1: field 'prompt' encodes to no token",
     )
