@@ -23,15 +23,13 @@ import torch
 from rewind.engine.example_sources import mixture_rows
 from rewind.engine.generation import sample_completions
 from rewind.engine.grpo_losses import group_advantages, weighted_rewards
-from rewind.engine.grpo_step import rank_slices
+from rewind.engine.grpo_step import rank_slices, slice_logprobs
 from rewind.engine.layout import eval_mode
 from rewind.engine.parts import Parts
 from rewind.engine.ranks import is_writer
-from rewind.engine.response_logprobs import token_logprobs
 from rewind.engine.rewards import reward_identities, score
 from rewind.engine.rolloutreader import off_rows, training_rows
 from rewind.engine.row_batches import prompt_tokens
-from rewind.engine.step import compute_precision
 from rewind.states.config import Config
 from rewind.states.events import RolloutsRecorded
 from rewind.states.plan import rollout_settings
@@ -117,9 +115,7 @@ def logprobs_of(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor
     try:
         with torch.no_grad():  # every rank computes every row (a sharded forward is collective)
             for rows in [rows for rank in rank_slices(tokens.shape[0], config) for rows in rank]:
-                with compute_precision(config, device):
-                    logits = model(inputs[rows])
-                parts.append(token_logprobs(logits, targets[rows], mask[rows], temperature))
+                parts.append(slice_logprobs(model, inputs, targets, mask, rows, config, temperature))
     finally:
         model.train(was_training)
     return torch.cat(parts).cpu()

@@ -50,6 +50,17 @@ def rank_slices(num_rows: int, config: Config) -> list[list[slice]]:
     return [[slice(rank * share + s.start, rank * share + s.stop) for s in per_rank] for rank in range(placement.world_size)]
 
 
+def slice_logprobs(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, rows: slice, config: Config,
+    temperature: float,
+) -> torch.Tensor:
+    """The per-token log-probs of one micro-batch's masked targets: the one forward the old log-probs (at
+    sampling) and the updates both read, so a window's first update sees the old ones' very bits."""
+    with compute_precision(config, inputs.device):
+        logits = model(inputs[rows])
+    return token_logprobs(logits, targets[rows], mask[rows], temperature)
+
+
 def grpo_train_step(
     model: nn.Module, optimizer: AdamW, batch: TrainingRows, *, config: Config, stage: Stage, lr: float
 ) -> StepResult:
@@ -74,9 +85,7 @@ def grpo_train_step(
     for index, rows in enumerate(slices):
         if sharded:  # gradients are reduced over the ranks once, after the last micro-batch
             model.set_requires_gradient_sync(index == len(slices) - 1)  # type: ignore[operator]
-        with compute_precision(config, device):
-            logits = model(inputs[rows])
-        logprobs = token_logprobs(logits, targets[rows], mask[rows], settings.temperature)
+        logprobs = slice_logprobs(model, inputs, targets, mask, rows, config, settings.temperature)
         out = grpo_loss(
             logprobs, old[rows], None if reference is None else reference[rows], advantages[rows], mask[rows],
             loss_type=settings.loss_type, epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high,
