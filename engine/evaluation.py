@@ -46,7 +46,8 @@ def evaluation_tasks(config: Config) -> list[str]:
     return list(config.training.evaluations) or training_datasets(config)
 
 
-def _rows_per_batch(config: Config) -> int:
+def rows_per_forward(config: Config) -> int:
+    """How many rows an evaluation forward holds: a training micro-batch's."""
     per_device = config.training.per_device_batch_size
     return per_device if per_device > 0 else config.training.batch_size
 
@@ -132,7 +133,7 @@ def evaluation_indices(dataset: Dataset, num_samples: int) -> np.ndarray:
 def validate(model: nn.Module, datasets: Mapping[str, Dataset], config: Config, step: int) -> dict[str, float]:
     """Validation loss per training dataset. Each round reads the next `validation_steps` batches of
     the validation split (wrapping around), so successive validations are not one frozen batch."""
-    rows = _rows_per_batch(config)
+    rows = rows_per_forward(config)
     count = max(config.training.validation_steps, 1) * rows
     interval = max(config.logging.validation_interval, 1)
     round_index = step // interval
@@ -162,7 +163,7 @@ def evaluate_dataset(
     eval_mode(model)
     try:
         indices = evaluation_indices(dataset, num_samples)
-        return score(model, dataset, indices, _rows_per_batch(config), byte_table(token_num_bytes))
+        return score(model, dataset, indices, rows_per_forward(config), byte_table(token_num_bytes))
     finally:
         model.train(was_training)
 

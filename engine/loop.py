@@ -31,6 +31,7 @@ from rewind.engine.grpo_step import grpo_train_step, window_rows
 from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
 from rewind.engine.placement import launched_world_size
+from rewind.engine.posttrain_figures import boundary_figures
 from rewind.engine.ranks import any_rank, check_same_state, is_writer, shared_event
 from rewind.engine.rundata import check_unchanged
 from rewind.engine.step import nonfinite_quantity, train_step
@@ -257,7 +258,10 @@ def perform(run: Run, state: State, intent: Intent) -> State:
             result = evaluate(parts.model, parts.datasets, parts.config, parts.datasets.home.token_num_bytes())
             # Bits per byte for running text; a task's or a response's figure is its accuracy.
             bits = {name: b for name, b in result.bits_per_byte.items() if not parts.datasets[name].has_answers}
-            evaluated = Evaluated(**at, boundary=boundary, scores=result.scores, losses=result.losses, bits_per_byte=bits)
+            evaluated = Evaluated(
+                **at, boundary=boundary, scores=result.scores, losses=result.losses, bits_per_byte=bits,
+                posttraining=boundary_figures(parts, boundary),
+            )  # fmt: skip
             return record(run, state, evaluated)
         case TakeCheckpoint(reason=reason):
             return checkpoint(run, state, reason)

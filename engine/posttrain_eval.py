@@ -44,18 +44,23 @@ def completion_rewards(
     max_new_tokens: int,
     end_id: int = NEWLINE,
     decode: Decoder | None = None,
+    answers: Sequence[str] | None = None,
 ) -> list[list[float]]:
     """The exact-match reward of each of `samples` completions of each row (row by row, sample index
-    0..samples-1). temperature 0: greedy (the same completion for every sample index)."""
+    0..samples-1) against its answer (`answers`, or each row's "answer" field). temperature 0: greedy
+    (the same completion for every sample index)."""
     block_size = model.arch.block_size  # type: ignore[union-attr]
     completions = sample_completions(
         model, prompt_tokens(rows, block_size - max_new_tokens), samples_per_prompt=samples,
         max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stage=EVAL_STAGE, step=0,
         prompt_ids=[row.prompt_id for row in rows], eos_id=end_id,
     )  # fmt: skip
-    rewards = [
-        _reward(c, row, end_id, decode) for c, row in zip(completions, _repeated(rows, samples), strict=True)
-    ]
+    if answers is None:
+        answers = [row.fields[ANSWER_FIELD] for row in rows]
+    if len(answers) != len(rows):
+        raise ValueError(f"{len(answers)} answers for {len(rows)} rows")
+    pairs = zip(completions, _repeated(answers, samples), strict=True)
+    rewards = [_reward(completion, answer, end_id, decode) for completion, answer in pairs]
     return [rewards[n * samples : (n + 1) * samples] for n in range(len(rows))]
 
 
@@ -88,32 +93,37 @@ def mean_reward(model: nn.Module, rows: Sequence[PromptRow], *, samples: int, te
 
 def win_rate(model: nn.Module, reference: nn.Module, rows: Sequence[PromptRow], *, max_new_tokens: int,
              end_id: int = NEWLINE, decode: Decoder | None = None) -> float:  # fmt: skip
-    """(wins + ties / 2) / rows: on each row both models answer greedily and the exact-match judge
-    decides; a win is `model` right and `reference` wrong, a loss the reverse, a tie both right or both
-    wrong. 0.5: no better and no worse; 1.0: right wherever the reference is wrong and never the reverse."""
+    """The win rate (`win_share`) of `model` against `reference`, both answering greedily."""
     mine = greedy_correct(model, rows, max_new_tokens=max_new_tokens, end_id=end_id, decode=decode)
     theirs = greedy_correct(reference, rows, max_new_tokens=max_new_tokens, end_id=end_id, decode=decode)
+    return win_share(mine, theirs)
+
+
+def win_share(mine: Sequence[bool], theirs: Sequence[bool]) -> float:
+    """(wins + ties / 2) / rows, as the exact-match judge decided each row: a win is `mine` right and
+    `theirs` wrong, a loss the reverse, a tie both right or both wrong. 0.5: no better and no worse;
+    1.0: right wherever the other is wrong and never the reverse."""
     return _mean([1.0 if a > b else 0.0 if a < b else 0.5 for a, b in zip(mine, theirs, strict=True)])
 
 
 def greedy_correct(model: nn.Module, rows: Sequence[PromptRow], *, max_new_tokens: int, end_id: int = NEWLINE,
-                   decode: Decoder | None = None) -> list[bool]:  # fmt: skip
+                   decode: Decoder | None = None, answers: Sequence[str] | None = None) -> list[bool]:  # fmt: skip
     """Whether each row's greedy completion is exactly right."""
     rewards = completion_rewards(
         model, rows, samples=1, temperature=0.0, seed=0, max_new_tokens=max_new_tokens, end_id=end_id,
-        decode=decode,
+        decode=decode, answers=answers,
     )  # fmt: skip
     return [row[0] == 1.0 for row in rewards]
 
 
-def _reward(completion: Completion, row: PromptRow, end_id: int, decode: Decoder | None) -> float:
+def _reward(completion: Completion, answer: str, end_id: int, decode: Decoder | None) -> float:
     tokens = [t for t in completion.tokens if t != end_id]  # (the end token can only come last)
     text = bytes(tokens).decode("utf-8", errors="replace") if decode is None else decode(tokens)
-    return exact_match_reward(text, row.fields[ANSWER_FIELD])
+    return exact_match_reward(text, answer)
 
 
-def _repeated(rows: Sequence[PromptRow], times: int) -> list[PromptRow]:
-    return [row for row in rows for _ in range(times)]
+def _repeated(items: Sequence[str], times: int) -> list[str]:
+    return [item for item in items for _ in range(times)]
 
 
 def _mean(values: Sequence[float | bool]) -> float:

@@ -199,6 +199,9 @@ class Evaluated(Event, frozen=True, kw_only=True, tag="Evaluated"):
     scores: dict[str, float]  # only datasets with answers (tasks, prompt/response pairs)
     losses: dict[str, float] = {}
     bits_per_byte: dict[str, float] = {}  # text datasets whose tokens have a known byte length
+    # A post-training run's held-out figures per dataset: pass@1, pass@G, reward, win_rate, dpo_accuracy,
+    # dpo_margin (rewind.engine.posttrain_figures). Records before schema 9 and pretraining runs: {}.
+    posttraining: dict[str, dict[str, float]] = {}
 
 
 class CheckpointCommitted(Event, frozen=True, kw_only=True, tag="CheckpointCommitted"):

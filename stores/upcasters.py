@@ -102,9 +102,9 @@ def v7_to_v8(raw: dict) -> dict:
 
 
 def v8_to_v9(raw: dict) -> dict:
-    """Schema 8 -> 9 added post-training: RolloutsRecorded (a grpo stage's rollout batch) and
-    StepCommitted.metrics (default {}). A schema 8 record holds neither, which is what their absence
-    means."""
+    """Schema 8 -> 9 added post-training: RolloutsRecorded (a grpo stage's rollout batch),
+    StepCommitted.metrics and Evaluated.posttraining (defaults {}). A schema 8 record holds none of them,
+    which is what their absence means."""
     return raw
 
 

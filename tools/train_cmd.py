@@ -292,11 +292,14 @@ def summary(run_dir: str) -> str:
     if texts:
         lines += ["", "held-out text: bits per byte before training and at each stage boundary (columns: dataset)"]
         lines += _boundary_table(evaluations, texts, lambda e, t: e.bits_per_byte.get(t, float("nan")))
+    from rewind.states.history import config_in_force
     from rewind.tools.growth_report import growth_table
+    from rewind.tools.posttrain_report import posttrain_tables
 
-    table = growth_table([e for _, e in records])
-    if table:
-        lines += ["", *table]
+    events = [e for _, e in records]
+    for table in (growth_table(events), posttrain_tables(events, config_in_force(records))):
+        if table:
+            lines += ["", *table]
     return "\n".join(lines)
 
 

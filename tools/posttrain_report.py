@@ -1,0 +1,63 @@
+"""The per-stage table a post-training run ends with: what each stage's model does on held-out prompts.
+
+One table per dataset the boundary evaluations measured (rewind.engine.posttrain_figures), a row per
+boundary (before training, then the end of each stage, named by the config in force): the stage's
+strategy, its answer-token accuracy and held-out loss (the response's loss: an sft stage's objective),
+the mean training loss over the stage's last steps (a tenth of them, at least one: the loss the stage's
+strategy optimises), pass@1, pass@G and the mean sampled reward, the win rate against the stage's
+reference, and after a dpo stage its implicit-reward accuracy and margin on held-out pairs. "-" where a
+figure does not apply (no reference yet, not a dpo stage). Read from the effective records alone, so a
+resumed run prints what a straight run prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rewind.states.config import Config
+from rewind.states.events import Evaluated, Event, StepCommitted
+
+# accuracy: answer-token; loss: held-out; train: the stage's own loss; win: against the stage's reference
+_COLUMNS = ("accuracy", "loss", "train", "pass@1", "pass@G", "reward", "win", "dpo acc", "margin")
+
+
+def posttrain_tables(events: Sequence[Event], config: Config) -> list[str]:
+    """Lines of the tables, or [] when no boundary measured post-training figures."""
+    evaluations = [e for e in events if isinstance(e, Evaluated)]
+    names = list(dict.fromkeys(n for e in evaluations for n in e.posttraining))
+    if not names:
+        return []
+    train_losses = _last_losses(events)
+    lines: list[str] = []
+    for name in names:
+        keys = (k for e in evaluations for k in e.posttraining.get(name, {}))
+        group = next((k for k in keys if k.startswith("pass@") and k != "pass@1"), "pass@G")
+        columns = [c.replace("pass@G", group) for c in _COLUMNS]
+        lines += [""] if lines else []
+        lines += [
+            f"post-training, {name}'s held-out prompts: pass@1 greedy; {group} and reward over {group[5:]} samples;",
+            "  train: the stage's own loss; win: greedy, against the stage's reference (ties count half)",
+            f"{'after stage':>12} {'strategy':>8} " + " ".join(f"{c:>8}" for c in columns),
+        ]
+        for e in evaluations:
+            figures = e.posttraining.get(name, {})
+            stage = config.stages[e.boundary] if 0 <= e.boundary < len(config.stages) else None
+            label = "(start)" if stage is None else (stage.name or str(e.boundary))
+            values = [
+                e.scores.get(name), e.losses.get(name), train_losses.get(e.boundary) if stage else None,
+                figures.get("pass@1"), figures.get(group), figures.get("reward"), figures.get("win_rate"),
+                figures.get("dpo_accuracy"), figures.get("dpo_margin"),
+            ]  # fmt: skip
+            cells = " ".join(f"{'-':>8}" if v is None else f"{v:>8.3f}" for v in values)
+            lines.append(f"{label:>12} {stage.strategy if stage else '-':>8} {cells}")
+    return lines
+
+
+def _last_losses(events: Sequence[Event]) -> dict[int, float]:
+    """Each stage's mean training loss over its last tenth of committed steps (at least one)."""
+    losses: dict[int, list[float]] = {}
+    for event in events:
+        if isinstance(event, StepCommitted) and not event.skipped:
+            losses.setdefault(event.stage, []).append(event.loss)
+    tails = {stage: values[-max(1, len(values) // 10) :] for stage, values in losses.items()}
+    return {stage: sum(tail) / len(tail) for stage, tail in tails.items()}
