@@ -3,8 +3,8 @@
 One table per dataset the boundary evaluations measured (rewind.engine.posttrain_figures), a row per
 boundary (before training, then the end of each stage, named by the config in force): the stage's
 strategy, its answer-token accuracy and held-out loss (the response's loss: an sft stage's objective),
-the mean training loss over the stage's last steps (a tenth of them, at least one: the loss the stage's
-strategy optimises), pass@1, pass@G and the mean sampled reward, the win rate against the stage's
+the stage's training loss at its end (the loss its strategy optimises: `rewind timeline`'s "task loss
+end", a mean over the last tenth of its steps, 1 to 100), pass@1, pass@G and the mean sampled reward, the win rate against the stage's
 reference, and after a dpo stage its implicit-reward accuracy and margin on held-out pairs. "-" where a
 figure does not apply (no reference yet, not a dpo stage). Read from the effective records alone, so a
 resumed run prints what a straight run prints.
@@ -12,22 +12,25 @@ resumed run prints what a straight run prints.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 from rewind.states.config import Config
 from rewind.states.events import Evaluated, Event, StepCommitted
+from rewind.tools.timeline_scan import LOSS_WINDOW_FRACTION, LOSS_WINDOW_MAX
 
 # accuracy: answer-token; loss: held-out; train: the stage's own loss; win: against the stage's reference
 _COLUMNS = ("accuracy", "loss", "train", "pass@1", "pass@G", "reward", "win", "dpo acc", "margin")
 
 
-def posttrain_tables(events: Sequence[Event], config: Config) -> list[str]:
-    """Lines of the tables, or [] when no boundary measured post-training figures."""
-    evaluations = [e for e in events if isinstance(e, Evaluated)]
+def posttrain_tables(
+    evaluations: Sequence[Evaluated], config: Config, train_losses: Mapping[int, float | None]
+) -> list[str]:
+    """Lines of the tables, or [] when no boundary measured post-training figures. `train_losses`: each
+    stage's training loss at its end (`end_losses`)."""
     names = list(dict.fromkeys(n for e in evaluations for n in e.posttraining))
     if not names:
         return []
-    train_losses = _last_losses(events)
     lines: list[str] = []
     for name in names:
         keys = (k for e in evaluations for k in e.posttraining.get(name, {}))
@@ -53,11 +56,15 @@ def posttrain_tables(events: Sequence[Event], config: Config) -> list[str]:
     return lines
 
 
-def _last_losses(events: Sequence[Event]) -> dict[int, float]:
-    """Each stage's mean training loss over its last tenth of committed steps (at least one)."""
+def end_losses(events: Sequence[Event]) -> dict[int, float]:
+    """Each stage's mean training loss over its last finite steps: a tenth of them, 1 to 100 (the
+    window `rewind timeline` takes its "task loss end" over)."""
     losses: dict[int, list[float]] = {}
     for event in events:
-        if isinstance(event, StepCommitted) and not event.skipped:
+        if isinstance(event, StepCommitted) and not event.skipped and math.isfinite(event.loss):
             losses.setdefault(event.stage, []).append(event.loss)
-    tails = {stage: values[-max(1, len(values) // 10) :] for stage, values in losses.items()}
-    return {stage: sum(tail) / len(tail) for stage, tail in tails.items()}
+    ends = {}
+    for stage, values in losses.items():
+        window = min(LOSS_WINDOW_MAX, max(1, round(len(values) * LOSS_WINDOW_FRACTION)))
+        ends[stage] = sum(values[-window:]) / window
+    return ends

@@ -10,6 +10,7 @@ million-step run takes seconds and a bounded amount of memory.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from rewind.tools.state_cmd import fold_events, print_json, status_text
@@ -50,6 +51,7 @@ def read_timeline(run_dir: str, *, with_plot: bool = False) -> Any:
 def stage_rows(timeline) -> list[dict]:
     evaluated = {e.boundary: e.scores for e in timeline.evaluations}
     bits = {e.boundary: e.bits_per_byte for e in timeline.evaluations if e.bits_per_byte}
+    post = {e.boundary: e.posttraining for e in timeline.evaluations if e.posttraining}
     tps = timeline.schedule.tokens_per_step
     rows = []
     for stage in range(timeline.schedule.num_stages):
@@ -69,6 +71,7 @@ def stage_rows(timeline) -> list[dict]:
                 "validation": timeline.validated.get(stage, {}),
                 "evaluation": evaluated.get(stage),
                 "bits_per_byte": bits.get(stage),  # held-out text at the stage's end (None: no text scored)
+                "posttraining": post.get(stage),  # held-out pass@1, pass@G, ... (None: a pretraining run)
             }
         )
     return rows
@@ -165,7 +168,7 @@ def checkpoint_summary(timeline) -> dict:
 def summarize(timeline) -> dict:
     """The whole summary of a `Timeline` (what `--json` prints and `render` lays out)."""
     state, schedule = timeline.state, timeline.schedule
-    before = [e.scores for e in timeline.evaluations if e.boundary == -1]
+    before = [e for e in timeline.evaluations if e.boundary == -1]
     return {
         "run": timeline.config.run.name,
         "run_dir": str(timeline.run_dir),
@@ -177,7 +180,8 @@ def summarize(timeline) -> dict:
         "total_tokens": schedule.num_steps * schedule.tokens_per_step,
         "tokens_per_step": schedule.tokens_per_step,
         "num_resumes": timeline.num_resumes,
-        "evaluation_before_training": before[-1] if before else None,
+        "evaluation_before_training": before[-1].scores if before else None,
+        "posttraining_before_training": (before[-1].posttraining or None) if before else None,
         "stages": stage_rows(timeline),
         "markers": markers(timeline),
         "checkpoints": checkpoint_summary(timeline),
@@ -213,7 +217,8 @@ def render_table(columns: list[tuple[str, str, list[str]]]) -> list[str]:
     return lines
 
 
-def render(summary: dict) -> list[str]:
+def render(summary: dict, tables: Sequence[str] = ()) -> list[str]:
+    """The summary as text, `tables` (a post-training run's, say) between the stages and the markers."""
     stages = summary["stages"]
     resumes = summary["num_resumes"]
     lines = [
@@ -255,6 +260,7 @@ def render(summary: dict) -> list[str]:
     if summary["evaluation_before_training"]:
         scores = ", ".join(f"{n} {v:.3f}" for n, v in sorted(summary["evaluation_before_training"].items()))
         lines.append(f"accuracy before training: {scores}")
+    lines += ["", *tables] if tables else []
     lines += ["", f"{'step':>10} {'tokens':>14}  marker"]
     lines += [f"{m['step']:>10,} {m['tokens']:>14,}  {m['text']}" for m in summary["markers"]]
     lines.append(_checkpoint_line(summary["checkpoints"]))
@@ -294,7 +300,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary if not args.plot else {**summary, "plot": str(args.plot)})
     else:
-        print("\n".join(render(summary)))
+        from rewind.tools.posttrain_report import posttrain_tables
+
+        ends = {row["stage"]: row["loss_end"] for row in summary["stages"]}
+        print("\n".join(render(summary, posttrain_tables(timeline.evaluations, timeline.config, ends))))
     if args.plot:
         from rewind.tools.timeline_plot import plot_timeline
 

@@ -294,10 +294,11 @@ def summary(run_dir: str) -> str:
         lines += _boundary_table(evaluations, texts, lambda e, t: e.bits_per_byte.get(t, float("nan")))
     from rewind.states.history import config_in_force
     from rewind.tools.growth_report import growth_table
-    from rewind.tools.posttrain_report import posttrain_tables
+    from rewind.tools.posttrain_report import end_losses, posttrain_tables
 
     events = [e for _, e in records]
-    for table in (growth_table(events), posttrain_tables(events, config_in_force(records))):
+    posttraining = posttrain_tables(evaluations, config_in_force(records), end_losses(events))
+    for table in (growth_table(events), posttraining):
         if table:
             lines += ["", *table]
     return "\n".join(lines)

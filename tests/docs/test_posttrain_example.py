@@ -10,6 +10,8 @@ against the dpo model 0.56), so they hold across thread counts."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rewind.states.events import Evaluated, RolloutsRecorded, StepCommitted
@@ -45,6 +47,12 @@ def test_the_post_training_example_learns_in_every_stage(tmp_path):
     assert value["grpo"]["reward"] > value["dpo"]["reward"] + 0.05 and value["grpo"]["win"] > 0.5
     assert value["dpo"]["dpo acc"] > 0.6 and value["dpo"]["margin"] > 0.1  # on held-out pairs
     assert "win" not in value["sft"] and "dpo acc" not in value["grpo"]  # no reference yet; not a dpo stage
+    code, shown, err = run_cli("timeline", run)
+    assert code == 0 and _posttrain_table(shown) == table  # read back from the record alone
+    code, shown, err = run_cli("timeline", run, "--json")
+    summary = json.loads(shown)
+    assert summary["posttraining_before_training"] == {"sort": recorded[-1]}
+    assert [row["posttraining"] for row in summary["stages"]] == [{"sort": recorded[b]} for b in range(4)]
 
 
 COLUMNS = ("accuracy", "loss", "train", "pass@1", "pass@4", "reward", "win", "dpo acc", "margin")
