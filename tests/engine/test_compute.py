@@ -3,10 +3,9 @@ one-rank group), torch.compile, where a run records that it computed, and the on
 
 Runs are the tiny config shrunk to 2 + 2 + 2 steps with the KL term on from stage 1 (the reference is
 refreshed at its entry), trained in-process through `rewind train` with one torch thread (as
-tests/engine/test_loop.py does) unless a test needs a fresh process: autocast and compile runs are CLI
-subprocesses (OMP_NUM_THREADS=1, the same thread count), and so is a Triton loaded without its
-interpreter (which must be decided before triton is imported).
-"""
+tests/engine/test_loop.py does) unless a test needs a fresh process: the compile run is a CLI subprocess
+(OMP_NUM_THREADS=1, the same thread count; dynamo's counters are its own), and so is a Triton loaded
+without its interpreter (which must be decided before triton is imported)."""
 
 from __future__ import annotations
 
@@ -141,12 +140,6 @@ def sets(overrides: tuple[str, ...]) -> list[str]:
     return [part for override in overrides for part in ("--set", override)]
 
 
-def cli_train(cwd: Path, run: Path, overrides: tuple[str, ...], *extra: str) -> subprocess.CompletedProcess:
-    done = cli(cwd, "train", TINY, "--run-dir", run, "--no-progress", *sets(overrides), *extra)
-    assert done.returncode == 0, done.stderr
-    return done
-
-
 def assert_close_steps(want: list[StepCommitted], got: list[StepCommitted], rtol: float = RTOL) -> None:
     assert [e.step for e in got] == [e.step for e in want] == list(range(1, 7))
     for a, b in zip(want, got, strict=True):
@@ -219,8 +212,9 @@ def test_each_loss_kernel_repeats_its_run_bit_for_bit_across_a_stop(runs, tmp_pa
 def test_bf16_autocast_computes_in_bf16_keeps_fp32_weights_and_resumes_bit_for_bit(runs, tmp_path):
     bf16 = (*SHORT, 'compute.precision="bf16-autocast"')
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    done = cli_train(tmp_path, straight, bf16)
-    assert "run finished: 6 steps" in done.stdout
+    code, out, err = run_cli(*train_args(straight, overrides=bf16))
+    assert code == 0, err
+    assert "run finished: 6 steps" in out
     got = steps_of(straight)
     assert len(got) == 6 and all_finite(got)
     assert checkpoint_dtypes(straight) == {torch.float32}  # weights and Adam moments stay fp32
@@ -228,9 +222,11 @@ def test_bf16_autocast_computes_in_bf16_keeps_fp32_weights_and_resumes_bit_for_b
     # relative), far beyond fp32 reordering (1e-7), and still the same training.
     assert 1e-5 < worst_relative(steps_of(runs("clm", "logits")), got) < 1e-2
 
-    first = cli_train(tmp_path, stopped, bf16, "--max-steps", "3")
-    assert "stopped after step 3" in first.stderr
-    cli_train(tmp_path, stopped, bf16)
+    code, _, err = run_cli(*train_args(stopped, "--max-steps", "3", overrides=bf16))
+    assert code == 0, err
+    assert "stopped after step 3" in err
+    code, _, err = run_cli(*train_args(stopped, overrides=bf16))
+    assert code == 0, err
     assert [type(e) for e in events_of(stopped)].count(RunResumed) == 1
     assert_same_run(straight, stopped, tmp_path)
 

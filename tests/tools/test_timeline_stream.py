@@ -3,6 +3,7 @@ does not grow with the run, and the plot's bounded buckets (exact for short runs
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import tracemalloc
@@ -89,6 +90,8 @@ def test_the_pass_holds_the_same_memory_however_long_the_run():
 
 
 def steps_of(num_steps: int) -> list[StepCommitted]:
+    # cursors after step k: "a" advances k % 4 rows, "b" the rest of 4; "c" joins mid-run
+    a = [0, *itertools.accumulate(k % 4 for k in range(1, num_steps + 1))]  # a[k]: a's rows after step k
     return [
         StepCommitted(
             step=k,
@@ -99,16 +102,10 @@ def steps_of(num_steps: int) -> list[StepCommitted]:
             loss=math.nan if k % 97 == 0 else 1.0 + math.sin(k),
             rows=[k % 4, 4 - k % 4] if k < num_steps // 2 else [1, 2, 1],  # a stage added mid-run
             kl=math.inf if k % 89 == 0 else 0.5 + math.cos(k) / 4,
-            # cursors after step k: "a" advances k % 4 rows, "b" the rest of 4; "c" joins mid-run
-            cursors={"a": _advance(k, 0), "b": _advance(k, 1)} | ({"c": k} if k >= num_steps // 2 else {}),
+            cursors={"a": a[k], "b": 4 * k - a[k]} | ({"c": k} if k >= num_steps // 2 else {}),
         )
         for k in range(1, num_steps + 1)
     ]
-
-
-def _advance(k: int, which: int) -> int:
-    """Cumulative rows of dataset a (which=0) or b (which=1) after step k."""
-    return sum(j % 4 if which == 0 else 4 - j % 4 for j in range(1, k + 1))
 
 
 def _moved(steps: list[StepCommitted]) -> np.ndarray:
