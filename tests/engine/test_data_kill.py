@@ -165,7 +165,19 @@ def stamps(run: Path) -> dict[str, tuple[int, int]]:
 @pytest.mark.slow
 def test_a_run_on_token_text_and_pair_data_killed_three_times_resumes_bitwise(tmp_path):
     write_inputs(tmp_path)
-    train(tmp_path, "straight")
+    # The straight run trains beside the start-up kill (one thread each: two cores do both at once); the
+    # other two kills need its epochs.
+    done = subprocess.Popen(train_command("straight"), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        killed = tmp_path / "killed"
+        appended = [train_until_killed(tmp_path, "killed", lambda _: (killed / "data").is_dir())]
+        assert done.wait(timeout=300) == 0, done.stderr.read()
+    finally:
+        if done.poll() is None:  # a failure above: the straight run is not left behind
+            done.kill()
+            done.wait()
+        done.stderr.close()
     straight = tmp_path / "straight"
     epochs = [e for e in (msgspec.msgpack.decode(b, type=EpochStarted) for b in effective_of(straight, EpochStarted))
               if e.dataset == "corpus"]
@@ -174,8 +186,6 @@ def test_a_run_on_token_text_and_pair_data_killed_three_times_resumes_bitwise(tm
     targets = [e.step + 1 for e in epochs if (e.step + 1) % CHECKPOINT_INTERVAL]
     assert len(epochs) >= 2 and len(targets) >= 2, epochs
 
-    killed = tmp_path / "killed"
-    appended = [train_until_killed(tmp_path, "killed", lambda _: (killed / "data").is_dir())]
     prepared_by: dict[str, tuple[int, int]] = {}
     if any(isinstance(e, RunStarted) for _, e in appended[0]):
         prepared_by = stamps(killed)  # the start got as far as its first record: the data is ready

@@ -3,8 +3,12 @@ tensors of the run that never stopped, bit for bit (base weights, frozen stacks,
 
 The run is tests/engine/test_growth.py's GROWN (progressive.toml shrunk): an append on a frozen trunk
 with copied blocks and an activation cache, an identity prepend on a LoRA trunk, an NF4 stack with its
-own adapters on a QLoRA trunk, dropout, two micro-batches a step. Kills land anywhere: while the cache
-is being written, between a growth and the checkpoint after it, mid-step, mid-checkpoint. The processes
+own adapters on a QLoRA trunk, dropout, two micro-batches a step, at 16 steps a stage. One kill lands in
+each stage (ROUNDS equal bands of the run: a band is a stage), a random moment after a step drawn in the
+band's first half: in stage 0 before any growth, in stage 1 on the frozen trunk whose activation cache the
+growth wrote (a resume there must find or rebuild it), in stage 2 on the LoRA trunk, in stage 3 on the NF4
+stack, each mid-step, mid-commit or mid-checkpoint, possibly between the growth and the checkpoint after
+it. (Eight kills over 160 steps added no transition these four do not pass through.) The processes
 run outside the checkout (cwd = a temporary directory), as an installed rewind does: the checkout's
 top-level `kernels/` must not shadow the package bitsandbytes imports under that name.
 """
@@ -25,12 +29,16 @@ from tests.engine.exactness_checks import committed
 from tests.engine.test_growth import final_tensors, grown_args
 from tests.engine.test_loop import assert_bitwise_equal, events_of
 
-ROUNDS = int(os.environ.get("REWIND_GROWTH_KILL_ROUNDS", "8"))
+STEPS_PER_STAGE = 16  # 4096 tokens of 8 x 32: four checkpoints (every 4 steps) a stage
+NUM_STEPS = 4 * STEPS_PER_STAGE
+ROUNDS = int(os.environ.get("REWIND_GROWTH_KILL_ROUNDS", "4"))
 
 
 def _command(run_dir) -> list[str]:
-    # 160 steps: long enough that every round kills it somewhere (start-up is ~3 s with peft).
-    longer = ["--set", "training.tokens=[10240,10240,10240,10240]"]
+    # Longer than GROWN's 10 steps a stage, so that a kill in a stage's first half, a moment after its
+    # drawn step is committed (start-up is ~3 s with peft), still lands in that stage.
+    tokens = STEPS_PER_STAGE * 8 * 32
+    longer = ["--set", f"training.tokens=[{tokens},{tokens},{tokens},{tokens}]"]
     return [sys.executable, "-m", "rewind.tools.cli", *grown_args(run_dir), *longer]
 
 
@@ -51,11 +59,12 @@ def test_sigkill_across_growth_then_resume_gives_the_straight_tensors(tmp_path):
     try:
         rng = random.Random(20261124)
         num_killed = 0
-        # One kill in each of ROUNDS equal bands of the run's 160 steps, wherever the machine's load puts
-        # the time: the log is polled until the band's drawn step is committed, then the kill comes a
-        # random fraction of a second later (mid-step, mid-commit, mid-checkpoint, mid-cache).
+        # One kill in each of ROUNDS equal bands of the run's steps, wherever the machine's load puts
+        # the time: the log is polled until a step drawn in the band's first half is committed, then the
+        # kill comes a random fraction of a second later (mid-step, mid-commit, mid-checkpoint, mid-cache).
         for band in range(ROUNDS):
-            target = rng.randrange(band * 160 // ROUNDS, (band + 1) * 160 // ROUNDS)
+            first = band * NUM_STEPS // ROUNDS
+            target = rng.randrange(first, first + max(1, NUM_STEPS // ROUNDS // 2))
             num_before = len(committed(killed))
             process = _run(_command(killed), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             # Past its own first record (its RunStarted or RunResumed: start-up kills are test_kill_restart's),
@@ -79,7 +88,7 @@ def test_sigkill_across_growth_then_resume_gives_the_straight_tensors(tmp_path):
         assert any(isinstance(e, ActivationsCached) for e in events)
         # Resumed inside at least three of the four stages (a kill in the first steps may come before the
         # first checkpoint, or before the log exists): the kills span the growths, not one region.
-        assert len({e.step // 40 for e in events if isinstance(e, RunResumed)}) >= 3
+        assert len({e.step // STEPS_PER_STAGE for e in events if isinstance(e, RunResumed)}) >= 3
         assert_bitwise_equal(final_tensors(straight), final_tensors(killed))
     finally:
         if done.poll() is None:  # a failure above: the straight run is not left behind
