@@ -2,12 +2,14 @@
 2, and matches the single-process run within the documented tolerance (docs/distributed.md); the same
 world size resumes bit for bit; a world size that cannot split the batch is refused before any event.
 
-Each torchrun launch costs ~5-10 s here (process start, torch import, rendezvous), so these few tests
-cover the promise end to end and the unit tests elsewhere cover the parts."""
+Each torchrun launch costs ~5-15 s here (three processes' start, torch import, rendezvous), so these few
+tests cover the promise end to end and the unit tests elsewhere cover the parts; what only reads a finished
+run (export, diff, verify) runs in this process, through the same command-line entry point."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import re
@@ -24,6 +26,7 @@ from rewind.states.events import RunResumed, RunStarted, StepCommitted
 from rewind.states.history import effective
 from rewind.stores.runs import read_records
 from rewind.tools.bench.gpu_part import process_tree
+from rewind.tools.cli import main
 from tests.engine.test_loop import TINY
 
 pytestmark = pytest.mark.distributed
@@ -65,10 +68,19 @@ def _losses(run_dir) -> dict[int, float]:
     return {e.step: e.loss for _, e in records if isinstance(e, StepCommitted)}
 
 
+def _rewind(*args: str) -> tuple[int, str, str]:
+    """`rewind ARGS` in this process (a command that only reads a run: no interpreter to start, no second
+    torch import): its exit status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
 def _final_weights(run_dir, cwd) -> dict[str, torch.Tensor]:
     out = cwd / f"{run_dir.name}.safetensors"
-    done = _run([sys.executable, "-m", "rewind.tools.cli", "export", str(run_dir), "--to", str(out)], cwd)
-    assert done.returncode == 0, done.stderr
+    code, _, err = _rewind("export", str(run_dir), "--to", str(out))
+    assert code == 0, err
     return load_file(out)
 
 
@@ -95,7 +107,10 @@ def test_a_killed_sharded_run_resumes_at_one_and_two_processes_within_tolerance(
 
     # Two processes, SIGKILLed (the launcher and both ranks: the whole group) once a checkpoint exists.
     process = subprocess.Popen(
-        _train(sharded, 2, *_sets()), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(),
+        _train(sharded, 2, *_sets()),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=_env(),
         cwd=tmp_path,
     )
     deadline = time.monotonic() + 240
@@ -133,10 +148,10 @@ def test_a_killed_sharded_run_resumes_at_one_and_two_processes_within_tolerance(
         torch.testing.assert_close(weights_b[name], weights_a[name], rtol=1e-3, atol=1e-4, msg=name)
 
     # The tool for such runs: diff within the tolerance finds no divergence, bitwise it does.
-    within = _run([sys.executable, "-m", "rewind.tools.cli", "diff", str(straight), str(sharded), "--rtol", TOOL_RTOL], tmp_path)
-    assert "no divergence" in within.stdout, within.stdout
-    bitwise = _run([sys.executable, "-m", "rewind.tools.cli", "diff", str(straight), str(sharded)], tmp_path)
-    assert "first divergence" in bitwise.stdout
+    _, within, _ = _rewind("diff", str(straight), str(sharded), "--rtol", TOOL_RTOL)
+    assert "no divergence" in within, within
+    _, bitwise, _ = _rewind("diff", str(straight), str(sharded))
+    assert "first divergence" in bitwise, bitwise
 
 
 @pytest.mark.slow
@@ -187,8 +202,8 @@ def test_a_grown_model_with_a_cached_frozen_trunk_lora_and_an_nf4_stack_trains_s
     # Measured: up to 1e-3 (the LoRA and NF4 stages are the more sensitive); the stages before agree closer.
     assert _worst_relative(a, b) < 1e-2
     assert _worst_relative({k: a[k] for k in a if k <= 50}, {k: b[k] for k in b if k <= 50}) < LOSS_RTOL
-    verified = _run([sys.executable, "-m", "rewind.tools.cli", "verify", str(runs[2])], tmp_path)
-    assert verified.returncode == 0 and "verify: clean" in verified.stdout, verified.stdout + verified.stderr
+    code, out, err = _rewind("verify", str(runs[2]))
+    assert code == 0 and "verify: clean" in out, out + err
 
 
 def _rank_pid(launcher: int, rank: int, deadline: float) -> int:
@@ -218,8 +233,12 @@ def test_a_rank_killed_mid_run_leaves_the_other_one_line_and_a_run_that_resumes(
     verifies clean."""
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
-        _train(run_dir, 2, *_sets(("training.tokens=[64000,6400,6400]",))), stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path,
+        _train(run_dir, 2, *_sets(("training.tokens=[64000,6400,6400]",))),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
     )
     deadline = time.monotonic() + 240
     checkpoints = run_dir / "checkpoints"
@@ -237,5 +256,5 @@ def test_a_rank_killed_mid_run_leaves_the_other_one_line_and_a_run_that_resumes(
     assert "resumes from its last checkpoint" in ours[0]
     assert not re.search(r'File ".*/(engine|states|stores|tools|kernels)/', err), err  # no traceback of ours
     assert "exitcode  : 1 (pid" in err  # the survivor's own exit, reported by torchrun
-    done = _run([sys.executable, "-m", "rewind.tools.cli", "verify", str(run_dir)], tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
+    code, out, err = _rewind("verify", str(run_dir))
+    assert code == 0, out + err
