@@ -242,15 +242,15 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_objectives_and_precisions_resume_bit_for_bit(tmp_path, variant):
     """Masked objectives (masks and levels from the run's streams), a bf16 stack and an anchored
-    prepend: stopped every 12 steps and resumed, each ends with the straight run's tensors. The stops
-    (steps 12, 24 and 36) fall inside each stage after a growth (at steps 10, 20 and 30), the cache's
-    stage included; more stops would resume the same stages again."""
-    overrides = (*GROWN, *VARIANTS[variant])
+    prepend, on stages of 5 steps: stopped every 6 steps and resumed, each ends with the straight run's
+    tensors. The stops (steps 6, 12 and 18) fall inside each stage after a growth (at steps 5, 10 and
+    15), the cache's stage included; longer stages and more stops would resume the same stages again."""
+    overrides = (*GROWN, *VARIANTS[variant], "training.tokens=[1280,1280,1280,1280]")
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     code, _, err = run_cli(*grown_args(straight, overrides=overrides))
     assert code == 0, err
     for _ in range(8):
-        code, out, err = run_cli(*grown_args(stopped, "--max-steps", "12", overrides=overrides))
+        code, out, err = run_cli(*grown_args(stopped, "--max-steps", "6", overrides=overrides))
         assert code == 0, err
         if "finished" in out:
             break
