@@ -5,10 +5,11 @@ The run is tests/engine/test_growth.py's GROWN (progressive.toml shrunk): an app
 with copied blocks and an activation cache, an identity prepend on a LoRA trunk, an NF4 stack with its
 own adapters on a QLoRA trunk, dropout, two micro-batches a step, at 16 steps a stage. One kill lands in
 each stage (ROUNDS equal bands of the run: a band is a stage), a random moment after a step drawn in the
-band's first half: in stage 0 before any growth, in stage 1 on the frozen trunk whose activation cache the
-growth wrote (a resume there must find or rebuild it), in stage 2 on the LoRA trunk, in stage 3 on the NF4
-stack, each mid-step, mid-commit or mid-checkpoint, possibly between the growth and the checkpoint after
-it. (Eight kills over 160 steps added no transition these four do not pass through.) The processes
+band's first half: in stage 0 before any growth, in stage 2 on the LoRA trunk, in stage 3 on the NF4 stack,
+each mid-step, mid-commit or mid-checkpoint, possibly between the growth and the checkpoint after it. Stage
+1's kill comes as soon as its process writes a chunk of the frozen trunk's activation cache: mid-write (the
+next process writes the missing chunks) or just after it, between the growth and the checkpoint after it.
+(Eight kills at random steps over 160 steps added no transition these four do not pass through.) The processes
 run outside the checkout (cwd = a temporary directory), as an installed rewind does: the checkout's
 top-level `kernels/` must not shadow the package bitsandbytes imports under that name.
 """
@@ -46,6 +47,11 @@ def _last_step(run_dir) -> int:
     return max((e.step for _, e in committed(run_dir) if isinstance(e, StepCommitted)), default=-1)
 
 
+def _cached_chunks(run_dir) -> int:
+    """Chunks of the activation cache written so far (each gets a done marker after its data)."""
+    return sum(1 for _ in (run_dir / "cache").glob("*/done/*.json"))
+
+
 def _run(command, cwd, **kwargs):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     return subprocess.Popen(command, cwd=cwd, env=env, **kwargs)
@@ -65,13 +71,18 @@ def test_sigkill_across_growth_then_resume_gives_the_straight_tensors(tmp_path):
         for band in range(ROUNDS):
             first = band * NUM_STEPS // ROUNDS
             target = rng.randrange(first, first + max(1, NUM_STEPS // ROUNDS // 2))
-            num_before = len(committed(killed))
+            num_before, cached_before = len(committed(killed)), _cached_chunks(killed)
+            writes_cache = first <= STEPS_PER_STAGE < first + NUM_STEPS // ROUNDS  # the band of the first growth
+            if writes_cache:  # due at the cache's first chunk; the band's middle only if it was written already
+                target = first + max(1, NUM_STEPS // ROUNDS // 2)
             process = _run(_command(killed), tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             # Past its own first record (its RunStarted or RunResumed: start-up kills are test_kill_restart's),
-            # and past the band's step.
+            # and past the band's step, or (the cache's band) as soon as it writes into the cache.
             while process.poll() is None and (len(committed(killed)) <= num_before or _last_step(killed) < target):
-                time.sleep(0.02)
-            time.sleep(rng.uniform(0.0, 0.6))
+                if writes_cache and len(committed(killed)) > num_before and _cached_chunks(killed) > cached_before:
+                    break
+                time.sleep(0.005 if writes_cache else 0.02)
+            time.sleep(rng.uniform(0.0, 0.05 if writes_cache else 0.6))
             if process.poll() is not None:
                 assert process.returncode == 0
                 break
