@@ -4,8 +4,8 @@ SIGKILLed at a random moment inside each stage and restarted at once ends on the
 effective StepCommitted and RolloutsRecorded streams (metrics, rollout files by hash) of the run that
 never stopped: a kill inside a rollout window resumes without sampling differently.
 
-Each stage is 16 steps (two or three checkpoints, every 7 steps, land in each), and its kill comes a moment
-after a step drawn in its steps 2-11: pretraining, sft, packed sft (in their fades), dpo against a
+Each stage is 12 steps (one or two checkpoints, every 7 steps, land in each), and its kill comes a moment
+after a step drawn in its steps 2-7: pretraining, sft, packed sft (in their fades), dpo against a
 refreshed reference, grpo inside a two-step rollout window. (25-step stages added no transition.)"""
 
 from __future__ import annotations
@@ -31,24 +31,24 @@ from tests.engine.test_loop import assert_bitwise_equal
 TINY = (EXAMPLES / "tiny.toml").read_text()
 STAGES = """
 [[stages]]
-tokens = 8_192
+tokens = 6_144
 datasets = [{ name = "grammar", rate = 1.0 }]
 
 [[stages]]
 strategy = "sft"
-tokens = 8_192
+tokens = 6_144
 datasets = [{ name = "reverse", rate = 1.0 }]
 
 [[stages]]
 strategy = "sft"
-tokens = 8_192
+tokens = 6_144
 datasets = [{ name = "sort", rate = 0.5 }, { name = "reverse", rate = 0.5 }]
 sft = { packing = true }
 overlap = 0.0
 
 [[stages]]
 strategy = "dpo"
-tokens = 8_192
+tokens = 6_144
 datasets = [{ name = "reverse", rate = 0.5 }, { name = "sort", rate = 0.5 }]
 refresh_reference = true
 dpo = { beta = 0.1, sft_weight = 0.1 }
@@ -56,7 +56,7 @@ overlap = 0.0
 
 [[stages]]
 strategy = "grpo"
-tokens = 8_192
+tokens = 6_144
 datasets = [{ name = "sort", rate = 0.5 }, { name = "reverse", rate = 0.5 }]
 refresh_reference = true
 grpo = { group_size = 4, max_new_tokens = 12, num_iterations = 2, kl_beta = 0.05 }
@@ -64,7 +64,7 @@ grpo = { group_size = 4, max_new_tokens = 12, num_iterations = 2, kl_beta = 0.05
 CONFIG = TINY[: TINY.index("[[stages]]")].replace("block_size = 32", "block_size = 64") + STAGES
 SETS = ("architecture.dropout=0.1", "training.per_device_batch_size=4", "logging.report_interval=3",
         "logging.checkpoint_interval=7")
-STEPS_PER_STAGE = 16  # 8192 tokens of 8 rows x 64
+STEPS_PER_STAGE = 12  # 6144 tokens of 8 rows x 64
 
 
 def _command(config_path, run_dir) -> list[str]:
@@ -92,7 +92,7 @@ def test_a_run_through_every_strategy_killed_at_random_moments_ends_as_the_strai
     rng = random.Random(20261127)
     # One kill in each stage, at a step reached by polling the log (a loaded machine delays a kill but
     # does not move it to another stage), then a moment later: mid-step or mid-commit.
-    targets = [rng.randrange(STEPS_PER_STAGE * stage + 2, STEPS_PER_STAGE * stage + 12) for stage in range(5)]
+    targets = [rng.randrange(STEPS_PER_STAGE * stage + 2, STEPS_PER_STAGE * stage + 8) for stage in range(5)]
     kills = 0
     try:
         for target in targets:
