@@ -11,9 +11,11 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
-from rewind.states.events import RunStarted, StepCommitted
+from rewind.states.events import RolloutsRecorded, RunStarted, StepCommitted
 from rewind.states.history import effective
+from rewind.stores.rollouts import read_rollouts
 from rewind.stores.runs import read_records
 from tests.engine.test_distributed import _run, _worst_relative
 from tests.engine.test_dpo import DPO_TEXT
@@ -52,9 +54,12 @@ def _train(config, run_dir, num_processes: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *rewind]
 
 
+def _records(run_dir):
+    return effective([(r.seq, r.event) for r in read_records(str(run_dir))])
+
+
 def _stage_steps(run_dir, stage: int) -> dict[int, StepCommitted]:
-    records = effective([(r.seq, r.event) for r in read_records(str(run_dir))])
-    return {e.step: e for _, e in records if isinstance(e, StepCommitted) and e.stage == stage}
+    return {e.step: e for _, e in _records(run_dir) if isinstance(e, StepCommitted) and e.stage == stage}
 
 
 @pytest.mark.slow
@@ -96,3 +101,12 @@ def test_a_dpo_stage_and_a_grpo_stage_train_sharded_as_in_one_process_within_tol
     )
     kept = sorted(p.name for p in (two / "rollouts").iterdir())
     assert len(kept) == 5  # one file a window, written once (by rank 0)
+    # The same samples: every draw is keyed (seed, stage, step, prompt, sample, position), so the two
+    # processes' collective forwards drew each window's completions token for token as one process did.
+    # (The rewards above are all 0 this early: these tokens are what says the samples are the same.)
+    batches = [[e for _, e in _records(run) if isinstance(e, RolloutsRecorded)] for run in (one, two)]
+    assert [r.step for r in batches[0]] == [r.step for r in batches[1]] and len(batches[0]) == 5
+    for x, y in zip(*batches, strict=True):
+        tensors = [read_rollouts(str(run), r.path, r.sha256)[0] for run, r in ((one, x), (two, y))]
+        for name in ("prompts", "completions", "completion_lengths", "finished"):
+            assert torch.equal(tensors[0][name], tensors[1][name]), (x.step, name)
