@@ -13,12 +13,12 @@ that they are collected and import.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -142,7 +142,8 @@ def run_marked_tests(rec, root: Path, files: list[str], work: Path, per_test_tim
             running = [name for name, r in so_far.items() if r["outcome"] == "timed_out" and name not in hung]
             _record(rec, so_far, runs)
             rec.doing(f"pytest run {runs}" + (f", in {running[-1]}" if running else ""))
-            time.sleep(POLL_S)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # back at once when pytest ends
+                process.wait(timeout=POLL_S)
         code = process.returncode
         results = outcomes(log)
         counts = _record(rec, results, runs)

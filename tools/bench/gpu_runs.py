@@ -36,6 +36,10 @@ from rewind.tools.bench.gpu_schema import Comparison
 # relative, final weights within assert_close(rtol=1e-3, atol=1e-4), `rewind diff --rtol 1e-2` silent.
 LOSS_RTOL, WEIGHT_RTOL, WEIGHT_ATOL, DIFF_RTOL = 1e-4, 1e-3, 1e-4, 1e-2
 _CHECKPOINT_NAME = re.compile(r"^(\d{8})-[0-9a-f]{8}$")
+# The CPU forms' evaluations (before training and at every stage boundary) score one forward's rows per
+# task, not the default 64: the same code, at an eighth of what was half of progressive's training time
+# on a CPU. The comparisons read the steps and the final weights, which evaluations do not touch.
+CPU_EVAL_SAMPLES = "training.eval_samples=8"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ PLANS = {
             "training.tokens=[1024,512,512]",
             "logging.checkpoint_interval=2",
             "logging.keep_last_checkpoints=10",
+            CPU_EVAL_SAMPLES,
         ),
         num_steps=8,
         kill_at=2,
@@ -78,7 +83,7 @@ PLANS = {
     ),
     ("progressive", "cpu"): Plan(
         "examples/progressive.toml",
-        ("training.tokens=[512,512,512,512]", "logging.checkpoint_interval=2"),
+        ("training.tokens=[512,512,512,512]", "logging.checkpoint_interval=2", CPU_EVAL_SAMPLES),
         num_steps=8,
         kill_at=6,
     ),
@@ -94,7 +99,12 @@ PLANS = {
     ),
     ("fsdp", "cpu"): Plan(
         "examples/tiny.toml",
-        ("training.tokens=[1024,512,512]", "logging.checkpoint_interval=2", 'compute.precision="bf16-mixed"'),
+        (
+            "training.tokens=[1024,512,512]",
+            "logging.checkpoint_interval=2",
+            'compute.precision="bf16-mixed"',
+            CPU_EVAL_SAMPLES,
+        ),
         num_steps=8,
         kill_at=2,
     ),
