@@ -140,11 +140,15 @@ class StopRequest:
             raise KeyboardInterrupt
         self.requested = True
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, value, traceback) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
         if self._previous_term is not None:
-            signal.signal(signal.SIGTERM, self._previous_term)
+            # Leaving on an error under torchrun (a peer gone, most often): the launcher SIGTERMs the
+            # ranks left as soon as one dies, and that must not cut the one line this rank is about to
+            # say (the process ends right after it; torchrun kills it if it does not).
+            failing = kind is not None and not issubclass(kind, KeyboardInterrupt)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if failing else self._previous_term)
 
 
 def record(run: Run, state: State, event: Event) -> State:

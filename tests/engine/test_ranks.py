@@ -135,3 +135,23 @@ def test_in_one_process_every_exchange_is_the_identity():
     assert ranks.any_rank(True) and not ranks.any_rank(False)
     failure = ranks.Failure("no", 2)
     assert ranks.first_failure(failure) is failure and ranks.first_failure(None) is None
+
+
+def test_a_rank_leaving_on_an_error_is_not_cut_short_by_the_launcher_s_sigterm(monkeypatch):
+    """torchrun SIGTERMs the ranks left as soon as one dies: a rank leaving the loop on the error that
+    follows (its peer gone) ignores it, so its one line is said; a clean exit gives the handler back."""
+    import signal
+
+    from rewind.engine.loop import StopRequest
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with StopRequest():
+            assert signal.getsignal(signal.SIGTERM) not in (before, signal.SIG_IGN)  # a clean stop
+        assert signal.getsignal(signal.SIGTERM) == before
+        with pytest.raises(RuntimeError), StopRequest():
+            raise RuntimeError("gloo/transport: connection closed by peer")
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
