@@ -85,6 +85,8 @@ def describe(seq: int, event: Event) -> str:
         data.pop("config")
     if name == "StepCommitted" and not data.get("metrics"):
         data.pop("metrics", None)  # a pretraining step has none (a post-training one shows its own)
+    if name == "Evaluated" and not data.get("posttraining"):
+        data.pop("posttraining", None)  # only a post-training run measures them
     fields = " ".join(f"{k}={_short(v)}" for k, v in data.items())
     return f"{seq:>7} {step:>8} {tokens:>12,}  {name:<20} {fields}"
 
