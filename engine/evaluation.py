@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from rewind.engine.datasets import Dataset
-from rewind.engine.layout import eval_mode
+from rewind.engine.layout import evaluating
 from rewind.engine.placement import model_device
 from rewind.kernels.losses import fused_losses
 from rewind.states.config import Config
@@ -137,17 +137,13 @@ def validate(model: nn.Module, datasets: Mapping[str, Dataset], config: Config, 
     count = max(config.training.validation_steps, 1) * rows
     interval = max(config.logging.validation_interval, 1)
     round_index = step // interval
-    was_training = model.training
-    eval_mode(model)
     losses = {}
-    try:
+    with evaluating(model):
         for name in training_datasets(config):
             dataset = datasets[name]
             n = dataset.num_samples("validation")
             indices = (np.arange(count, dtype=np.int64) + round_index * count) % n
             losses[name] = score(model, dataset, indices, rows).loss
-    finally:
-        model.train(was_training)
     return losses
 
 
@@ -159,13 +155,9 @@ def evaluate_dataset(
     token_num_bytes: np.ndarray | Sequence[int] | None = None,
 ) -> DatasetScore:
     """One dataset's figures on its first `num_samples` validation rows, in eval mode (`rewind eval`)."""
-    was_training = model.training
-    eval_mode(model)
-    try:
+    with evaluating(model):
         indices = evaluation_indices(dataset, num_samples)
         return score(model, dataset, indices, rows_per_forward(config), byte_table(token_num_bytes))
-    finally:
-        model.train(was_training)
 
 
 def evaluate(

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from rewind.engine.attention_inputs import KVCache
-from rewind.engine.layout import eval_mode
+from rewind.engine.layout import evaluating
 from rewind.engine.response_logprobs import token_logprobs
 from rewind.engine.rng import torch_generator
 from rewind.engine.sampling import NonFiniteLogits, SamplingError, check_settings
@@ -117,12 +117,8 @@ def sample_requests(
     _check(model, requests, max_new_tokens, temperature)
     if not requests or max_new_tokens == 0:
         return [Completion(r.prompt_id, r.sample_index, [], "length", []) for r in requests]
-    was_training = model.training
-    eval_mode(model)
-    try:
+    with evaluating(model):
         return _sample(model, list(requests), max_new_tokens, temperature, (seed, stage, step), eos_id)
-    finally:
-        model.train(was_training)
 
 
 def _check(model: nn.Module, requests: Sequence[Request], max_new_tokens: int, temperature: float) -> None:

@@ -24,7 +24,7 @@ from rewind.engine.example_sources import mixture_rows
 from rewind.engine.generation import sample_completions
 from rewind.engine.grpo_losses import group_advantages, weighted_rewards
 from rewind.engine.grpo_step import rank_slices, slice_logprobs
-from rewind.engine.layout import eval_mode
+from rewind.engine.layout import evaluating
 from rewind.engine.parts import Parts
 from rewind.engine.ranks import is_writer
 from rewind.engine.rewards import reward_identities, score
@@ -109,15 +109,10 @@ def logprobs_of(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor
     computes them, without dropout and without a gradient."""
     device = next(model.parameters()).device
     inputs, targets, mask = tokens[:, :-1].to(device), tokens[:, 1:].to(device), mask.to(device)
-    was_training = model.training
-    eval_mode(model)
     parts = []
-    try:
-        with torch.no_grad():  # every rank computes every row (a sharded forward is collective)
-            for rows in [rows for rank in rank_slices(tokens.shape[0], config) for rows in rank]:
-                parts.append(slice_logprobs(model, inputs, targets, mask, rows, config, temperature))
-    finally:
-        model.train(was_training)
+    with evaluating(model), torch.no_grad():  # every rank computes every row (a sharded forward is collective)
+        for rows in [rows for rank in rank_slices(tokens.shape[0], config) for rows in rank]:
+            parts.append(slice_logprobs(model, inputs, targets, mask, rows, config, temperature))
     return torch.cat(parts).cpu()
 
 

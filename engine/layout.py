@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -261,6 +263,18 @@ def eval_mode(model: nn.Module) -> nn.Module:
         if type(module).__name__ == "Linear4bit":
             module.train()
     return model
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """`eval_mode` for the block, then the mode the model had: training, or eval_mode's again (a plain
+    `model.train(False)` would put a reference's Linear4bit layers in eval mode)."""
+    was_training = model.training
+    eval_mode(model)
+    try:
+        yield model
+    finally:
+        model.train() if was_training else eval_mode(model)
 
 
 def new_stack_weights(

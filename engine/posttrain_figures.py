@@ -25,7 +25,7 @@ import torch
 from rewind.engine.dpo_losses import dpo_loss
 from rewind.engine.evaluation import evaluation_tasks, rows_per_forward
 from rewind.engine.example_sources import ExampleSources
-from rewind.engine.layout import eval_mode
+from rewind.engine.layout import evaluating
 from rewind.engine.parts import Parts
 from rewind.engine.placement import placement_for
 from rewind.engine.posttrain_eval import completion_rewards, greedy_correct, win_share
@@ -80,15 +80,15 @@ def _sampled(parts: Parts, name: str, settings: GrpoSettings) -> dict[str, float
     if not rows:
         return {}
     limit = min(settings.max_new_tokens, config.architecture.block_size // 2)
-    judge = {
+    completing = {  # what every completion is sampled up to and judged against
         "answers": [examples.answer(name, row) for row in rows], "max_new_tokens": limit,
         "end_id": examples.end_id, "decode": parts.datasets.home.tokenizer.decode,
     }  # fmt: skip
 
-    mine = greedy_correct(parts.model, rows, **judge)
+    mine = greedy_correct(parts.model, rows, **completing)
     group = settings.group_size
     sampled = completion_rewards(
-        parts.model, rows, samples=group, temperature=settings.temperature, seed=config.run.seed, **judge
+        parts.model, rows, samples=group, temperature=settings.temperature, seed=config.run.seed, **completing
     )
     figures = {
         "pass@1": _mean(mine),
@@ -96,7 +96,7 @@ def _sampled(parts: Parts, name: str, settings: GrpoSettings) -> dict[str, float
         "reward": _mean([x for r in sampled for x in r]),
     }
     if parts.reference is not None:
-        figures["win_rate"] = win_share(mine, greedy_correct(parts.reference, rows, **judge))
+        figures["win_rate"] = win_share(mine, greedy_correct(parts.reference, rows, **completing))
     return figures
 
 
@@ -114,15 +114,12 @@ def _preferences(parts: Parts, name: str, stage: Stage) -> dict[str, float]:
     chunk = rows_per_forward(config)
     logps = []
     for model in (parts.model, parts.reference):
-        was_training = model.training
-        eval_mode(model)
-        with compute_precision(config, device):
-            parts_of = [
+        with evaluating(model), compute_precision(config, device):
+            chunks = [
                 sequence_logprobs(model(inputs[i : i + chunk]), targets[i : i + chunk], mask[i : i + chunk])
                 for i in range(0, inputs.shape[0], chunk)
             ]
-        logps.append(torch.cat(parts_of))
-        model.train(was_training)
+        logps.append(torch.cat(chunks))
     (policy, reference), n = logps, len(rows)
     out = dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], beta=stage.dpo_settings.beta)
     margins = (out.chosen_rewards - out.rejected_rewards).tolist()

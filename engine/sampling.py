@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from rewind.engine.layout import eval_mode
+from rewind.engine.layout import evaluating
 from rewind.engine.rng import torch_generator
 
 
@@ -109,10 +109,8 @@ def generate(
     if outside:
         raise SamplingError(f"prompt token id {outside[0]} is outside the model's vocabulary ({vocab_size})")
     device = next(model.parameters()).device
-    was_training = model.training
-    eval_mode(model)
     new: list[int] = []
-    try:
+    with evaluating(model):
         for _ in range(max_new_tokens):
             context = torch.tensor([ids[-block_size:]], dtype=torch.long, device=device)
             logits = model(context)[0, -1]
@@ -121,6 +119,4 @@ def generate(
                 break
             ids.append(token)
             new.append(token)
-    finally:
-        model.train(was_training)
     return new
