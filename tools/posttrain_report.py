@@ -33,22 +33,26 @@ def posttrain_tables(
         return []
     lines: list[str] = []
     for name in names:
-        keys = (k for e in evaluations for k in e.posttraining.get(name, {}))
-        group = next((k for k in keys if k.startswith("pass@") and k != "pass@1"), "pass@G")
-        columns = [c.replace("pass@G", group) for c in _COLUMNS]
+        rows = [e.posttraining.get(name, {}) for e in evaluations]
+        groups = sorted({int(k[5:]) for row in rows for k in row if k.startswith("pass@") and k != "pass@1"})
+        sampled = (
+            f"pass@1 greedy; pass@G and reward over G = {', '.join(map(str, groups))} samples;"
+            if groups
+            else "no prompts with answers, its pairs only;"
+        )
         lines += [""] if lines else []
         lines += [
-            f"post-training, {name}'s held-out prompts: pass@1 greedy; {group} and reward over {group[5:]} samples;",
+            f"post-training, {name}'s held-out prompts: {sampled}",
             "  train: the stage's own loss; win: greedy, against the stage's reference (ties count half)",
-            f"{'after stage':>12} {'strategy':>8} " + " ".join(f"{c:>8}" for c in columns),
+            f"{'after stage':>12} {'strategy':>8} " + " ".join(f"{c:>8}" for c in _COLUMNS),
         ]
-        for e in evaluations:
-            figures = e.posttraining.get(name, {})
+        for e, figures in zip(evaluations, rows, strict=True):
             stage = config.stages[e.boundary] if 0 <= e.boundary < len(config.stages) else None
             label = "(start)" if stage is None else (stage.name or str(e.boundary))
+            at_g = next((v for k, v in figures.items() if k.startswith("pass@") and k != "pass@1"), None)
             values = [
                 e.scores.get(name), e.losses.get(name), train_losses.get(e.boundary) if stage else None,
-                figures.get("pass@1"), figures.get(group), figures.get("reward"), figures.get("win_rate"),
+                figures.get("pass@1"), at_g, figures.get("reward"), figures.get("win_rate"),
                 figures.get("dpo_accuracy"), figures.get("dpo_margin"),
             ]  # fmt: skip
             cells = " ".join(f"{'-':>8}" if v is None else f"{v:>8.3f}" for v in values)

@@ -55,7 +55,7 @@ def test_the_post_training_example_learns_in_every_stage(tmp_path):
     assert [row["posttraining"] for row in summary["stages"]] == [{"sort": recorded[b]} for b in range(4)]
 
 
-COLUMNS = ("accuracy", "loss", "train", "pass@1", "pass@4", "reward", "win", "dpo acc", "margin")
+COLUMNS = ("accuracy", "loss", "train", "pass@1", "pass@G", "reward", "win", "dpo acc", "margin")
 
 
 def _posttrain_table(out: str) -> list[list[str]]:
