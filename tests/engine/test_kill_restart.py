@@ -3,9 +3,13 @@ one is reaped (it is still a zombie): the restart is never refused, and the run 
 (weights and optimizer moments) of a run that never stopped. (Before the kernel lock, `kill(pid, 0)` on
 the zombie said "alive".)
 
-Six rounds (REWIND_KILL_ROUNDS, README: 50 for a soak) of 1-2.5 s each: torch's import takes ~1.5 s, so
-kills land both during start-up (before the lock or the log) and mid-run (mid-step, mid-commit,
-mid-checkpoint); each next start meets the zombie it left. More rounds repeat the same two cases."""
+Six rounds (REWIND_KILL_ROUNDS, README: 50 for a soak); each next start meets the zombie the last one
+left. The first kill comes 0.1-0.5 s after its start, during start-up (torch's import alone takes
+longer): before the process's first record, which is checked. The second comes a random moment (up to
+0.3 s) after its process commits a step, mid-run (mid-step, mid-commit, mid-checkpoint): the log is
+polled for it, so a slow machine delays the kill but cannot move it into start-up, and the record after
+that process's is a RunResumed (checked). The others come 1-2.5 s after their start, at start-up or
+mid-run (torch's import takes ~1.5 s here). More rounds repeat the same two cases."""
 
 from __future__ import annotations
 
@@ -18,8 +22,10 @@ import time
 
 import pytest
 
+from rewind.states.events import RunResumed, StepCommitted
 from rewind.states.fold import fold
 from rewind.stores.runs import read_seq_events
+from tests.engine.exactness_checks import committed
 from tests.engine.test_growth import final_tensors
 from tests.engine.test_loop import OVERRIDES, TINY, assert_bitwise_equal
 
@@ -48,17 +54,35 @@ def test_kill_and_restart_at_once_is_never_refused_and_ends_bitwise_equal(tmp_pa
     done = subprocess.Popen(_command(straight), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
     rng = random.Random(20261123)
     zombies = []
+    # What each process left: the number of records in the log before it started and when it was killed,
+    # and whether it had committed a step of its own.
+    spans: list[tuple[int, int, bool]] = []
     try:
-        for _ in range(ROUNDS):
+        for round_ in range(ROUNDS):
+            before = len(committed(killed))
             process = subprocess.Popen(_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
-            time.sleep(rng.uniform(1.0, 2.5))  # torch's import takes ~1.5 s: kills land at start-up and mid-run
+            if round_ == 1:  # mid-run: a moment after it commits a step of its own
+                deadline = time.monotonic() + 120
+                while process.poll() is None and time.monotonic() < deadline:
+                    if any(isinstance(e, StepCommitted) for _, e in committed(killed)[before:]):
+                        break
+                    time.sleep(0.01)
+                time.sleep(rng.uniform(0.0, 0.3))
+            else:  # at start-up (the first), at start-up or mid-run (the others)
+                time.sleep(rng.uniform(0.1, 0.5) if round_ == 0 else rng.uniform(1.0, 2.5))
             if process.poll() is not None:  # finished before the kill
                 assert process.returncode == 0, process.stderr.read()
                 process.stderr.close()
                 break
             os.kill(process.pid, signal.SIGKILL)
             zombies.append(process)  # not reaped: the next start meets a zombie holder
+            os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)  # dead, still not reaped
+            records = committed(killed)
+            stepped = any(isinstance(e, StepCommitted) for _, e in records[before:])
+            spans.append((before, len(records), stepped))
         assert len(zombies) >= ROUNDS // 2  # the kills happened (the run did not just finish first)
+        # The first kill landed before its process wrote anything, the second after it committed a step.
+        assert spans[0][0] == spans[0][1] and spans[1][2], spans
         final = subprocess.run(_command(killed), capture_output=True, text=True, env=_env(), timeout=300)
         assert final.returncode == 0, final.stderr
         assert "locked" not in final.stderr
@@ -74,3 +98,5 @@ def test_kill_and_restart_at_once_is_never_refused_and_ends_bitwise_equal(tmp_pa
     # The last checkpoint's every tensor, read here (two `rewind export` processes cost a torch import each).
     assert_bitwise_equal(final_tensors(straight), final_tensors(killed))
     assert _checkpoint_names(killed) == _checkpoint_names(straight)  # the same state, the same names
+    # After the mid-run kill, the next record (the first of a process that got that far) resumes the run.
+    assert isinstance(read_seq_events(killed)[spans[1][1]][1], RunResumed)

@@ -5,8 +5,11 @@ effective StepCommitted and RolloutsRecorded streams (metrics, rollout files by 
 never stopped: a kill inside a rollout window resumes without sampling differently.
 
 Each stage is 12 steps (one or two checkpoints, every 7 steps, land in each), and its kill comes a moment
-after a step drawn in its steps 2-7: pretraining, sft, packed sft (in their fades), dpo against a
-refreshed reference, grpo inside a two-step rollout window. (25-step stages added no transition.)"""
+after a step drawn in its steps 2-7, at once if its ninth step is committed first (the log shows steps
+three at a time, or at a checkpoint: a fast machine does not push the kill into the next stage):
+pretraining, sft, packed sft (in their fades), dpo against a refreshed reference, grpo inside a two-step
+rollout window. The last step committed at each kill is checked to lie in its stage. (25-step stages
+added no transition.)"""
 
 from __future__ import annotations
 
@@ -76,6 +79,10 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
 
 
+def _last_step(run_dir) -> int:
+    return max((e.step for _, e in committed(run_dir) if isinstance(e, StepCommitted)), default=-1)
+
+
 def _records(run_dir) -> list[StepCommitted | RolloutsRecorded]:
     kept = (StepCommitted, RolloutsRecorded)
     return [e for _, e in effective(read_seq_events(run_dir)) if isinstance(e, kept)]
@@ -91,17 +98,21 @@ def test_a_run_through_every_strategy_killed_at_random_moments_ends_as_the_strai
                             text=True, env=_env())
     rng = random.Random(20261127)
     # One kill in each stage, at a step reached by polling the log (a loaded machine delays a kill but
-    # does not move it to another stage), then a moment later: mid-step or mid-commit.
+    # does not move it to another stage), then a moment later (mid-step or mid-commit), or at once when
+    # the stage's ninth step is committed first.
     targets = [rng.randrange(STEPS_PER_STAGE * stage + 2, STEPS_PER_STAGE * stage + 8) for stage in range(5)]
-    kills = 0
+    killed_at = []  # the last step committed when each kill landed
     try:
-        for target in targets:
+        for stage, target in enumerate(targets):
             process = subprocess.Popen(_command(config_path, killed), stdout=subprocess.DEVNULL,
                                        stderr=subprocess.PIPE, text=True, env=_env())
+            due, cap = None, STEPS_PER_STAGE * stage + 9
             deadline = time.monotonic() + 120
             while process.poll() is None and time.monotonic() < deadline:
-                if max((e.step for _, e in committed(killed) if isinstance(e, StepCommitted)), default=-1) >= target:
-                    time.sleep(rng.uniform(0.0, 0.3))
+                last = _last_step(killed)
+                if due is None and last >= target:
+                    due = time.monotonic() + rng.uniform(0.0, 0.3)
+                if last >= cap or (due is not None and time.monotonic() >= due):
                     break
                 time.sleep(0.01)
             if process.poll() is not None:  # finished before the kill
@@ -111,7 +122,7 @@ def test_a_run_through_every_strategy_killed_at_random_moments_ends_as_the_strai
             os.kill(process.pid, signal.SIGKILL)
             process.wait()
             process.stderr.close()
-            kills += 1
+            killed_at.append(_last_step(killed))
         final = subprocess.run(_command(config_path, killed), capture_output=True, text=True, env=_env(), timeout=300)
         assert final.returncode == 0, final.stderr
         assert done.wait(timeout=300) == 0, done.stderr.read()
@@ -120,7 +131,9 @@ def test_a_run_through_every_strategy_killed_at_random_moments_ends_as_the_strai
             done.kill()
             done.wait()
         done.stderr.close()
-    assert kills == 5  # every kill happened (the run did not finish first)
+    # Every kill happened (the run did not finish first), each inside its own stage (step s is the
+    # stage's (s - 1) // 12: one committed at the stage's last step has left it).
+    assert [(s - 1) // STEPS_PER_STAGE for s in killed_at] == [0, 1, 2, 3, 4], killed_at
     want, got = _records(straight), _records(killed)
     assert {e.stage for e in got if isinstance(e, StepCommitted)} == {0, 1, 2, 3, 4}
     assert all(e.metrics for e in got if isinstance(e, StepCommitted) and e.stage >= 3)
