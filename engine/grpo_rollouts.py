@@ -26,7 +26,8 @@ from rewind.engine.grpo_losses import group_advantages, weighted_rewards
 from rewind.engine.grpo_step import rank_slices, slice_logprobs
 from rewind.engine.layout import evaluating
 from rewind.engine.parts import Parts
-from rewind.engine.ranks import is_writer
+from rewind.engine.placement import placement_for
+from rewind.engine.ranks import gathered_rows, is_writer
 from rewind.engine.rewards import reward_identities, score
 from rewind.engine.rolloutreader import off_rows, training_rows
 from rewind.engine.row_batches import prompt_tokens
@@ -106,14 +107,15 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
 
 def logprobs_of(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor, config: Config, temperature: float) -> torch.Tensor:
     """(N, block) per-token log-probs of the rows' masked targets, micro-batch by micro-batch as an update
-    computes them, without dropout and without a gradient."""
+    computes them, without dropout and without a gradient. Under torchrun each rank computes its own share
+    (the micro-batches it will train on: every rank runs as many, so the sharded forwards pair up) and the
+    shares are gathered, so no rank computes another's rows."""
     device = next(model.parameters()).device
     inputs, targets, mask = tokens[:, :-1].to(device), tokens[:, 1:].to(device), mask.to(device)
-    parts = []
-    with evaluating(model), torch.no_grad():  # every rank computes every row (a sharded forward is collective)
-        for rows in [rows for rank in rank_slices(tokens.shape[0], config) for rows in rank]:
-            parts.append(slice_logprobs(model, inputs, targets, mask, rows, config, temperature))
-    return torch.cat(parts).cpu()
+    mine = rank_slices(tokens.shape[0], config)[placement_for(config).rank]
+    with evaluating(model), torch.no_grad():
+        parts = [slice_logprobs(model, inputs, targets, mask, rows, config, temperature) for rows in mine]
+    return gathered_rows(torch.cat(parts)).cpu()
 
 
 def _padded(rows: list, width: int, fill, dtype: torch.dtype) -> torch.Tensor:

@@ -41,6 +41,17 @@ def sum_over_ranks(values: list[float]) -> list[float]:
     return summed.cpu().tolist()
 
 
+def gathered_rows(mine: torch.Tensor) -> torch.Tensor:
+    """Every rank's `mine` (equal shapes: each its share of a batch's rows) concatenated along the rows in
+    rank order, the same on every rank; `mine` itself in one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    wire = mine.to(_wire())
+    shares = [torch.empty_like(wire) for _ in range(dist.get_world_size())]
+    dist.all_gather(shares, wire)
+    return torch.cat(shares).to(mine.device)
+
+
 def any_rank(flag: bool) -> bool:
     """Whether `flag` is set on any rank (a stop request seen by one process stops them all, together)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -110,3 +110,6 @@ def test_a_dpo_stage_and_a_grpo_stage_train_sharded_as_in_one_process_within_tol
         tensors = [read_rollouts(str(run), r.path, r.sha256)[0] for run, r in ((one, x), (two, y))]
         for name in ("prompts", "completions", "completion_lengths", "finished"):
             assert torch.equal(tensors[0][name], tensors[1][name]), (x.step, name)
+        # each rank computed its share of the old log-probs and the shares were gathered in rank order
+        for name in ("old_logprobs", "reference_logprobs"):
+            assert torch.allclose(tensors[0][name], tensors[1][name], rtol=1e-4, atol=1e-5), (x.step, name)
