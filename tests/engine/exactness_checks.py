@@ -8,7 +8,10 @@ The expectations are computed here from the raw records, never with the engine's
 from __future__ import annotations
 
 import os
+import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,3 +204,19 @@ def check(server: Launcher, straight: Straight, killed: Killed, breakage: str = 
         mismatch = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
         problems["effective-steps"] = f"{len(got)} effective steps against {len(want)}; first difference at #{mismatch}"
     return problems
+
+
+@contextmanager
+def trained_beside(command: list[str], **popen) -> Iterator[subprocess.Popen]:
+    """A straight run trained in a background process while the block kills another (one thread each:
+    two cores do both at once). It must have ended with exit 0 when the block ends; on a failure in the
+    block it is killed, never left behind."""
+    done = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
+    try:
+        yield done
+        assert done.wait(timeout=300) == 0, done.stderr.read()
+    finally:
+        if done.poll() is None:
+            done.kill()
+            done.wait()
+        done.stderr.close()

@@ -32,7 +32,7 @@ from rewind.states.events import CheckpointCommitted, EpochStarted, RunResumed, 
 from rewind.states.history import effective
 from rewind.stores.runs import read_seq_events
 from tests.engine.exactness import KILLED
-from tests.engine.exactness_checks import committed, superseded_seqs
+from tests.engine.exactness_checks import committed, superseded_seqs, trained_beside
 from tests.engine.test_loop import effective_steps
 from tests.engine.test_userdata import prepared_in
 
@@ -167,17 +167,9 @@ def test_a_run_on_token_text_and_pair_data_killed_three_times_resumes_bitwise(tm
     write_inputs(tmp_path)
     # The straight run trains beside the start-up kill (one thread each: two cores do both at once); the
     # other two kills need its epochs.
-    done = subprocess.Popen(train_command("straight"), cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env())
-    try:
+    with trained_beside(train_command("straight"), cwd=tmp_path, env=env()):
         killed = tmp_path / "killed"
         appended = [train_until_killed(tmp_path, "killed", lambda _: (killed / "data").is_dir())]
-        assert done.wait(timeout=300) == 0, done.stderr.read()
-    finally:
-        if done.poll() is None:  # a failure above: the straight run is not left behind
-            done.kill()
-            done.wait()
-        done.stderr.close()
     straight = tmp_path / "straight"
     epochs = [e for e in (msgspec.msgpack.decode(b, type=EpochStarted) for b in effective_of(straight, EpochStarted))
               if e.dataset == "corpus"]

@@ -25,7 +25,7 @@ import pytest
 from rewind.states.events import RunResumed, StepCommitted
 from rewind.states.fold import fold
 from rewind.stores.runs import read_seq_events
-from tests.engine.exactness_checks import committed
+from tests.engine.exactness_checks import committed, trained_beside
 from tests.engine.test_growth import final_tensors
 from tests.engine.test_loop import OVERRIDES, TINY, assert_bitwise_equal
 
@@ -51,47 +51,42 @@ def _checkpoint_names(run_dir) -> list[str]:
 def test_kill_and_restart_at_once_is_never_refused_and_ends_bitwise_equal(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     # The straight run trains beside the killed one (one thread each: two cores do both at once).
-    done = subprocess.Popen(_command(straight), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
     rng = random.Random(20261123)
     zombies = []
     # What each process left: the number of records in the log before it started and when it was killed,
     # and whether it had committed a step of its own.
     spans: list[tuple[int, int, bool]] = []
     try:
-        for round_ in range(ROUNDS):
-            before = len(committed(killed))
-            process = subprocess.Popen(_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
-            if round_ == 1:  # mid-run: a moment after it commits a step of its own
-                deadline = time.monotonic() + 120
-                while process.poll() is None and time.monotonic() < deadline:
-                    if any(isinstance(e, StepCommitted) for _, e in committed(killed)[before:]):
-                        break
-                    time.sleep(0.01)
-                time.sleep(rng.uniform(0.0, 0.3))
-            else:  # at start-up (the first), at start-up or mid-run (the others)
-                time.sleep(rng.uniform(0.1, 0.5) if round_ == 0 else rng.uniform(1.0, 2.5))
-            if process.poll() is not None:  # finished before the kill
-                assert process.returncode == 0, process.stderr.read()
-                process.stderr.close()
-                break
-            os.kill(process.pid, signal.SIGKILL)
-            zombies.append(process)  # not reaped: the next start meets a zombie holder
-            os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)  # dead, still not reaped
-            records = committed(killed)
-            stepped = any(isinstance(e, StepCommitted) for _, e in records[before:])
-            spans.append((before, len(records), stepped))
-        assert len(zombies) >= ROUNDS // 2  # the kills happened (the run did not just finish first)
-        # The first kill landed before its process wrote anything, the second after it committed a step.
-        assert spans[0][0] == spans[0][1] and spans[1][2], spans
-        final = subprocess.run(_command(killed), capture_output=True, text=True, env=_env(), timeout=300)
-        assert final.returncode == 0, final.stderr
-        assert "locked" not in final.stderr
-        assert done.wait(timeout=300) == 0, done.stderr.read()
-    finally:
-        if done.poll() is None:  # a failure above: the straight run is not left behind
-            done.kill()
-            done.wait()
-        done.stderr.close()
+        with trained_beside(_command(straight), env=_env()):
+            for round_ in range(ROUNDS):
+                before = len(committed(killed))
+                process = subprocess.Popen(_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
+                if round_ == 1:  # mid-run: a moment after it commits a step of its own
+                    deadline = time.monotonic() + 120
+                    while process.poll() is None and time.monotonic() < deadline:
+                        if any(isinstance(e, StepCommitted) for _, e in committed(killed)[before:]):
+                            break
+                        time.sleep(0.01)
+                    time.sleep(rng.uniform(0.0, 0.3))
+                else:  # at start-up (the first), at start-up or mid-run (the others)
+                    time.sleep(rng.uniform(0.1, 0.5) if round_ == 0 else rng.uniform(1.0, 2.5))
+                if process.poll() is not None:  # finished before the kill
+                    assert process.returncode == 0, process.stderr.read()
+                    process.stderr.close()
+                    break
+                os.kill(process.pid, signal.SIGKILL)
+                zombies.append(process)  # not reaped: the next start meets a zombie holder
+                os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)  # dead, still not reaped
+                records = committed(killed)
+                stepped = any(isinstance(e, StepCommitted) for _, e in records[before:])
+                spans.append((before, len(records), stepped))
+            assert len(zombies) >= ROUNDS // 2  # the kills happened (the run did not just finish first)
+            # The first kill landed before its process wrote anything, the second after it committed a step.
+            assert spans[0][0] == spans[0][1] and spans[1][2], spans
+            final = subprocess.run(_command(killed), capture_output=True, text=True, env=_env(), timeout=300)
+            assert final.returncode == 0, final.stderr
+            assert "locked" not in final.stderr
+    finally:  # the killed processes, reaped at last
         for process in zombies:
             process.wait()
             process.stderr.close()

@@ -27,7 +27,7 @@ from rewind.states.events import RolloutsRecorded, StepCommitted
 from rewind.states.history import effective
 from rewind.stores.runs import read_seq_events
 from tests.conftest import EXAMPLES
-from tests.engine.exactness_checks import committed
+from tests.engine.exactness_checks import committed, trained_beside
 from tests.engine.test_growth import final_tensors
 from tests.engine.test_loop import assert_bitwise_equal
 
@@ -94,15 +94,13 @@ def test_a_run_through_every_strategy_killed_at_random_moments_ends_as_the_strai
     config_path.write_text(CONFIG)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     # The straight run trains beside the killed one (one thread each: two cores do both at once).
-    done = subprocess.Popen(_command(config_path, straight), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=_env())
     rng = random.Random(20261127)
     # One kill in each stage, at a step reached by polling the log (a loaded machine delays a kill but
     # does not move it to another stage), then a moment later (mid-step or mid-commit), or at once when
     # the stage's ninth step is committed first.
     targets = [rng.randrange(STEPS_PER_STAGE * stage + 2, STEPS_PER_STAGE * stage + 8) for stage in range(5)]
     killed_at = []  # the last step committed when each kill landed
-    try:
+    with trained_beside(_command(config_path, straight), env=_env()):
         for stage, target in enumerate(targets):
             process = subprocess.Popen(_command(config_path, killed), stdout=subprocess.DEVNULL,
                                        stderr=subprocess.PIPE, text=True, env=_env())
@@ -125,12 +123,6 @@ def test_a_run_through_every_strategy_killed_at_random_moments_ends_as_the_strai
             killed_at.append(_last_step(killed))
         final = subprocess.run(_command(config_path, killed), capture_output=True, text=True, env=_env(), timeout=300)
         assert final.returncode == 0, final.stderr
-        assert done.wait(timeout=300) == 0, done.stderr.read()
-    finally:
-        if done.poll() is None:  # a failure above: the straight run is not left behind
-            done.kill()
-            done.wait()
-        done.stderr.close()
     # Every kill happened (the run did not finish first), each inside its own stage (step s is the
     # stage's (s - 1) // 12: one committed at the stage's last step has left it).
     assert [(s - 1) // STEPS_PER_STAGE for s in killed_at] == [0, 1, 2, 3, 4], killed_at
