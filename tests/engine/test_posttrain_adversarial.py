@@ -22,6 +22,7 @@ from rewind.states.events import RolloutsRecorded, StepCommitted
 from rewind.states.history import effective
 from rewind.stores.runs import read_seq_events
 from tests.conftest import EXAMPLES
+from tests.engine.exactness_checks import trained_beside
 from tests.engine.test_loop import assert_bitwise_equal, exported_weights, one_line, run_cli
 from tests.tools.rundir_forgery import rewrite_log
 
@@ -224,14 +225,7 @@ def test_a_kill_at_the_rollout_record_resumes_to_the_straight_runs_bits(
 ):
     sets = ["--set", f"logging.checkpoint_interval={checkpoint_interval}"]
     straight_run, killed = tmp_path / "straight", tmp_path / "killed"
-    done = subprocess.Popen(
-        [*_command(grpo_config, straight_run), *sets],
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with trained_beside([*_command(grpo_config, straight_run), *sets], env=_env()):
         dead = subprocess.run(
             [*_command(grpo_config, killed, moment), *sets],
             env=_env(),
@@ -248,12 +242,6 @@ def test_a_kill_at_the_rollout_record_resumes_to_the_straight_runs_bits(
             [*_command(grpo_config, killed), *sets], env=_env(), capture_output=True, text=True, timeout=120
         )
         assert again.returncode == 0, again.stderr
-        assert done.wait(timeout=120) == 0, done.stderr.read()
-    finally:
-        if done.poll() is None:
-            done.kill()
-            done.wait()
-        done.stderr.close()
     assert records(killed) == records(straight_run)
     assert {p.name for p in (killed / "rollouts").iterdir()} == files  # sampled again: the same file
     assert_bitwise_equal(
