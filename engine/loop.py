@@ -32,7 +32,7 @@ from rewind.engine.journal import Journal
 from rewind.engine.parts import Parts
 from rewind.engine.placement import launched_world_size
 from rewind.engine.posttrain_figures import boundary_figures
-from rewind.engine.ranks import any_rank, check_same_state, is_writer, shared_event
+from rewind.engine.ranks import any_rank, check_same_state, is_writer, lost_peer, shared_event
 from rewind.engine.rundata import check_unchanged
 from rewind.engine.step import nonfinite_quantity, train_step
 from rewind.engine.trunkcache import write_cache
@@ -144,11 +144,11 @@ class StopRequest:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
         if self._previous_term is not None:
-            # Leaving on an error under torchrun (a peer gone, most often): the launcher SIGTERMs the
-            # ranks left as soon as one dies, and that must not cut the one line this rank is about to
-            # say (the process ends right after it; torchrun kills it if it does not).
-            failing = kind is not None and not issubclass(kind, KeyboardInterrupt)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN if failing else self._previous_term)
+            # Leaving because a peer is gone: the launcher SIGTERMs the ranks left as soon as one dies,
+            # and that must not cut the one line this rank is about to say (the process ends right after
+            # it: with the peer gone, no collective can hold it; torchrun kills it if it does not).
+            peer_gone = value is not None and isinstance(value, Exception) and bool(lost_peer(value))
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if peer_gone else self._previous_term)
 
 
 def record(run: Run, state: State, event: Event) -> State:

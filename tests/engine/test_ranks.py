@@ -139,7 +139,8 @@ def test_in_one_process_every_exchange_is_the_identity():
 
 def test_a_rank_leaving_on_an_error_is_not_cut_short_by_the_launcher_s_sigterm(monkeypatch):
     """torchrun SIGTERMs the ranks left as soon as one dies: a rank leaving the loop on the error that
-    follows (its peer gone) ignores it, so its one line is said; a clean exit gives the handler back."""
+    follows (its peer gone) ignores it, so its one line is said; a clean exit, or an error of its own,
+    gives the handler back."""
     import signal
 
     from rewind.engine.loop import StopRequest
@@ -149,6 +150,9 @@ def test_a_rank_leaving_on_an_error_is_not_cut_short_by_the_launcher_s_sigterm(m
     try:
         with StopRequest():
             assert signal.getsignal(signal.SIGTERM) not in (before, signal.SIG_IGN)  # a clean stop
+        assert signal.getsignal(signal.SIGTERM) == before
+        with pytest.raises(ValueError), StopRequest():
+            raise ValueError("an error of this rank's own")  # its peer may still be waiting: Ctrl-C stops both
         assert signal.getsignal(signal.SIGTERM) == before
         with pytest.raises(RuntimeError), StopRequest():
             raise RuntimeError("gloo/transport: connection closed by peer")
