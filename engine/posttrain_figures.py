@@ -18,7 +18,7 @@ rows, never trained on; the judge is rewind.engine.task_rows.exact_match_reward,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from statistics import fmean
 
 import torch
 
@@ -91,9 +91,9 @@ def _sampled(parts: Parts, name: str, settings: GrpoSettings) -> dict[str, float
         parts.model, rows, samples=group, temperature=settings.temperature, seed=config.run.seed, **completing
     )
     figures = {
-        "pass@1": _mean(mine),
-        f"pass@{group}": _mean([max(r) == 1.0 for r in sampled]),
-        "reward": _mean([x for r in sampled for x in r]),
+        "pass@1": fmean(mine),
+        f"pass@{group}": fmean([max(r) == 1.0 for r in sampled]),
+        "reward": fmean([x for r in sampled for x in r]),
     }
     if parts.reference is not None:
         figures["win_rate"] = win_share(mine, greedy_correct(parts.reference, rows, **completing))
@@ -123,8 +123,4 @@ def _preferences(parts: Parts, name: str, stage: Stage) -> dict[str, float]:
     (policy, reference), n = logps, len(rows)
     out = dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], beta=stage.dpo_settings.beta)
     margins = (out.chosen_rewards - out.rejected_rewards).tolist()
-    return {"dpo_accuracy": _mean([m > 0 for m in margins]), "dpo_margin": _mean(margins)}
-
-
-def _mean(values: Sequence[float | bool]) -> float:
-    return sum(float(v) for v in values) / len(values)
+    return {"dpo_accuracy": fmean([m > 0 for m in margins]), "dpo_margin": fmean(margins)}

@@ -13,11 +13,12 @@ resumed run prints what a straight run prints.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 
 from rewind.states.config import Config
 from rewind.states.events import Evaluated, Event, StepCommitted
-from rewind.tools.timeline_scan import LOSS_WINDOW_FRACTION, LOSS_WINDOW_MAX
+from rewind.tools.timeline_scan import loss_window
 
 # accuracy: answer-token; loss: held-out; train: the stage's own loss; win: against the stage's reference
 _COLUMNS = ("accuracy", "loss", "train", "pass@1", "pass@G", "reward", "win", "dpo acc", "margin")
@@ -67,8 +68,4 @@ def end_losses(events: Sequence[Event]) -> dict[int, float]:
     for event in events:
         if isinstance(event, StepCommitted) and not event.skipped and math.isfinite(event.loss):
             losses.setdefault(event.stage, []).append(event.loss)
-    ends = {}
-    for stage, values in losses.items():
-        window = min(LOSS_WINDOW_MAX, max(1, round(len(values) * LOSS_WINDOW_FRACTION)))
-        ends[stage] = sum(values[-window:]) / window
-    return ends
+    return {stage: statistics.fmean(values[-loss_window(len(values)) :]) for stage, values in losses.items()}

@@ -45,6 +45,11 @@ from rewind.tools.timeline_buckets import PointSampler, StepBuckets
 LOSS_WINDOW_FRACTION = 0.1
 LOSS_WINDOW_MAX = 100
 
+
+def loss_window(num_finite: int) -> int:
+    """How many of a stage's first (last) finite losses its start (end) loss is the mean of."""
+    return min(LOSS_WINDOW_MAX, max(1, round(num_finite * LOSS_WINDOW_FRACTION)))
+
 CONTROL_MARKERS = (StageEntered, FadeStarted, FadeEnded, ReferenceRefreshed, OptimizerReset, StackAppended, ConfigChanged)
 RAW_MARKERS = (RunResumed, RunStopped, NonFiniteLoss)
 
@@ -87,7 +92,7 @@ class StageSteps:
             self.num_kl += 1
 
     def losses(self) -> dict:
-        window = min(LOSS_WINDOW_MAX, max(1, round(self.num_finite * LOSS_WINDOW_FRACTION)))
+        window = loss_window(self.num_finite)
         tail = list(self.tail)
         return {
             "loss_start": _mean(self.head[:window]),
