@@ -11,6 +11,7 @@ Pure: the caller reads the file (see `rewind.tools.configfile`); this module onl
 
 from __future__ import annotations
 
+import re
 import tomllib
 from typing import Any
 
@@ -29,12 +30,66 @@ def loads_config(text: str, source: str = "config", overrides: list[str] | None 
     try:
         raw = read_toml(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"not valid TOML: {exc}"], source) from None
+        raise ConfigError([f"not valid TOML: {exc}{multiline_table_hint(text, str(exc))}"], source) from None
     except TomlLimitError as exc:
         raise ConfigError([f"cannot read the TOML: {exc}"], source) from None
     if overrides:
         raw = apply_overrides(flat_for_overrides(raw, overrides), overrides)
     return config_from_dict(raw, source)
+
+
+_AT_LINE = re.compile(r"\(at line (\d+), column \d+\)")
+_HEADER = re.compile(r"""\s*\[\[?\s*([A-Za-z0-9_.\-"' ]+?)\s*\]\]?\s*(#.*)?""")
+
+
+def multiline_table_hint(text: str, error: str) -> str:
+    """What to do when a TOML error comes from an inline table spread over lines (TOML wants `key = {...}`
+    on one line; tomllib names only the character it then met): the table to write instead, or "" when
+    no line up to the error's leaves an inline table open."""
+    at = _AT_LINE.search(error)
+    lines = text.splitlines()[: int(at.group(1)) if at else None]
+    header = ""
+    for number, line in enumerate(lines, start=1):
+        if '"""' in line or "'''" in line:
+            return ""  # a multi-line string: what follows is not scanned line by line
+        if found := _HEADER.fullmatch(line):
+            header = found.group(1).replace(" ", "")
+        opened = _open_brackets(line)
+        if not any(bracket == "{" for bracket, _ in opened):
+            continue
+        hint = f"; line {number} leaves an inline table open, and an inline table must be on one line"
+        key = line[: opened[0][1]].rpartition("=")[0].strip().replace(" ", "")
+        if not key:
+            return hint
+        path = f"{header}.{key}" if header else key
+        table = f"a [[{path}]] entry for each" if opened[0][0] == "[" else f"a [{path}] table"
+        return f"{hint}: write {table} instead"
+    return ""
+
+
+def _open_brackets(line: str) -> list[tuple[str, int]]:
+    """The brackets (`[` or `{`, with their column) that `line` opens and leaves open, outermost first;
+    quoted text and a comment are skipped."""
+    stack: list[tuple[str, int]] = []
+    quote = ""
+    escaped = False
+    for column, char in enumerate(line):
+        if quote:
+            if escaped:
+                escaped = False
+            elif char == "\\" and quote == '"':
+                escaped = True
+            elif char == quote:
+                quote = ""
+        elif char in "\"'":
+            quote = char
+        elif char == "#":
+            break
+        elif char in "[{":
+            stack.append((char, column))
+        elif char in "]}" and stack:
+            stack.pop()
+    return stack
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:

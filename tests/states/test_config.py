@@ -170,6 +170,41 @@ def test_a_user_dataset_makes_its_name_known():
 
 def test_invalid_toml_is_one_problem():
     assert only_problem("[training\n").startswith("not valid TOML")
+    assert "inline table" not in only_problem("[training\n")
+
+
+# The shape docs/posttraining.md once showed (before 2ace565): grpo's settings as an inline table over lines.
+MULTILINE_GRPO = """
+[[stages]]
+strategy = "grpo"
+tokens = 12_800
+datasets = [{ name = "sort", rate = 0.5 }, { name = "reverse", rate = 0.5 }]
+refresh_reference = true    # needed when kl_beta > 0
+grpo = { group_size = 4, temperature = 1.0, max_new_tokens = 16, num_iterations = 2, loss_type = "dapo",
+         epsilon_low = 0.2, epsilon_high = 0.2, kl_beta = 0.05, kl_estimator = "k3",
+         scale_rewards = "group", mask_truncated_completions = false,
+         rewards = [{ function = "exact_match", weight = 1.0 }] }
+"""
+
+
+def test_an_inline_table_over_several_lines_gets_a_hint_naming_the_table_to_write():
+    problem = only_problem(MULTILINE_GRPO)
+    assert problem.startswith(
+        "not valid TOML: Invalid initial character for a key part (at line 7, column 105); "
+    ), problem
+    assert problem.endswith(
+        "; line 7 leaves an inline table open, and an inline table must be on one line: "
+        "write a [stages.grpo] table instead"
+    ), problem
+    entries = only_problem('[[stages]]\ndatasets = [{ name = "sort",\n  rate = 1.0 }]\n')
+    assert entries.endswith("line 2 leaves an inline table open, and an inline table must be on one line: "
+                            "write a [[stages.datasets]] entry for each instead"), entries  # fmt: skip
+    nested = only_problem('[data.mine]\nkind = "jsonl"\nsplit = { a = "{", # }\n b = 2 }\n')
+    assert nested.endswith("line 3 leaves an inline table open, and an inline table must be on one line: "
+                           "write a [data.mine.split] table instead"), nested  # fmt: skip
+    # Braces inside strings, comments, and a multi-line array of one-line tables are no such thing.
+    for fine in ('a = "{"  # {\nb = = 1\n', "x = [\n  { a = 1 },\n  { b = 2 },\n]\ny = = 1\n"):
+        assert "inline table" not in only_problem(fine)
 
 
 def test_every_problem_is_reported_at_once():
