@@ -22,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN")
     p.add_argument(
         "--type", dest="types", action="append", default=[], metavar="T",
-        help="only events of type T (any case: stepcommitted is StepCommitted); repeatable",
+        help="only events of type T (any case: stepcommitted is StepCommitted); repeatable, or several at once "
+        "separated by commas (--type StepCommitted,RunResumed)",
     )
     p.add_argument("--steps", metavar="A:B", help="only events with A <= step <= B (either side may be empty)")
     p.add_argument("--json", action="store_true", help="a JSON list of {type, seq, step, ...fields}")
@@ -50,8 +51,12 @@ def parse_steps(text: str | None) -> tuple[int, float]:
 
 def check_types(types: list[str]) -> set[str]:
     """The event types named, as the log spells them; a name matches in any case (no two types differ
-    only in case)."""
+    only in case), and one --type may name several, separated by commas."""
     by_lower = {name.lower(): name for name in EVENT_TYPES}
+    for given in types:
+        if not all(t.strip() for t in given.split(",")):
+            raise UsageError(f"--type {given!r}: an empty event type (name them separated by commas)")
+    types = [t.strip() for given in types for t in given.split(",")]
     unknown = [t for t in types if t.lower() not in by_lower]
     if unknown:
         raise UsageError(f"--type {unknown[0]}: unknown event type (known: {', '.join(sorted(EVENT_TYPES))})")

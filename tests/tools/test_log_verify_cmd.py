@@ -90,6 +90,15 @@ def test_log_type_matches_in_any_case(resumed):
     assert code == 0 and "CheckpointCommitted" in out
 
 
+def test_log_type_takes_a_comma_separated_list(resumed):
+    exact = log_json(resumed, "--type", "StepCommitted", "--type", "RunResumed")
+    assert log_json(resumed, "--type", "StepCommitted,RunResumed") == exact
+    assert log_json(resumed, "--type", "stepcommitted, runresumed") == exact
+    for bad in ("StepCommitted,", ",", "StepCommitted,,RunResumed"):
+        code, out, err = run_cli("log", resumed, "--type", bad)
+        assert code == 2 and not out and "an empty event type" in one_line(err), bad
+
+
 def test_log_unknown_type_is_a_usage_error(resumed):
     code, out, err = run_cli("log", resumed, "--type", "StepCommited")
     assert code == 2 and not out
