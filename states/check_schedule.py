@@ -4,7 +4,8 @@ Backs `rewind schedule CONFIG --check`. Each warning names the stage (or the LR 
 read off the `Schedule` the run will follow: a stage shorter than one step, a KL weight before any
 reference refresh, fades covering most of a stage, a budget mostly lost to rounding to whole steps, an
 LR decay that ends far from every stage entry, a first step (or a restart) at LR 0, an LR restart that
-leaves the run ending far above the curve's end, a warmup the constant schedule ignores. None of them stops a run. LRs are those of a run
+leaves the run ending far above the curve's end, a warmup the constant schedule ignores (only a
+warmup_pct the config wrote: `written_fields`). None of them stops a run. LRs are those of a run
 started by this release (`rewind.states.plan.step_lr`).
 
 Whether the schedule code itself keeps the spec's invariants is not a question for a user's config:
@@ -14,17 +15,45 @@ generated configs.
 
 from __future__ import annotations
 
-from rewind.states.config import Config
+from collections.abc import Collection
+from typing import Any
+
+from rewind.states.config import Config, OptimizationSection
 from rewind.states.lr import decay_window, lr_at
+from rewind.states.overrides import apply_overrides, read_toml
 from rewind.states.schedule import Schedule
+from rewind.states.stageform import flat_for_overrides
 
 FADED_SHARE = 0.75  # more of a stage's budget than this inside its fades is worth a warning
 DECAY_GAP_SHARE = 0.1  # an LR decay ending further than this share of the run from every stage entry
 RESTART_END_FACTOR = 1.5  # a restarted LR ending above this multiple of the unbroken curve's end
 
 
-def schedule_warnings(config: Config, schedule: Schedule | None = None) -> list[str]:
-    """Legal but suspicious choices, each naming the stage or boundary and the figures."""
+def written_fields(text: str, overrides: list[str] | None = None) -> frozenset[str]:
+    """The dotted paths of the tables' keys a config's TOML `text` and its `--set` overrides write
+    ("optimization.warmup_pct"; lists are not entered): what its author chose, as against a default the
+    struct fills in. The text is one `loads_config` accepted."""
+    raw = read_toml(text)
+    if overrides:
+        raw = apply_overrides(flat_for_overrides(raw, overrides), overrides)
+
+    def paths(table: dict[str, Any], prefix: str) -> list[str]:
+        found = []
+        for key, value in table.items():
+            found.append(prefix + key)
+            if isinstance(value, dict):
+                found += paths(value, f"{prefix}{key}.")
+        return found
+
+    return frozenset(paths(raw, ""))
+
+
+def schedule_warnings(
+    config: Config, schedule: Schedule | None = None, written: Collection[str] | None = None
+) -> list[str]:
+    """Legal but suspicious choices, each naming the stage or boundary and the figures. `written`: the
+    fields the config's author wrote (`written_fields`), for the warnings about a setting that has no
+    effect; None when unknown (a config built in code): a value other than the default counts as written."""
     schedule, warnings = schedule or Schedule(config), []
     tps, n = schedule.tokens_per_step, schedule.num_steps
     if n == 0:
@@ -64,10 +93,10 @@ def schedule_warnings(config: Config, schedule: Schedule | None = None) -> list[
                 f"the LR decay (steps {window[0]}..{window[1]}) ends {gap} steps ({gap / n:.0%} of the run) "
                 f"from the nearest stage entry or the end (step {nearest})"
             )
-    return warnings + _lr_warnings(config, schedule)
+    return warnings + _lr_warnings(config, schedule, written)
 
 
-def _lr_warnings(config: Config, schedule: Schedule) -> list[str]:
+def _lr_warnings(config: Config, schedule: Schedule, written: Collection[str] | None) -> list[str]:
     opt, n = config.optimization, schedule.num_steps
     if n == 0:
         return []
@@ -76,7 +105,11 @@ def _lr_warnings(config: Config, schedule: Schedule) -> list[str]:
         return lr_at(opt, count, n, schedule.entry_steps, warmup_from_zero=False)
 
     warnings = []
-    if opt.schedule == "constant" and opt.warmup_pct > 0:
+    if written is None:
+        wrote_warmup = opt.warmup_pct != OptimizationSection().warmup_pct
+    else:
+        wrote_warmup = "optimization.warmup_pct" in written
+    if opt.schedule == "constant" and opt.warmup_pct > 0 and wrote_warmup:
         warnings.append(
             f"optimization.warmup_pct: {opt.warmup_pct:g} is ignored by the constant schedule (every step trains at "
             'lr); for a warmup to a constant LR, use schedule = "wsd" with decay_pct = 0'

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from rewind.states.check_schedule import schedule_warnings
+from rewind.states.check_schedule import schedule_warnings, written_fields
 from rewind.states.events import Event, event_to_dict
 from rewind.states.plan import plan
 from rewind.states.schedule import Ramp, Schedule
-from rewind.tools.configfile import add_set_option, load_config
+from rewind.tools.configfile import add_set_option, load_config, read_config_text
 from rewind.tools.errors import UsageError
 
 
@@ -57,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
         written = plot_schedule(schedule, events, args.plot, title=f"{config.run.name} ({args.config})")
         print(f"plot written to {written}", file=sys.stderr)  # exactly the path given, suffix or not
     if args.check:
-        _check(schedule, args.json)
+        # What the file and --set wrote: a default the config never mentions is nobody's mistake.
+        written = written_fields(read_config_text(Path(args.config), args.config), args.overrides)
+        _check(schedule, args.json, written)
     return 0
 
 
@@ -256,9 +259,9 @@ ENTRY_EFFECTS = (
 )
 
 
-def _check(schedule: Schedule, as_json: bool) -> None:
+def _check(schedule: Schedule, as_json: bool, written: frozenset[str]) -> None:
     """Print the warnings; they are advice, so they never change the exit status."""
-    warnings = schedule_warnings(schedule.config, schedule)
+    warnings = schedule_warnings(schedule.config, schedule, written)
     if as_json:
         print(json.dumps({"warnings": warnings}, indent=1))
         return

@@ -230,6 +230,54 @@ def test_check_json_is_the_warnings_of_the_config(rewind_cli):
     assert (code, json.loads(out)) == (0, {"warnings": []})
 
 
+CONSTANT = """
+[architecture]
+block_size = 16
+
+[training]
+batch_size = 4
+
+[optimization]
+schedule = "constant"
+{warmup}
+[[stages]]
+tokens = 640
+datasets = [{{ name = "grammar" }}]
+"""
+
+
+@pytest.mark.parametrize(
+    ("warmup", "overrides", "warned"),
+    [
+        ("", (), None),  # the default warmup_pct (0.01), never written: nothing to warn about
+        ("warmup_pct = 0.01", (), "0.01"),  # written, even at the default's value
+        ("warmup_pct = 0.05", (), "0.05"),
+        ("", ("--set", "optimization.warmup_pct=0.2"), "0.2"),  # written by --set
+        ("warmup_pct = 0.0", (), None),  # no warmup asked for
+    ],
+)
+def test_check_warns_of_a_warmup_the_constant_schedule_ignores_only_where_the_config_wrote_one(
+    rewind_cli, tmp_path, warmup, overrides, warned
+):
+    path = tmp_path / "constant.toml"
+    path.write_text(CONSTANT.format(warmup=warmup))
+    code, out, err = rewind_cli("schedule", path, "--check", *overrides)
+    assert code == 0, err
+    said = [line for line in out.splitlines() if "warmup_pct" in line]
+    if warned is None:
+        assert said == [] and out == "no warnings\n"
+    else:
+        assert said == [
+            f"warning: optimization.warmup_pct: {warned} is ignored by the constant schedule (every step trains "
+            'at lr); for a warmup to a constant LR, use schedule = "wsd" with decay_pct = 0'
+        ]
+
+
+def test_the_post_training_example_has_no_warning(rewind_cli):
+    code, out, err = rewind_cli("schedule", EXAMPLES / "posttrain.toml", "--check")
+    assert (code, out) == (0, "no warnings\n"), err
+
+
 def test_check_help_says_what_warnings_do_to_the_exit_status(rewind_cli):
     code, out, _ = rewind_cli("schedule", "--help")
     assert code == 0
