@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 from rewind.states.check_schedule import schedule_warnings, written_fields
+from rewind.states.config import Stage
 from rewind.states.events import Event, event_to_dict
 from rewind.states.plan import plan
 from rewind.states.schedule import Ramp, Schedule
 from rewind.tools.configfile import add_set_option, load_config, read_config_text
 from rewind.tools.errors import UsageError
+from rewind.tools.kl_terms import has_own_kl, kl_term
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -81,6 +83,7 @@ def describe_step(schedule: Schedule, step: int) -> dict:
         "rows": list(sp.rows),
         "lr": sp.lr,
         "beta": sp.beta,
+        "kl": kl_row(schedule.config.stages[sp.stage]),
     }
 
 
@@ -95,9 +98,11 @@ def _print_at(schedule: Schedule, positions: list[int], as_json: bool) -> None:
         return
     for p, r in zip(positions, rows, strict=True):
         weights = " ".join(f"{w:.3f}" for w in r["weights"])
+        # A dpo or grpo stage's token-level beta is 0 by rule: its own setting is what ties it to the reference.
+        kl = f"{r['kl']['setting']} {r['kl']['value']:g}"
         print(
             f"position {p:>12,}: step {r['step']:>8,} (tokens {r['tokens']:,}) stage {r['stage']} "
-            f"weights [{weights}] rows {r['rows']} lr {r['lr']:.3g} beta {r['beta']:g}"
+            f"weights [{weights}] rows {r['rows']} lr {r['lr']:.3g} {kl}"
         )
 
 
@@ -106,8 +111,10 @@ def _describe_event(schedule: Schedule, event: Event) -> str:
     name = data["type"]
     config = schedule.config
     if name == "StageEntered":
-        mixture = ", ".join(f"{s.name} {s.rate:g}" for s in config.stages[data["stage"]].datasets)
-        return f"{name:<19} stage {data['stage']} ({mixture}), beta {schedule.betas[data['stage']]:g}"
+        stage = config.stages[data["stage"]]
+        mixture = ", ".join(f"{s.name} {s.rate:g}" for s in stage.datasets)
+        term = kl_term(stage)  # beta, or a dpo or grpo stage's own setting
+        return f"{name:<19} stage {data['stage']} ({mixture}), {term.setting} {term.value:g}"
     if name in ("FadeStarted", "FadeEnded"):
         ramp = schedule.ramps[data["boundary"]]
         return (
@@ -137,10 +144,26 @@ def describe_growth(data: dict) -> str:
     )
 
 
+def kl_row(stage: Stage) -> dict:
+    """What ties the stage to the reference (rewind.tools.kl_terms): the setting, its value, and the
+    weight of the KL penalty it adds to the loss (0 for none)."""
+    term = kl_term(stage)
+    return {"setting": term.setting, "value": term.value, "penalty": term.penalty}
+
+
+def strategy_settings(stage: Stage) -> dict | None:
+    """The settings of the stage's strategy, defaults filled in (None for pretrain, which has none)."""
+    import msgspec
+
+    settings = {"sft": stage.sft_settings, "dpo": stage.dpo_settings, "grpo": stage.grpo_settings}
+    return msgspec.to_builtins(settings[stage.strategy]) if stage.strategy in settings else None
+
+
 def stage_rows(schedule: Schedule) -> list[dict]:
     """One row per stage: its name and strategy, its budget, the tokens and steps it actually trains,
-    its KL weight, what entering it does, its mixture, and its fade into the next stage (None for the
-    last; a boundary without a fade window has start_tokens == end_tokens)."""
+    its token-level KL weight (beta) and what ties it to the reference (`kl`: beta, or a dpo or grpo
+    stage's own setting), its strategy's settings, what entering it does, its mixture, and its fade into
+    the next stage (None for the last; a boundary without a fade window has start_tokens == end_tokens)."""
     trained = schedule.stage_tokens()
     return [
         {
@@ -151,6 +174,8 @@ def stage_rows(schedule: Schedule) -> list[dict]:
             "trained_tokens": trained[i],
             "steps": trained[i] // schedule.tokens_per_step,
             "beta": schedule.betas[i],
+            "kl": kl_row(stage),
+            "settings": strategy_settings(stage),
             "refresh_reference": stage.refresh_reference,
             "reset_optimizer": stage.reset_optimizer,
             "mixture": [{"name": s.name, "rate": s.rate} for s in stage.datasets],
@@ -182,9 +207,12 @@ def lr_settings(schedule: Schedule) -> dict:
 
 
 def kl_settings(schedule: Schedule) -> dict:
+    """`kind` and `betas` are the token-level KL's (pretrain and sft stages); `stages` says, per stage,
+    what ties it to the reference (`kl_row`)."""
     return {
         "kind": schedule.config.optimization.kl.kind,
         "betas": list(schedule.betas),
+        "stages": [kl_row(stage) for stage in schedule.config.stages],
         "reference_update_stages": sorted(schedule.reference_update_stages),
     }
 
@@ -223,9 +251,19 @@ def render_timeline(schedule: Schedule, events: list[Event], source: str) -> str
         lines += ["fades: none (hard switches at the boundaries)", ""]
     lr, kl = lr_settings(schedule), kl_settings(schedule)
     lines.append(f"lr: {lr['schedule']}, peak {lr['peak']:g}, first {lr['first']:.3g}, last {lr['last']:.3g}")
-    refresh = kl["reference_update_stages"]
-    lines.append(f"KL ({kl['kind']}): betas {kl['betas']}, reference refreshed on entering {refresh or 'never'}")
+    lines.append(kl_line(schedule, kl))
     return "\n".join(lines)
+
+
+def kl_line(schedule: Schedule, kl: dict) -> str:
+    """The timeline's last line: the token-level betas (a run of pretrain and sft stages only), or what
+    ties each stage to the reference where a dpo or grpo stage has its own setting for it."""
+    refreshed = f"reference refreshed on entering {kl['reference_update_stages'] or 'never'}"
+    stages = schedule.config.stages
+    if not any(has_own_kl(stage) for stage in stages):
+        return f"KL ({kl['kind']}): betas {kl['betas']}, {refreshed}"
+    terms = ", ".join(f"stage {i} {kl_term(stage).text()}" for i, stage in enumerate(stages))
+    return f"KL (beta: {kl['kind']}): {terms}; {refreshed}"
 
 
 def stage_block(row: dict, curve: str) -> list[str]:
@@ -242,15 +280,54 @@ def stage_block(row: dict, curve: str) -> list[str]:
             f"into stage {row['stage'] + 1}, {curve}, overlap {fade['overlap']:g}: tokens "
             f"[{fade['start_tokens']:,.0f}, {fade['end_tokens']:,.0f}), steps {fade['start_step']:,}..{fade['end_step']:,}"
         )
+    kl = row["kl"]
+    if kl["setting"] == "beta":
+        tie = [f"  beta      {row['beta']:g}"]
+    elif kl["setting"] == "dpo.beta":
+        tie = [f"  KL        none added: the dpo loss compares the policy with the reference (dpo.beta {kl['value']:g})"]
+    elif kl["penalty"] > 0:
+        estimate = row["settings"]["kl_estimator"]
+        tie = [f"  KL        {kl['setting']} {kl['value']:g} x the {estimate} estimate of the KL to the reference"]
+    else:
+        tie = [f"  KL        none ({kl['setting']} 0)"]
     return [
         f"stage {row['stage']}{name} ({row['strategy']}): budget {row['budget']:,} tokens, trains "
         f"{row['trained_tokens']:,} in {row['steps']:,} steps",
         "  mixture   " + ", ".join(f"{m['name']} {m['rate']:g}" for m in row["mixture"]),
-        f"  beta      {row['beta']:g}",
+        *tie,
+        *settings_lines(row["strategy"], row["settings"]),
         f"  on entry  {', '.join(entry) or '-'}",
         f"  fade      {faded}",
         "",
     ]
+
+
+SETTINGS_WIDTH = 110  # a strategy's settings wrap to lines of at most this many characters
+
+
+def settings_lines(strategy: str, settings: dict | None) -> list[str]:
+    """'  grpo      group_size 4, temperature 1, ...' wrapped under its first value; none for pretrain."""
+    if settings is None:
+        return []
+    items = [f"{key} {_setting(value)}" for key, value in settings.items()]
+    lines, line = [], f"  {strategy:<9} "
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if line.strip() != strategy and len(line) + len(piece) + 1 > SETTINGS_WIDTH:
+            lines.append(line.rstrip())
+            line = " " * 12
+        line += piece + " "
+    return [*lines, line.rstrip()]
+
+
+def _setting(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()  # as TOML writes it
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):  # grpo's rewards: [exact_match x 1, mymodule:score x 0.5]
+        return "[" + ", ".join(f"{r['function']} x {r['weight']:g}" for r in value) + "]"
+    return str(value)
 
 
 ENTRY_EFFECTS = (

@@ -63,12 +63,17 @@ def test_json_transitions_have_type_step_tokens_and_fields(rewind_cli):
     assert events[i - 1]["type"] == "StageEntered" and events[i - 1]["step"] == events[i]["step"]
 
 
+POSTTRAIN = EXAMPLES / "posttrain.toml"
+
+
 @pytest.mark.parametrize(
     ("config", "overrides"),
     [
         (ABCD, ()),
         (TINY, ()),
         (TINY, ("--set", "training.fade.overlap=0", "--set", "optimization.schedule=wsds")),
+        (POSTTRAIN, ()),
+        (POSTTRAIN, ("--set", "stages[3].grpo.kl_beta=0", "--set", "stages[1].beta=0.1")),
     ],
 )
 def test_json_carries_everything_the_text_view_shows(rewind_cli, config, overrides):
@@ -81,17 +86,29 @@ def test_json_carries_everything_the_text_view_shows(rewind_cli, config, overrid
     header = text.splitlines()[0]
     for key in ("num_stages", "num_steps", "tokens_per_step", "tokens", "budget"):
         assert f"{view[key]:,}" in header, key
-    # Every stage's block of the text view, rebuilt from the JSON: a heading, then one line per field.
+    # Every stage's block of the text view, rebuilt from the JSON: a heading, then one line per field (a
+    # strategy's settings may wrap).
     blocks = text.split("\n\nstage ")[1:]
     assert len(blocks) == len(view["stages"]) == view["num_stages"]
     for block, stage in zip(blocks, view["stages"], strict=True):
-        heading, mixture, beta, entry, fade = block.split("\n\n")[0].splitlines()
+        heading, mixture, tie, *settings, entry, fade = block.split("\n\n")[0].splitlines()
+        named = f" {stage['name']!r}" if stage["name"] else ""
         assert heading == (
-            f"{stage['stage']} ({stage['strategy']}): budget {stage['budget']:,} tokens, "
+            f"{stage['stage']}{named} ({stage['strategy']}): budget {stage['budget']:,} tokens, "
             f"trains {stage['trained_tokens']:,} in {stage['steps']:,} steps"
         )
         assert mixture.split() == ["mixture", *", ".join(f"{m['name']} {m['rate']:g}" for m in stage["mixture"]).split()]
-        assert beta.split() == ["beta", f"{stage['beta']:g}"]
+        kl = stage["kl"]
+        if stage["strategy"] in ("pretrain", "sft"):
+            assert kl == {"setting": "beta", "value": stage["beta"], "penalty": stage["beta"]}
+            assert tie.split() == ["beta", f"{stage['beta']:g}"]
+        else:  # its token-level beta is 0 by rule: the line says the stage's own setting
+            assert stage["beta"] == 0 and tie.split()[0] == "KL" and f"{kl['setting']} {kl['value']:g}" in tie
+        if stage["settings"] is None:
+            assert stage["strategy"] == "pretrain" and settings == []
+        else:
+            said = ", ".join(f"{key} {_toml(value)}" for key, value in stage["settings"].items())
+            assert " ".join(settings).split() == [stage["strategy"], *said.split()]
         assert ("refreshes the KL reference" in entry) == stage["refresh_reference"]
         assert ("resets the optimizer" in entry) == stage["reset_optimizer"]
         assert (stage["fade"] is None) == (stage["stage"] == view["num_stages"] - 1) == ("(the last stage)" in fade)
@@ -108,11 +125,65 @@ def test_json_carries_everything_the_text_view_shows(rewind_cli, config, overrid
     assert (
         f"lr: {lr['schedule']}, peak {lr['peak']:g}, first {lr['first']:.3g}, last {lr['last']:.3g}" in text
     )
-    refresh = kl["reference_update_stages"] or "never"
-    assert f"KL ({kl['kind']}): betas {kl['betas']}, reference refreshed on entering {refresh}" in text
-    # And the events, one line each in the same order.
+    refresh = f"reference refreshed on entering {kl['reference_update_stages'] or 'never'}"
+    assert kl["stages"] == [s["kl"] for s in view["stages"]]
+    last = text.splitlines()[-1]
+    if all(s["setting"] == "beta" for s in kl["stages"]):
+        assert last == f"KL ({kl['kind']}): betas {kl['betas']}, {refresh}"
+    else:  # a stage of its own tie to the reference: every stage's is said, not a list of betas
+        assert last.startswith(f"KL (beta: {kl['kind']}): ") and last.endswith(f"; {refresh}")
+        for i, s in enumerate(kl["stages"]):
+            assert f"stage {i} {s['setting']} {s['value']:g}" in last
+    # And the events, one line each in the same order; a StageEntered names the stage's tie to the reference.
     event_lines = text.split("  event\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert [line.split()[2] for line in event_lines] == [e["type"] for e in view["events"]]
+    entered = [line for line in event_lines if line.split()[2] == "StageEntered"]
+    assert [line.rsplit(", ", 1)[1] for line in entered] == [f"{s['setting']} {s['value']:g}" for s in kl["stages"]]
+
+
+def _toml(value) -> str:
+    """A setting's value as the text view writes it: TOML's booleans, floats by :g, rewards by function."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(f"{r['function']} x {r['weight']:g}" for r in value) + "]"
+    return str(value)
+
+
+def test_the_post_training_example_says_each_stages_tie_to_the_reference_and_its_settings(rewind_cli):
+    """Not `betas [0.0, ...]` for stages whose beta must be 0: the dpo loss, grpo's kl_beta, and every
+    setting of the strategy a stage trains with."""
+    code, text, err = rewind_cli("schedule", POSTTRAIN)
+    assert code == 0, err
+    assert "StageEntered        stage 2 (sort 1), dpo.beta 0.1" in text
+    assert "StageEntered        stage 3 (sort 1), grpo.kl_beta 0.02" in text
+    assert "  KL        none added: the dpo loss compares the policy with the reference (dpo.beta 0.1)" in text
+    assert "  KL        grpo.kl_beta 0.02 x the k3 estimate of the KL to the reference" in text
+    assert "  sft       packing false\n" in text
+    assert "  dpo       beta 0.1, loss sigmoid, label_smoothing 0, sft_weight 0\n" in text
+    assert "  grpo      group_size 4, temperature 1, max_new_tokens 10, num_iterations 1," in text
+    assert "kl_beta 0.02, kl_estimator k3," in text and "rewards [exact_match x 1]" in text
+    assert "betas" not in text
+    assert text.splitlines()[-1] == (
+        "KL (beta: token_kl): stage 0 beta 0, stage 1 beta 0, stage 2 dpo.beta 0.1 (its loss; no KL penalty "
+        "added), stage 3 grpo.kl_beta 0.02; reference refreshed on entering [2, 3]"
+    )
+    code, out, err = rewind_cli("schedule", POSTTRAIN, "--json")
+    stages = json.loads(out)["stages"]
+    assert [s["kl"] for s in stages] == [
+        {"setting": "beta", "value": 0.0, "penalty": 0.0},
+        {"setting": "beta", "value": 0.0, "penalty": 0.0},
+        {"setting": "dpo.beta", "value": 0.1, "penalty": 0.0},
+        {"setting": "grpo.kl_beta", "value": 0.02, "penalty": 0.02},
+    ]
+    assert stages[0]["settings"] is None and stages[1]["settings"] == {"packing": False}
+    assert stages[3]["settings"]["group_size"] == 4 and stages[3]["settings"]["rewards"] == [
+        {"function": "exact_match", "weight": 1.0}
+    ]
+    code, out, err = rewind_cli("schedule", POSTTRAIN, "--at", "300000")
+    assert code == 0 and out.rstrip().endswith("stage 3 weights [0.000 0.000 0.000 1.000] rows [0, 0, 0, 32] lr 0.0003 grpo.kl_beta 0.02")
 
 
 def test_at_describes_the_covering_step(rewind_cli):
@@ -124,7 +195,8 @@ def test_at_describes_the_covering_step(rewind_cli):
     rows = json.loads(out)
     assert [r["step"] for r in rows] == [p // tps for p in positions]
     for r in rows:
-        assert set(r) == {"tokens", "step", "stage", "weights", "rows", "lr", "beta"}
+        assert set(r) == {"tokens", "step", "stage", "weights", "rows", "lr", "beta", "kl"}
+        assert r["kl"] == {"setting": "beta", "value": r["beta"], "penalty": r["beta"]}
         assert r["tokens"] == r["step"] * tps
         assert sum(r["rows"]) == 16
         assert abs(sum(r["weights"]) - 1) < 1e-12
@@ -274,7 +346,7 @@ def test_check_warns_of_a_warmup_the_constant_schedule_ignores_only_where_the_co
 
 
 def test_the_post_training_example_has_no_warning(rewind_cli):
-    code, out, err = rewind_cli("schedule", EXAMPLES / "posttrain.toml", "--check")
+    code, out, err = rewind_cli("schedule", POSTTRAIN, "--check")
     assert (code, out) == (0, "no warnings\n"), err
 
 
