@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 
 from rewind.engine.tokenizer_guard import GrowthError, NormalizerGuard, decoder_growth, model_problem
-from rewind.stores.datamanifest import MAX_TOKENIZER_BYTES
+from rewind.stores.datamanifest import MAX_TOKENIZER_BYTES, is_prepared
 from rewind.stores.fsio import FilesystemUnavailable, decode_json, filesystem
 
 EOS_TOKEN = "<|endoftext|>"
@@ -250,6 +250,23 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     except UnicodeDecodeError:
         raise TokenizerError(f"{path}: not a tokenizer.json (not UTF-8 text)") from None
     return Tokenizer(text, source=path)
+
+
+def tokenizer_in(path: str | os.PathLike[str]) -> Tokenizer | ByteTokenizer:
+    """The tokenizer `path` names: a tokenizer.json, or a directory holding one (a prepared directory, a
+    transformers model's); UTF-8 bytes for a prepared directory without one (its data is bytes).
+    TokenizerError: one line."""
+    path = str(path)
+    try:
+        location = filesystem(os.path.expanduser(path))
+    except FilesystemUnavailable as exc:
+        raise TokenizerError(str(exc)) from None
+    if not is_prepared(path) and not (location.is_local and os.path.isdir(location.path)):
+        return load_tokenizer(path)
+    inside = location.join(TOKENIZER_FILE)
+    if not inside.exists() and is_prepared(path):
+        return ByteTokenizer()
+    return load_tokenizer(inside.url)
 
 
 def load_run_tokenizer(run_dir: str | os.PathLike[str]) -> Tokenizer | ByteTokenizer:

@@ -33,7 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("inputs", nargs="+", metavar="INPUT", help="files or globs (quote globs: 'data/*.jsonl')")
     prep.add_argument("--out", required=True, metavar="DIR", help="the prepared directory to write")
     which = prep.add_mutually_exclusive_group()
-    which.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json (default: UTF-8 bytes)")
+    which.add_argument(
+        "--tokenizer", metavar="PATH",
+        help="a Hugging Face tokenizer.json, or a directory holding one: a prepared directory's tokenizer "
+        "(so that corpora share it; UTF-8 bytes when it has none) or a model's (default: UTF-8 bytes)",
+    )
     which.add_argument(
         "--train-tokenizer", type=int, metavar="VOCAB_SIZE",
         help="train a byte-level BPE of this many ids on the inputs (deterministic)",
@@ -70,7 +74,7 @@ def _kind(args: argparse.Namespace) -> str:
 def run_prepare(args: argparse.Namespace) -> int:
     from rewind.engine.dataprep import prepare_files, prepare_tokenizer, resolve_inputs, reusable_trained
     from rewind.engine.documents import DocumentError
-    from rewind.engine.tokenizer import TokenizerError, load_tokenizer
+    from rewind.engine.tokenizer import TokenizerError, tokenizer_in
     from rewind.stores.datamanifest import ManifestError, manifest_hash
 
     kind = _kind(args)
@@ -83,7 +87,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         validation = resolve_inputs(args.validation, by_file=True) if args.validation else None
         _check_splits(train, validation)
         if args.tokenizer:
-            tokenizer = load_tokenizer(args.tokenizer)
+            tokenizer = tokenizer_in(args.tokenizer)
         elif args.train_tokenizer is not None:
             vocab = args.train_tokenizer
             tokenizer = reusable_trained(args.out, train, validation, kind=kind, text_field=args.text_field,

@@ -203,3 +203,26 @@ def test_validation_takes_one_input_each_time_wherever_it_comes(rewind_cli, corp
     assert [s.path for s in manifest.sources] == [str(corpus / "train.jsonl")]
     assert [s.path for s in manifest.validation_sources] == [str(corpus / "valid.jsonl"), str(corpus / "valid2.jsonl")]
     assert manifest.splits["train"].num_documents == len(DOCUMENTS)
+
+
+# --- issue 32: corpora that share a tokenizer ------------------------------------------------------------
+
+
+def test_tokenizer_takes_a_prepared_directory_whose_tokenizer_it_shares(rewind_cli, corpus, monkeypatch):
+    monkeypatch.chdir(corpus)
+    (corpus / "other.jsonl").write_text(json.dumps({"text": "A bird sat on the wire, the cat sang."}) + "\n")
+    assert rewind_cli("data", "prepare", "train.jsonl", "--out", "a", "--train-tokenizer", "280")[0] == 0
+    exit_code, out, err = rewind_cli("data", "prepare", "other.jsonl", "--out", "b", "--tokenizer", "a")
+    assert exit_code == 0, err
+    shared = read_manifest(corpus / "a").tokenizer
+    assert shared and read_manifest(corpus / "b").tokenizer == shared and f"tokenizer: sha256 {shared}" in out
+    assert (corpus / "b" / "tokenizer.json").read_bytes() == (corpus / "a" / "tokenizer.json").read_bytes()
+
+    # A directory prepared as UTF-8 bytes passes bytes on; a directory with no tokenizer.json is refused.
+    assert rewind_cli("data", "prepare", "train.jsonl", "--out", "bytes")[0] == 0
+    exit_code, out, err = rewind_cli("data", "prepare", "other.jsonl", "--out", "c", "--tokenizer", "bytes")
+    assert exit_code == 0 and read_manifest(corpus / "c").tokenizer == "" and "UTF-8 bytes" in out, err
+    (corpus / "empty").mkdir()
+    exit_code, out, err = rewind_cli("data", "prepare", "other.jsonl", "--out", "d", "--tokenizer", "empty")
+    assert exit_code == 1 and one_line(err).endswith(f"{corpus / 'empty' / 'tokenizer.json'}: no such file")
+    assert not (corpus / "d").exists()
