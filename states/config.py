@@ -51,49 +51,58 @@ class Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 
 class RunSection(Struct):
-    seed: int = 0
-    name: str = "run"
+    seed: int = 0  # every random choice derives from it: the initial weights, the data order, every sample
+    name: str = "run"  # the run's name in plots' titles and `rewind state` / `rewind timeline --json`
 
 
 class ArchitectureSection(Struct):
-    block_size: int = 64
-    vocab_size: int = 256
-    num_layers: int = 2
-    num_heads: int = 4
-    d_model: int = 64
-    d_ff: int = 0  # 0 = 4 * d_model
-    norm: NormName = "rmsnorm"
+    block_size: int = 64  # the context: tokens per row (a step trains training.batch_size rows of it)
+    vocab_size: int = 256  # the embedding's and the head's rows: token ids are below it (256: UTF-8 bytes)
+    num_layers: int = 2  # transformer blocks
+    num_heads: int = 4  # attention heads (they divide d_model)
+    d_model: int = 64  # the width of the residual stream
+    d_ff: int = 0  # the MLP's hidden width; 0 = 4 * d_model
+    norm: NormName = "rmsnorm"  # the blocks' norms and the final one
     # gelu: fc -> GELU -> proj. swiglu: fc computes gate and up (2 * d_ff rows, gate first), proj(silu(gate) * up):
     # with rmsnorm, the Llama block, which `rewind export --hf` writes as LlamaForCausalLM.
     mlp: MlpName = "gelu"
-    dropout: float = 0.0
-    rope_base: float = 10000.0
-    activation_checkpointing: bool = False
+    dropout: float = 0.0  # the dropout probability in training (evaluation and sampling never drop)
+    rope_base: float = 10000.0  # the rotary position embedding's base (theta)
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward: less memory
 
 
 class Sampling(Struct):
-    name: str
-    rate: float = 1.0
+    name: str  # a built-in dataset (grammar, reverse, sort, add) or one of the config's [data.NAME]
+    rate: float = 1.0  # its share of the stage's rows (a stage's rates sum to 1)
 
 
 class FadeSection(Struct):
+    # Every boundary's fade, in [0, 1]: a ramp of overlap x the shorter stage's tokens, centred on the
+    # boundary, across which the next stage's share of the rows rises (0: a hard switch); a stage's wins.
     overlap: float = 0.0
-    curve: CurveName = "linear"
-    steepness: float = 10.0
+    curve: CurveName = "linear"  # how the next stage's weight rises across the ramp
+    steepness: float = 10.0  # sigmoid: its slope at the ramp's middle
 
 
 class TrainingSection(Struct):
-    batch_size: int = 8
+    batch_size: int = 8  # rows per step, all processes (sft: examples, dpo: pairs, grpo: completions)
+    # Rows per forward (a micro-batch: gradients accumulate over batch_size / it) per process; -1: all.
     per_device_batch_size: int = -1
-    validation_steps: int = 2
+    validation_steps: int = 2  # batches of validation rows each dataset's validation round reads
+    # The datasets the boundary evaluations score, and once more before training (the end tables' "(start)"
+    # row) only when set; empty: every dataset the stages train on, at the stage boundaries alone.
     evaluations: list[str] = []
-    eval_samples: int = 64
+    eval_samples: int = 64  # validation rows (post-training: held-out prompts and pairs) an evaluation scores
+    # A NaN or infinite loss: "stop" ends the run at its last good checkpoint (fork it with a changed config
+    # to go on); "skip" records the step (a NonFiniteLoss) without its update.
     on_nonfinite: NonFiniteAction = "stop"
-    fade: FadeSection = FadeSection()
+    fade: FadeSection = FadeSection()  # the fades from each stage into the next
 
 
 class KlSection(Struct):
-    kind: KlKind = "token_kl"  # the per-stage betas are `[[stages]].beta`
+    # The KL term a stage's `beta` weighs: token_kl, the exact per-token KL(policy || reference) over the
+    # vocabulary; nll_difference, the ABCD trainer's policy NLL - stop_grad(reference NLL) (to compare with).
+    kind: KlKind = "token_kl"
 
 
 class SftSettings(Struct):
@@ -110,7 +119,7 @@ class DpoSettings(Struct):
     reference (the stage, or one before it, refreshes it), the loss `rewind.engine.dpo_losses` defines."""
 
     beta: float = 0.1  # the implicit reward's scale: beta * (log pi - log ref), summed over the response
-    loss: DpoLoss = "sigmoid"
+    loss: DpoLoss = "sigmoid"  # sigmoid (DPO), robust (unbiased robust DPO), ipo (length-normalised), hinge
     label_smoothing: float = 0.0  # sigmoid / robust: the share of pairs taken to be mislabelled, in [0, 0.5)
     sft_weight: float = 0.0  # > 0: plus this times the chosen responses' NLL (token mean over the step)
 
@@ -122,7 +131,7 @@ class RewardSpec(Struct):
     # "exact_match" (1 when the completion's first line is the row's answer) or your own, "module:function"
     # (rewind.engine.rewards: its signature, and its code's identity on record)
     function: str = "exact_match"
-    weight: float = 1.0
+    weight: float = 1.0  # its weight in the completion's reward
 
 
 class GrpoSettings(Struct):
@@ -132,15 +141,17 @@ class GrpoSettings(Struct):
 
     group_size: int = 4  # completions per prompt (G); training.batch_size is prompts x G
     temperature: float = 1.0  # sampling temperature (the log-probs are taken at it too)
-    max_new_tokens: int = 16
+    max_new_tokens: int = 16  # a completion's limit (the prompt is left-truncated to leave room for it)
     num_iterations: int = 1  # updates per rollout batch (> 1: the PPO clip acts from the second)
     loss_type: GrpoLossType = "dapo"  # how token losses are normalised (over the whole step in every case)
     epsilon_low: float = 0.2  # the ratio's clip: [1 - epsilon_low, 1 + epsilon_high]
-    epsilon_high: float = 0.2
+    epsilon_high: float = 0.2  # the ratio's upper clip (above)
     kl_beta: float = 0.0  # > 0: a KL penalty to the reference (refreshed at this stage or before)
-    kl_estimator: KlEstimator = "k3"
+    kl_estimator: KlEstimator = "k3"  # the per-token KL estimate kl_beta weighs (importance-weighted)
     scale_rewards: ScaleRewards = "group"  # divide the advantage by the group's std, the batch's, or not
     mask_truncated_completions: bool = False  # completions cut at max_new_tokens train on nothing
+    # Its reward functions ([[stages.grpo.rewards]]): a completion's reward is the weighted sum of those
+    # that score it.
     rewards: list[RewardSpec] = msgspec.field(default_factory=lambda: [RewardSpec()])
 
 
@@ -150,20 +161,22 @@ class Stage(Struct):
     left out (None) are not the same config as 0.0 given (the flat lists they come from hash apart);
     loading gives every stage a value once any stage gives one (`rewind.states.stageform`)."""
 
-    name: str = ""  # growth steps may name the stage by it
-    strategy: StrategyName = "pretrain"
-    tokens: int = 0  # its token budget (must be positive)
-    datasets: list[Sampling] = []  # its mixture (at least one; rates sum to 1)
-    beta: float | None = None  # None: no KL in any stage (same as 0.0)
+    name: str = ""  # its name in tables and plots; [[growth]] at_stage may give it instead of the index
+    strategy: StrategyName = "pretrain"  # how it trains: pretrain, sft, dpo or grpo (docs/posttraining.md)
+    # Its budget (positive): steps x training.batch_size x architecture.block_size tokens, the padding
+    # included, so an sft, dpo or grpo stage's counts its rows (examples, pairs, completions) x block_size.
+    tokens: int = 0
+    datasets: list[Sampling] = []  # its mixture, as [{ name = "sort", rate = 1.0 }, ...] (rates sum to 1)
+    beta: float | None = None  # its KL weight; not set in any stage: no KL (not set beside others: 0.0)
     refresh_reference: bool = False  # entering it makes the current weights the KL reference
     reset_optimizer: bool = False  # entering it clears the Adam moments (an OptimizerReset event)
-    overlap: float | None = None  # the fade into the next stage; None: training.fade.overlap
+    overlap: float | None = None  # its fade into the next stage (not the last); not set: training.fade's
     # Its steps train at lr_scale x the LR schedule's value (post-training takes smaller steps than
     # pretraining); a step's primary stage decides.
     lr_scale: float = 1.0
-    sft: SftSettings | None = None  # strategy "sft": its settings (None: the defaults)
-    dpo: DpoSettings | None = None  # strategy "dpo": its settings (None: the defaults)
-    grpo: GrpoSettings | None = None  # strategy "grpo": its settings (None: the defaults)
+    sft: SftSettings | None = None  # strategy "sft": its settings ([stages.sft]; not set: the defaults)
+    dpo: DpoSettings | None = None  # strategy "dpo": its settings ([stages.dpo]; not set: the defaults)
+    grpo: GrpoSettings | None = None  # strategy "grpo": its settings ([stages.grpo]; not set: the defaults)
 
     @property
     def sft_settings(self) -> SftSettings:
@@ -179,32 +192,32 @@ class Stage(Struct):
 
 
 class OptimizationSection(Struct):
-    lr: float = 3e-4
-    schedule: LrScheduleName = "wsd"
-    warmup_pct: float = 0.01
-    constant_pct: float = 0.0
-    decay_pct: float = 0.1
-    warmup_lr_mult: float = 0.01
-    decay_lr_mult: float = 0.1
-    min_lr_ratio: float = 0.1
-    sgdr_period: int = 100
+    lr: float = 3e-4  # the peak learning rate
+    schedule: LrScheduleName = "wsd"  # the LR's curve over the run's steps (README, "The schedule")
+    warmup_pct: float = 0.01  # the warmup's share of the steps (cosine_rewarm: of each stage's; not constant)
+    constant_pct: float = 0.0  # wsds: the share held at decay_lr_mult x lr after the decay
+    decay_pct: float = 0.1  # wsd, wsds: the linear decay's share of the steps
+    warmup_lr_mult: float = 0.01  # the warmup starts at this x lr (wsd, wsds, cosine, sgdr)
+    decay_lr_mult: float = 0.1  # wsd, wsds: the decay ends at this x lr
+    min_lr_ratio: float = 0.1  # cosine, sgdr, cosine_rewarm: the curve's floor, this x its peak
+    sgdr_period: int = 100  # sgdr: the first period's steps (each next one is twice as long)
     rewarm_lr: float = 1e-4  # cosine_rewarm: the peak of every stage after the first (stage 0 peaks at lr)
     # Whether the LR schedule restarts from its own step 0 at a stage that resets the optimizer
     # (`[[stages]].reset_optimizer`), as the ABCD trainer's tx.init does.
     reset_restarts_lr: bool = False
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    kl: KlSection = KlSection()
+    weight_decay: float = 0.0  # AdamW's decoupled decay, of matrices only (not biases or norm gains)
+    grad_clip: float = 1.0  # the largest global L2 norm of the gradients (0 = no clipping)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay (torch's default is 0.999)
+    eps: float = 1e-8  # AdamW's epsilon
+    kl: KlSection = KlSection()  # how the token-level KL to the reference is computed
 
 
 class LoggingSection(Struct):
-    report_interval: int = 10
-    validation_interval: int = 0  # 0 = never (boundary evaluations still run)
-    checkpoint_interval: int = 0  # 0 = only at stage boundaries and the end
-    keep_last_checkpoints: int = 3
+    report_interval: int = 10  # steps between the log's commits (what a crash can lose; a resume redoes them)
+    validation_interval: int = 0  # steps between validation rounds; 0 = never (boundary evaluations run)
+    checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at stage boundaries and the end
+    keep_last_checkpoints: int = 3  # the newest kept; boundary, final and resume-needed ones are kept as well
 
 
 class DataSource(Struct):
@@ -212,22 +225,22 @@ class DataSource(Struct):
     remote URLs) or a directory written by `rewind data prepare`. text / jsonl / parquet: documents, tokenised
     at the run's start (by the run's tokenizer, else as UTF-8 bytes) into the run directory."""
 
-    kind: DataKind
+    kind: DataKind  # tokens: token ids; text / jsonl / parquet: documents or examples, tokenised at the start
     # tokens: a file or a prepared directory; documents: a file or a glob (several files, read in sorted order)
     path: str
-    dtype: Literal["uint16", "uint32"] = "uint16"
+    dtype: Literal["uint16", "uint32"] = "uint16"  # tokens: a flat file's ids (a prepared directory: its own)
     text_field: str = "text"  # jsonl / parquet: the field or column holding a document
-    # jsonl / parquet: prompt/response pairs instead of documents, one example per row, left-truncated and
-    # padded, the loss on the response only (both set, or neither).
+    # jsonl / parquet: examples instead of documents, one a row, left-truncated and padded: the field or
+    # column of a row's prompt, with response_field, chosen_field + rejected_field, or answer_field.
     prompt_field: str = ""
-    response_field: str = ""
-    # jsonl / parquet: prompt/chosen/rejected examples for a dpo stage (both set, or neither; with
-    # prompt_field). Read as prompt/response pairs elsewhere (validation, evaluation), the chosen one.
+    response_field: str = ""  # prompt/response pairs (sft): the response's field, the loss on it alone
+    # prompt/chosen/rejected examples for a dpo stage (with rejected_field): the preferred response's
+    # field. Read as prompt/response pairs elsewhere (validation, evaluation), the chosen one.
     chosen_field: str = ""
-    rejected_field: str = ""
+    rejected_field: str = ""  # dpo: the other response's field (with chosen_field)
     # jsonl / parquet: a grpo stage's prompts (prompt_field) and the answer its exact_match reward compares with.
     answer_field: str = ""
-    validation_fraction: float = 0.05
+    validation_fraction: float = 0.05  # the share of `path`'s rows held out as the validation split
     validation_path: str = ""  # the validation split from its own file(s); validation_fraction is then unused
     # How validation rows are carved out of `path`: random (a fixed pseudo-random choice of windows) or tail
     # (the last ones). "" = random; runs started before rewind 0.3 (without the "data_identity" feature): tail.
@@ -247,7 +260,7 @@ class PretrainedSection(Struct):
     """Weights a new run starts from instead of random ones: a transformers Llama directory (config.json +
     model.safetensors) or a rewind export (.safetensors with its architecture in the metadata)."""
 
-    path: str = ""
+    path: str = ""  # "" = random weights (architecture must describe the pretrained model exactly)
 
 
 class GrowthStep(Struct):
@@ -256,13 +269,13 @@ class GrowthStep(Struct):
     `trunk` is what every stack already there becomes; `precision` the new stack's weights ("nf4": its
     base is quantised and it trains through its own LoRA adapters). See docs/growth.md."""
 
-    at_stage: int = -1  # -1 = not given
-    at_tokens: int = -1  # -1 = not given
-    num_blocks: int = 1
+    at_stage: int = -1  # the stage at whose entry it joins (its index, or its name); -1 = not given
+    at_tokens: int = -1  # it joins at the first step starting at or after this token; -1 = not given
+    num_blocks: int = 1  # blocks in the new stack
     position: StackPosition = "append"  # append: the output side; prepend: the input side
     init: InitMode = "random"  # copy: duplicate the neighbouring blocks; identity: outputs unchanged
-    trunk: TrunkChoice = "frozen"
-    precision: Precision = "fp32"
+    trunk: TrunkChoice = "frozen"  # full: trained; frozen; lora: + LoRA adapters; qlora: nf4 + LoRA adapters
+    precision: Precision = "fp32"  # the new stack's weights
     # prepend only: keep the downstream stacks' final norm and head fixed too (an anchor for the new input side)
     anchor: bool = False
     # Read the frozen trunk's outputs from an activation cache instead of recomputing them (auto: when
@@ -273,13 +286,14 @@ class GrowthStep(Struct):
 class LoraSection(Struct):
     """LoRA adapters (peft): a stack's own (precision = "nf4") and the trunk's (trunk = lora / qlora)."""
 
-    rank: int = 16  # the adapters a new nf4 stack trains through
+    rank: int = 16  # the rank of the adapters a new nf4 stack trains through
     trunk_rank: int = 8  # the trunk's adapters: smaller than a new stack's, shaped by `pattern`
     # How a trunk stack's rank follows its stack id i: fixed (trunk_rank), increasing (trunk_rank * 2^i),
     # decreasing (trunk_rank / 2^i, at least 1), linear (trunk_rank * (i + 1)), table (ranks[i]).
     pattern: RankPattern = "fixed"
-    ranks: list[int] = []
+    ranks: list[int] = []  # pattern = "table": one rank per stack (the initial one, then each grown one)
     alpha_per_rank: float = 2.0  # alpha = alpha_per_rank * rank: the same scale at every rank
+    # The layers of a block that get adapters
     targets: list[str] = msgspec.field(default_factory=lambda: ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"])
 
 
@@ -288,12 +302,12 @@ class ObjectiveSection(Struct):
     token, loss on them only, attention bidirectional). diffusion: masked-diffusion, the mask rate a
     level drawn per row and embedded (time = "input") or set by the stack being trained (time = "depth")."""
 
-    kind: ObjectiveKind = "clm"
-    mask_rate: float = 0.15  # mlm
-    time: Literal["input", "depth"] = "input"  # diffusion
+    kind: ObjectiveKind = "clm"  # clm, mlm or diffusion (above)
+    mask_rate: float = 0.15  # mlm: the share of tokens masked
+    time: Literal["input", "depth"] = "input"  # diffusion: what sets a row's mask rate (above)
     num_levels: int = 16  # diffusion: mask-rate levels, from min_mask_rate to max_mask_rate
-    min_mask_rate: float = 0.05
-    max_mask_rate: float = 1.0
+    min_mask_rate: float = 0.05  # diffusion: the lowest level's mask rate
+    max_mask_rate: float = 1.0  # diffusion: the highest level's
     depth_map: Literal["linear", "exponential"] = "linear"  # time = "depth": stack index -> level
 
 
@@ -319,19 +333,19 @@ class ComputeSection(Struct):
 
 
 class Config(Struct):
-    run: RunSection = RunSection()
-    architecture: ArchitectureSection = ArchitectureSection()
-    training: TrainingSection = TrainingSection()
-    optimization: OptimizationSection = OptimizationSection()
-    logging: LoggingSection = LoggingSection()
-    stages: list[Stage] = []
-    data: dict[str, DataSource] = {}
-    growth: list[GrowthStep] = []
-    lora: LoraSection = LoraSection()
-    objective: ObjectiveSection = ObjectiveSection()
-    tokenizer: TokenizerSection = TokenizerSection()
-    pretrained: PretrainedSection = PretrainedSection()
-    compute: ComputeSection = ComputeSection()
+    run: RunSection = RunSection()  # the seed and the run's name
+    architecture: ArchitectureSection = ArchitectureSection()  # the model's shape
+    training: TrainingSection = TrainingSection()  # the batch, validation, evaluations, the fades
+    optimization: OptimizationSection = OptimizationSection()  # the LR schedule, AdamW, clipping, the KL kind
+    logging: LoggingSection = LoggingSection()  # how often the run commits, validates and checkpoints
+    stages: list[Stage] = []  # the curriculum: one [[stages]] record per stage, in order (at least one)
+    data: dict[str, DataSource] = {}  # your datasets, each [data.NAME] (docs/data.md)
+    growth: list[GrowthStep] = []  # stacks joining the model, one [[growth]] each, in order (docs/growth.md)
+    lora: LoraSection = LoraSection()  # LoRA adapters' ranks and targets (docs/growth.md)
+    objective: ObjectiveSection = ObjectiveSection()  # what the model learns to predict
+    tokenizer: TokenizerSection = TokenizerSection()  # (docs/data.md)
+    pretrained: PretrainedSection = PretrainedSection()  # (docs/data.md, docs/export.md)
+    compute: ComputeSection = ComputeSection()  # the device and precision (docs/distributed.md)
 
     @property
     def num_stages(self) -> int:
