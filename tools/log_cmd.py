@@ -1,15 +1,25 @@
-"""`rewind log RUN`: the events of a run, readable or as JSON, filtered, optionally following a live run."""
+"""`rewind log RUN`: the events of a run, readable or as JSON, filtered, optionally following a live run.
+
+The readable view shows a step of a dpo or grpo stage with the setting that ties it to the reference
+(`dpo.beta=`, `grpo.kl_beta=`: rewind.tools.kl_terms) where the record's token-level `beta` is the 0 the
+rules force there, and leaves out a dpo step's `kl`, always 0 (its loss is its tie to the reference). The
+stage's setting is that of the config the record was written under (RunStarted's, or the ConfigChanged of
+a fork in place before it). `--json` gives the records as they are.
+"""
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import time
 from collections.abc import Iterable
 
-from rewind.states.events import EVENT_TYPES, Event, event_to_dict
+from rewind.states.config import Config
+from rewind.states.events import EVENT_TYPES, ConfigChanged, Event, RunStarted, StepCommitted, event_to_dict
 from rewind.tools.errors import UsageError
+from rewind.tools.kl_terms import kl_term
 
 FOLLOW_POLL_S = 0.2  # how often --follow looks for new records once caught up
 # How long --follow waits, with no writer holding the log, for a record before it decides the run
@@ -68,7 +78,34 @@ def record_dict(seq: int, event: Event) -> dict:
     return {"type": data.pop("type"), "seq": seq, **data}
 
 
-def describe(seq: int, event: Event) -> str:
+class ConfigsInForce:
+    """The config each record was written under, from the (seq, config) of RunStarted and each
+    ConfigChanged; more are added as a followed log brings them."""
+
+    def __init__(self, changes: Iterable[tuple[int, Config]] = ()):
+        self.seqs: list[int] = []
+        self.configs: list[Config] = []
+        for seq, config in sorted(changes, key=lambda change: change[0]):
+            self.add(seq, config)
+
+    def add(self, seq: int, config: Config) -> None:
+        if self.seqs and seq <= self.seqs[-1]:
+            return  # (a followed log's records come in seq order; one seen already)
+        self.seqs.append(seq)
+        self.configs.append(config)
+
+    def note(self, seq: int, event: Event) -> None:
+        if isinstance(event, RunStarted | ConfigChanged):
+            self.add(seq, event.config)
+
+    def at(self, seq: int) -> Config | None:
+        index = bisect.bisect_right(self.seqs, seq) - 1
+        return self.configs[index] if index >= 0 else None
+
+
+def describe(seq: int, event: Event, config: Config | None = None) -> str:
+    """The record as one line. `config`: the one it was written under, to say a dpo or grpo step's own
+    tie to the reference (see the module's docstring); without it, the record's fields as they are."""
     data = event_to_dict(event)
     name = data.pop("type")
     step, tokens = data.pop("step"), data.pop("tokens")
@@ -90,10 +127,29 @@ def describe(seq: int, event: Event) -> str:
         data.pop("config")
     if name == "StepCommitted" and not data.get("metrics"):
         data.pop("metrics", None)  # a pretraining step has none (a post-training one shows its own)
+    if name == "StepCommitted" and config is not None and 0 <= data["stage"] < len(config.stages):
+        data = _with_own_kl(data, config.stages[data["stage"]])
     if name == "Evaluated" and not data.get("posttraining"):
         data.pop("posttraining", None)  # only a post-training run measures them
     fields = " ".join(f"{k}={_short(v)}" for k, v in data.items())
     return f"{seq:>7} {step:>8} {tokens:>12,}  {name:<20} {fields}"
+
+
+def _with_own_kl(data: dict, stage) -> dict:
+    """A dpo or grpo step's fields with its stage's own KL setting where the token-level beta stands (0 by
+    rule; a beta that is not 0 stays, beside it), and without a dpo step's `kl` (0: none is computed)."""
+    term = kl_term(stage)
+    if term.setting == "beta":
+        return data
+    shown = {}
+    for key, value in data.items():
+        if key == "beta":
+            if value != 0:
+                shown[key] = value
+            shown[term.setting] = term.value
+        elif not (key == "kl" and term.setting == "dpo.beta" and value == 0):
+            shown[key] = value
+    return shown
 
 
 def _short(value) -> str:
@@ -113,32 +169,45 @@ def run(args: argparse.Namespace) -> int:
     low, high = parse_steps(args.steps)
     if args.follow and args.json:
         raise UsageError("--follow prints one JSON object per line; use it without --json, or --json without it")
-    selected, next_seq = _read_selected(args.run_dir, types, low, high, effective=args.effective)
+    selected, next_seq, configs = _read_selected(
+        args.run_dir, types, low, high, effective=args.effective, configs=not args.json
+    )
     if args.json:
         print(json.dumps([record_dict(s, e) for s, e in selected], indent=1, default=str))
         return 0
     print(f"{'seq':>7} {'step':>8} {'tokens':>12}  {'type':<20} fields")
     for seq, event in selected:
-        print(describe(seq, event))
+        print(describe(seq, event, configs.at(seq)))
     if args.follow:
-        return _follow(args.run_dir, next_seq, types, low, high)
+        return _follow(args.run_dir, next_seq, types, low, high, configs)
     return 0
 
 
 def _read_selected(
-    run_dir: str, types: set[str], low: int, high: float, *, effective: bool
-) -> tuple[list, int]:
-    """The selected (seq, event) pairs, and the seq after the last record. Reads only the segments
-    whose step range meets [low, high], besides the first record: the cost is what is printed, not
-    the size of the log. Errors are `open_log`'s (no log: exit 2; empty, damaged, no RunStarted: 1)."""
+    run_dir: str, types: set[str], low: int, high: float, *, effective: bool, configs: bool = False
+) -> tuple[list, int, ConfigsInForce]:
+    """The selected (seq, event) pairs, the seq after the last record, and (with `configs`, where a step
+    is selected) the configs in force. Reads only the segments whose step range meets [low, high],
+    besides the first record and the one after each resume before the last selected (where a fork in
+    place puts its ConfigChanged): the cost is what is printed, not the size of the log. Errors are
+    `open_log`'s (no log: exit 2; empty, damaged, no RunStarted: 1)."""
     from rewind.tools.runlog import open_log
 
-    with open_log(run_dir) as (log, _):
+    with open_log(run_dir) as (log, started):
         records = log.records_in_steps(low, high, effective=effective)
-        return _select(((r.seq, r.event) for r in records), types, low, high), log.next_seq
+        selected = _select(((r.seq, r.event) for r in records), types, low, high)
+        found = ConfigsInForce([(0, started.config)])
+        steps = [seq for seq, event in selected if isinstance(event, StepCommitted)]
+        if configs and steps:
+            for mark in (m for summary in log.segment_summaries() for m in summary.resumes):
+                if mark.seq + 1 < steps[-1]:
+                    after = next(log.records(mark.seq + 1, mark.seq + 2), None)
+                    if after is not None:
+                        found.note(after.seq, after.event)
+        return selected, log.next_seq, found
 
 
-def _follow(run_dir: str, start_seq: int, types: set[str], low: int, high: float) -> int:
+def _follow(run_dir: str, start_seq: int, types: set[str], low: int, high: float, configs: ConfigsInForce) -> int:
     """Print events as the writer commits them, until the run ends (Ctrl-C ends it too). The run has
     ended when the log's last record is RunFinished or RunStopped, or when no writer holds the log
     (its lock released, or its holder dead) and no record has arrived for FOLLOW_QUIET_S: a writer
@@ -157,8 +226,9 @@ def _follow(run_dir: str, start_seq: int, types: set[str], low: int, high: float
     with EventLog.open(run_dir) as log:
         for record in log.follow(poll_s=FOLLOW_POLL_S, stop=ended, start_seq=max(start_seq - 1, 0)):
             quiet_since = time.monotonic()
+            configs.note(record.seq, record.event)
             if record.seq >= start_seq and _select([(record.seq, record.event)], types, low, high):
-                print(describe(record.seq, record.event), flush=True)
+                print(describe(record.seq, record.event, configs.at(record.seq)), flush=True)
             if isinstance(record.event, RunFinished | RunStopped):
                 return 0
     return 0

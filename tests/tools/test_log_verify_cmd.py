@@ -25,6 +25,7 @@ from tests.engine.test_loop import (
     run_cli,
     train_args,
 )
+from tests.tools.small_posttrain import train_small_posttrain
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,46 @@ def test_log_type_takes_a_comma_separated_list(resumed):
     for bad in ("StepCommitted,", ",", "StepCommitted,,RunResumed"):
         code, out, err = run_cli("log", resumed, "--type", bad)
         assert code == 2 and not out and "an empty event type" in one_line(err), bad
+
+
+@pytest.fixture(scope="module")
+def forked_posttrain(tmp_path_factory) -> Path:
+    """The small post-training example stopped in its grpo stage (steps 9..14) after step 11, then forked in
+    place from there with grpo.kl_beta 0.05 instead of 0.02."""
+    run = tmp_path_factory.mktemp("posttrain") / "run"
+    train_small_posttrain(run, "--max-steps", "11")
+    return train_small_posttrain(run, "--fork", "--set", "stages[3].grpo.kl_beta=0.05")
+
+
+def step_lines(run: Path, *args: str) -> dict[int, str]:
+    code, out, err = run_cli("log", run, "--type", "StepCommitted", *args)
+    assert code == 0, err
+    return {int(line.split()[1]): line for line in out.splitlines()[1:]}
+
+
+def test_log_shows_a_dpo_or_grpo_step_with_its_own_tie_to_the_reference(forked_posttrain):
+    """Not `beta=0` (the token-level beta such a stage must have): dpo.beta, and grpo.kl_beta as the
+    config in force when the step was written says (a fork in place changed it after step 11), also when
+    --steps starts after the fork's ConfigChanged."""
+    lines = step_lines(forked_posttrain)
+    assert sorted(lines) == list(range(1, 15))
+    stages = {step: int(line.split("stage=")[1].split()[0]) for step, line in lines.items()}
+    assert [stages[k] for k in range(1, 15)] == [0] * 2 + [1] * 4 + [2] * 2 + [3] * 6
+    for step, line in lines.items():
+        fields = line.split()[4:]
+        if stages[step] < 2:  # pretrain and sft: the token-level KL, as recorded
+            assert fields[2] == "beta=0" and "kl=0" in fields
+        elif stages[step] == 2:  # dpo: no KL penalty is computed; its loss is its tie to the reference
+            assert fields[2] == "dpo.beta=0.1" and not any(f.startswith(("beta=", "kl=")) for f in fields)
+        else:
+            weight = "0.02" if step <= 11 else "0.05"
+            assert fields[2] == f"grpo.kl_beta={weight}" and any(f.startswith("kl=") for f in fields), line
+            assert not any(f.startswith("beta=") for f in fields)
+    assert step_lines(forked_posttrain, "--steps", "12:14") == {k: lines[k] for k in (12, 13, 14)}
+    assert step_lines(forked_posttrain, "--steps", "10:11") == {k: lines[k] for k in (10, 11)}
+    # --json is the record itself: the token-level beta (0) and kl as the step wrote them.
+    steps = log_json(forked_posttrain, "--type", "StepCommitted", "--steps", "7:7")
+    assert [(d["beta"], d["kl"]) for d in steps] == [(0.0, 0.0)]
 
 
 def test_log_unknown_type_is_a_usage_error(resumed):
