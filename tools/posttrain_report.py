@@ -7,11 +7,13 @@ the stage's training loss at its end (the loss its strategy optimises: `rewind t
 end", a mean over the last tenth of its steps, 1 to 100), pass@1, pass@G and the mean sampled reward, the win rate against the stage's
 reference, and after a dpo stage its implicit-reward accuracy and margin on held-out pairs. "-" where a
 figure does not apply (no reference yet, not a dpo stage). Read from the effective records alone, so a
-resumed run prints what a straight run prints.
+resumed run prints what a straight run prints. A run without an evaluation before training (one whose
+config leaves training.evaluations empty) has no "(start)" row, and a last line says why and what to set.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -58,7 +60,22 @@ def posttrain_tables(
             ]  # fmt: skip
             cells = " ".join(f"{'-':>8}" if v is None else f"{v:>8.3f}" for v in values)
             lines.append(f"{label:>12} {stage.strategy if stage else '-':>8} {cells}")
-    return lines
+    return lines + missing_start(evaluations, config, names)
+
+
+def missing_start(evaluations: Sequence[Evaluated], config: Config, names: list[str]) -> list[str]:
+    """The line saying why the tables have no "(start)" row, or [] when they have one. A run evaluates
+    before training only when training.evaluations names datasets (rewind.states.mutators.run_started),
+    while the stage boundaries are evaluated either way (on the datasets the stages train on)."""
+    if any(e.boundary < 0 for e in evaluations):
+        return []
+    if config.training.evaluations:
+        return ['no "(start)" row: this run was started without an evaluation before training']
+    evaluated = list(dict.fromkeys(n for e in evaluations for n in e.losses)) or names  # as the boundaries
+    return [
+        'no "(start)" row: a run evaluates before training only when its config sets training.evaluations '
+        f"(evaluations = {json.dumps(evaluated)} under [training] gives the row)"
+    ]
 
 
 def end_losses(events: Sequence[Event]) -> dict[int, float]:

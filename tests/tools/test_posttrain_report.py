@@ -9,6 +9,8 @@ import math
 
 from rewind.states.config_reading import loads_config
 from rewind.states.events import Evaluated, StepCommitted
+from rewind.states.plan import Evaluate, decide, started_state
+from rewind.states.schedule import Schedule
 from rewind.tools.posttrain_report import end_losses, posttrain_tables
 from tests.engine.test_dpo import DPO_TEXT
 
@@ -65,3 +67,25 @@ def test_the_train_loss_is_the_mean_of_a_stage_s_last_tenth_of_finite_steps():
     events = [step(n, 0, float(n)) for n in range(1, 21)]  # 20 steps: the last 2
     events += [step(21, 1, 7.0), step(22, 1, math.nan), step(23, 1, 1.0, skipped=True)]
     assert end_losses(events) == {0: 19.5, 1: 7.0}
+
+
+def test_without_an_evaluation_before_training_the_tables_say_why_they_have_no_start_row():
+    """A run evaluates before training only when training.evaluations is set (its boundaries are evaluated
+    either way): the tables then end with why their "(start)" row is missing and the setting that gives
+    it, and that setting does plan the evaluation before training (with the datasets the boundaries had)."""
+    unset = loads_config(DPO_TEXT.replace('evaluations = ["reverse", "sort"]\n', ""))
+    assert not unset.training.evaluations and started_state(unset)[1].baseline_step == -1
+    evaluations = [_evaluated(1, {"sort": {"pass@1": 0.25}}), _evaluated(2, {"sort": {"pass@1": 0.5}})]
+    lines = posttrain_tables(evaluations, unset, {})
+    assert [_cells(line)[0] for line in lines[3:5]] == ["1", "2"] and len(lines) == 6
+    assert lines[-1] == (
+        'no "(start)" row: a run evaluates before training only when its config sets training.evaluations '
+        '(evaluations = ["sort"] under [training] gives the row)'
+    )
+    given = loads_config(DPO_TEXT.replace('evaluations = ["reverse", "sort"]', 'evaluations = ["sort"]'))
+    _, state = started_state(given)
+    assert state.baseline_step == 0 and decide(state, Schedule(given)) == Evaluate(-1)
+    old = posttrain_tables(evaluations, CONFIG, {})  # evaluations set, and no row: a run started without one
+    assert old[-1] == 'no "(start)" row: this run was started without an evaluation before training'
+    with_start = posttrain_tables([_evaluated(-1, {"sort": {"pass@1": 0.0}}), *evaluations], unset, {})
+    assert _cells(with_start[3])[0] == "(start)" and not any(line.startswith("no ") for line in with_start)
