@@ -207,6 +207,7 @@ def test_a_python_block_compiles(block):
          "does not load"),
         ("[optimization]\nlr = -1.0\n", "does not load"),
     ],
+    ids=["multi-line inline table", "unknown key", "bad value"],
 )  # fmt: skip
 def test_a_broken_toml_block_fails_naming_its_file_and_line(snippet, expected):
     block = Block(REPO / "docs" / "x.md", 7, "toml", snippet)
