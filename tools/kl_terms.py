@@ -42,3 +42,28 @@ def kl_term(stage: Stage) -> KlTerm:
 def has_own_kl(stage: Stage) -> bool:
     """Whether the stage's tie to the reference is a setting of its strategy (dpo, grpo), not `beta`."""
     return kl_term(stage).setting != "beta"
+
+
+class RunKl:
+    """The KL terms of a run's stages together, as the timeline's panels draw them."""
+
+    def __init__(self, stages: list[Stage]):
+        self.terms = [kl_term(stage) for stage in stages]
+        self.penalties = [term.penalty for term in self.terms]
+        self.own = [term.setting != "beta" for term in self.terms]  # dpo or grpo: their beta is 0 by rule
+        self.dpo = [term.setting == "dpo.beta" for term in self.terms]
+        self.grpo = [term.setting == "grpo.kl_beta" for term in self.terms]
+
+    @property
+    def has_penalty(self) -> bool:
+        return any(weight > 0 for weight in self.penalties)
+
+    def weight_name(self) -> str:
+        return "KL weight: beta, grpo.kl_beta" if any(self.grpo) else "KL weight beta"
+
+    def no_penalty_text(self) -> str:
+        """For a run without a KL penalty, precisely: which settings are 0, and that a dpo stage's loss
+        ties it to the reference without one."""
+        zero = "every beta and grpo.kl_beta is 0" if any(self.grpo) else "every beta is 0"
+        dpo = "; a dpo stage's loss is its tie to the reference (dpo.beta)" if any(self.dpo) else ""
+        return f"no KL penalty in this run ({zero}){dpo}"

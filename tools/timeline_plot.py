@@ -9,9 +9,11 @@ that scores running text):
     scores running text (its headline figure);
 (b) answer-token accuracy per evaluation task, before training (the baseline) and at each stage end
     (where forgetting shows): points where it was measured, nothing drawn between;
-(c) learning rate (left axis) and KL weight beta (right axis), as trained, then as planned;
-(d) the KL term itself, KL(policy || reference) per target token, and beta x KL, the part it adds
-    to the objective (smoothed as the loss is);
+(c) learning rate (left axis) and the KL penalty's weight (right axis), as trained, then as planned:
+    beta, a grpo stage's grpo.kl_beta (rewind.tools.kl_terms);
+(d) the KL penalty itself, KL(policy || reference) per target token (a grpo stage's estimate of it),
+    and weight x KL, the part it adds to the objective (smoothed as the loss is); a dpo stage has no KL
+    penalty (its loss is its tie to the reference, at dpo.beta) and is left blank there;
 (e) the realised data mixture per dataset (each step's cursor advance / batch) as a stacked area, so
     the split inside a stage (80% task, 20% replay) shows, not only the fades between stages;
 (f) for a run with post-training stages, their steps' own figures: a grpo stage's mean reward and KL
@@ -40,6 +42,7 @@ from rewind.states.events import (
     RunStopped,
     StackAppended,
 )
+from rewind.tools.kl_terms import RunKl
 from rewind.tools.outfile import write_file_atomically
 from rewind.tools.plots import (
     MAX_POINTS,
@@ -168,58 +171,71 @@ def _draw_evaluations(ax, timeline: Timeline, styles: dict) -> None:
     ax.set_ylabel("answer-token accuracy\n(start, stage ends)")
 
 
+class KlWeights(RunKl):
+    """A run's KL terms (rewind.tools.kl_terms) as arrays over its stages, for the panels."""
+
+    def __init__(self, stages):
+        super().__init__(stages)
+        self.penalty, self.is_own = np.array(self.penalties, dtype=np.float64), np.array(self.own, dtype=bool)
+        self.is_dpo, self.is_grpo = np.array(self.dpo, dtype=bool), np.array(self.grpo, dtype=bool)
+
+    def of(self, stages: np.ndarray, recorded: np.ndarray) -> np.ndarray:
+        """Per step (or bucket) of these primary stages: the recorded beta, or the stage's own weight."""
+        stages = np.asarray(stages, dtype=np.int64)
+        return np.where(self.is_own[stages], self.penalty[stages], recorded) if len(stages) else recorded
+
+
 def _draw_lr_beta(ax, timeline: Timeline, steps: StepColumns) -> list:
-    """LR and beta as trained; the planned rest of the run dashed. Returns the twin axis."""
+    """LR and the KL penalty's weight as trained; the planned rest of the run dashed. Returns the twin axis."""
     schedule, state = timeline.schedule, timeline.state
+    weights = KlWeights(timeline.config.stages)
     ax.plot(steps.start, steps.lr, color="black", linewidth=1.3, label="learning rate")
     twin = ax.twinx()
-    if steps.num_steps:  # beta holds for the whole last step: draw it to that step's end
+    if steps.num_steps:  # the weight holds for the whole last step: draw it to that step's end
         x = np.append(steps.start, steps.last_tokens)
         beta = np.append(steps.beta, steps.last_beta)
-        twin.step(x, beta, where="post", color=BETA_COLOUR, linewidth=1.3, label="KL beta")
+        stages = np.append(steps.stage, steps.stage[-1:])  # (the last bucket's stage: the last step's)
+        label, weight = weights.weight_name(), weights.of(stages, beta)
+        twin.step(x, weight, where="post", color=BETA_COLOUR, linewidth=1.3, label=label, gid="kl weight")
     if not state.finished and state.step < schedule.num_steps:
         rest = np.unique(np.linspace(state.step, schedule.num_steps - 1, MAX_POINTS).astype(np.int64))
         x = rest * schedule.tokens_per_step
         planned_lr = [schedule.lr(int(k)) for k in rest]
         ax.plot(x, planned_lr, color="black", **PLANNED, label="planned (not trained yet)")
-        twin.step(x, [schedule.beta(int(k)) for k in rest], where="post", color=BETA_COLOUR, **PLANNED)
+        primary = np.array([schedule.primary(int(k)) for k in rest], dtype=np.int64)
+        planned = weights.of(primary, np.array([schedule.beta(int(k)) for k in rest]))
+        twin.step(x, planned, where="post", color=BETA_COLOUR, **PLANNED)
     ax.set_ylabel("learning rate")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.2g}"))
-    twin.set_ylabel("KL weight beta", color=BETA_COLOUR)
-    twin.set_ylim(bottom=0, top=max(max(schedule.betas), 1e-3) * 1.3)
+    twin.set_ylabel(weights.weight_name().replace(": ", "\n"), color=BETA_COLOUR)
+    top = max(float(weights.penalty.max(initial=0.0)), *schedule.betas, 1e-3)
+    twin.set_ylim(bottom=0, top=top * 1.3)
     twin.tick_params(axis="y", colors=BETA_COLOUR)
     return twin
 
 
 def _draw_kl(ax, timeline: Timeline, steps: StepColumns) -> None:
     ax.set_ylabel("KL to reference\nper token")
-    if not any(b > 0 for b in timeline.schedule.betas):
-        ax.text(
-            0.5,
-            0.5,
-            "no KL term in this run (every beta is 0)",
-            transform=ax.transAxes,
-            ha="center",
-            color="0.4",
-        )
+    weights = KlWeights(timeline.config.stages)
+    if not weights.has_penalty:
+        ax.text(0.5, 0.5, weights.no_penalty_text(), transform=ax.transAxes, ha="center", color="0.4")
         return
     x = steps.tokens
+    # A dpo step computes no KL (its record says 0): blank there, not a KL of 0.
+    kl = np.where(weights.is_dpo[steps.stage], np.nan, steps.kl) if steps.num_steps else steps.kl
+    weighted = kl * weights.of(steps.stage, steps.beta)
+    estimate = "; grpo: its estimate" if (weights.is_grpo & (weights.penalty > 0)).any() else ""
     for i, (_, a, b) in enumerate(runs_of(steps.segment)):  # smoothed within a segment, as the loss is
-        ax.plot(
-            x[a:b],
-            steps.kl[a:b],
-            color=BETA_COLOUR,
-            linewidth=1.5,
-            label="KL(policy || reference)" if i == 0 else None,
-        )
-        ax.plot(
-            x[a:b],
-            steps.kl[a:b] * steps.beta[a:b],
-            color=BETA_COLOUR,
-            linewidth=1.0,
-            linestyle=":",
-            label="beta x KL (in the objective)" if i == 0 else None,
-        )
+        first = i == 0
+        label = f"KL(policy || reference){estimate}" if first else None
+        ax.plot(x[a:b], kl[a:b], color=BETA_COLOUR, linewidth=1.5, gid="kl", label=label)
+        label = "weight x KL (in the objective)" if first else None
+        ax.plot(x[a:b], weighted[a:b], color=BETA_COLOUR, linewidth=1.0, linestyle=":", gid="weighted kl", label=label)
+    if weights.is_dpo.any():
+        ax.text(
+            0.01, 0.9, "dpo stages: no KL penalty (the loss is the tie to the reference, dpo.beta)",
+            transform=ax.transAxes, fontsize=7, color="0.4", va="top",
+        )  # fmt: skip
     ax.set_ylim(bottom=0)
 
 

@@ -22,14 +22,17 @@ from rewind.tools.timeline_scan import Timeline
 from tests.engine.test_loop import EXAMPLES
 
 PROGRESSIVE, TEXT = EXAMPLES / "progressive.toml", EXAMPLES / "text.toml"
+POSTTRAIN, TINY = EXAMPLES / "posttrain.toml", EXAMPLES / "tiny.toml"
 
 
-def written_timeline(config_path, loss_of, evaluation_of, metrics_of=lambda k: {}) -> Timeline:
-    """A finished run of an example as its log reads: the planned control events (stage entries,
-    growths, refreshes, fades) where they fall, step k's loss `loss_of(k, stage)` (and metrics
-    `metrics_of(k)`), and before training and at each stage's end an Evaluated whose fields are
-    `evaluation_of(boundary)`."""
-    config = load_config(str(config_path), [])
+def written_timeline(
+    config_path, loss_of, evaluation_of, metrics_of=lambda k: {}, kl_of=lambda k, stage: 0.0, overrides=()
+) -> Timeline:
+    """A finished run of an example (with `overrides`, as `--set` takes them) as its log reads: the
+    planned control events (stage entries, growths, refreshes, fades) where they fall, step k's loss
+    `loss_of(k, stage)` and KL `kl_of(k, stage)` (and metrics `metrics_of(k)`), and before training and
+    at each stage's end an Evaluated whose fields are `evaluation_of(boundary)`."""
+    config = load_config(str(config_path), list(overrides))
     schedule = Schedule(config)
     tps = schedule.tokens_per_step
     started = RunStarted(step=0, tokens=0, config=config, config_hash="h")
@@ -49,7 +52,7 @@ def written_timeline(config_path, loss_of, evaluation_of, metrics_of=lambda k: {
             records.append(
                 StepCommitted(
                     step=k + 1, tokens=(k + 1) * tps, stage=p.stage, lr=p.lr, beta=p.beta, loss=loss,
-                    metrics=metrics_of(k),
+                    kl=kl_of(k, p.stage), metrics=metrics_of(k),
                 )
             )
     timeline = Timeline("written", with_plot=True)
@@ -155,3 +158,56 @@ def test_post_training_steps_get_a_panel_of_their_own_figures(figures):
     tps = timeline.schedule.tokens_per_step
     reward = lines["grpo: mean reward"]
     assert list(reward.get_xdata())[:2] == [51 * tps, 52 * tps] and list(reward.get_ydata())[:2] == [0.5, 0.51]
+
+
+def test_the_kl_panels_draw_a_grpo_stages_kl_penalty_and_leave_a_dpo_stage_blank(figures):
+    """examples/posttrain.toml: every beta is 0 (the rule for dpo and grpo stages), but its grpo stage has
+    a KL penalty, grpo.kl_beta 0.02 x its estimate: panel (c) draws that weight, panel (d) the KL and 0.02
+    x KL over the grpo steps, and nothing over the dpo steps (which compute no KL) -- not "no KL term"."""
+    timeline = written_timeline(POSTTRAIN, lambda k, stage: 1.0, no_text, kl_of=lambda k, stage: 0.25 * stage)
+    schedule, tps = timeline.schedule, timeline.schedule.tokens_per_step
+    assert all(beta == 0 for beta in schedule.betas)
+    fig = figures(timeline)
+    kl = panels(fig)["kl"]
+    assert [t.get_text() for t in kl.texts] == [
+        "dpo stages: no KL penalty (the loss is the tie to the reference, dpo.beta)"
+    ]  # and not "no KL term in this run"
+    labels = {line.get_gid(): line.get_label() for line in kl.get_lines() if not line.get_label().startswith("_")}
+    assert labels == {"kl": "KL(policy || reference); grpo: its estimate", "weighted kl": "weight x KL (in the objective)"}
+    points: dict = {}  # step index -> value, of each curve
+    for line in kl.get_lines():
+        for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True):
+            points.setdefault(line.get_gid(), {})[int(x) // tps - 1] = y
+    solid, dotted = points["kl"], points["weighted kl"]
+    assert sorted(solid) == sorted(dotted) == list(range(schedule.num_steps))  # every step once
+    dpo, grpo = range(schedule.entry_steps[2], schedule.entry_steps[3]), range(schedule.entry_steps[3], schedule.num_steps)
+    assert all(np.isnan(solid[k]) and np.isnan(dotted[k]) for k in dpo)  # blank, not a KL of 0
+    assert all(solid[k] == pytest.approx(0.75) and dotted[k] == pytest.approx(0.02 * 0.75) for k in grpo)
+    assert all(dotted[k] == 0 for k in range(schedule.entry_steps[2]))  # pretrain and sft: beta 0
+    # Panel (c): the weight of the penalty, grpo.kl_beta in the grpo stage, on the axis beside the LR.
+    (twin,) = [ax for ax in fig.axes if "KL weight" in ax.get_ylabel()]
+    assert twin.get_ylabel() == "KL weight\nbeta, grpo.kl_beta"
+    (weight,) = [line for line in twin.get_lines() if line.get_gid() == "kl weight"]
+    x, y = np.asarray(weight.get_xdata()), np.asarray(weight.get_ydata())
+    step_of = x.astype(np.int64) // tps
+    assert set(y[step_of >= grpo.start]) == {0.02} and set(y[step_of < grpo.start]) == {0.0}
+    assert twin.get_ylim()[1] >= 0.02
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "said"),
+    [
+        (TINY, ["stages[1].beta=0", "stages[2].beta=0"], "no KL penalty in this run (every beta is 0)"),
+        (
+            POSTTRAIN,
+            ["stages[3].grpo.kl_beta=0"],
+            "no KL penalty in this run (every beta and grpo.kl_beta is 0); a dpo stage's loss is its tie to the "
+            "reference (dpo.beta)",
+        ),
+    ],
+)
+def test_a_run_without_a_kl_penalty_says_precisely_why(figures, config, overrides, said):
+    timeline = written_timeline(config, lambda k, stage: 1.0, no_text, overrides=overrides)
+    kl = panels(figures(timeline))["kl"]
+    assert [t.get_text() for t in kl.texts] == [said]
+    assert not [line for line in kl.get_lines() if line.get_gid() in ("kl", "weighted kl")]
