@@ -88,22 +88,36 @@ def run_resume(args: argparse.Namespace) -> int:
 
 class ProgressBar:
     """step / stage / loss / tokens per second, on stderr; between steps, what the run is doing when it
-    may take a while (a checkpoint, an evaluation, a growth), so the bar is never frozen without a word."""
+    may take a while (a checkpoint, an evaluation, a growth), so the bar is never frozen without a word.
 
-    def __init__(self, total: int, initial: int, enabled: bool, epochs: dict[str, int] | None = None):
+    A dataset read to its end is said, with or without the bar: the first time in a stage at once, and the
+    epochs it begins after that in the same stage once, when the stage ends (or this process stops), so a
+    small dataset read over and over says so twice a stage, not once an epoch."""
+
+    def __init__(
+        self, total: int, initial: int, enabled: bool, epochs: dict[str, int] | None = None, rows=None
+    ):
         self.bar = None
         self.started = time.perf_counter()
         self.initial = initial
         self.epochs = dict(epochs or {})  # the epoch each dataset is in, to say when one begins
+        self.rows = rows or (lambda name: None)  # a dataset's train rows (None: not known), for the words
+        self.stage: int | None = None
+        self.said: set[str] = set()  # datasets whose end was said in this stage
+        self.later: dict[str, tuple[int, int, int]] = {}  # dataset: (first, last) epoch begun since, last's step
         if enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def __call__(self, state) -> None:
+        if state.stage != self.stage:
+            self._say_later()
+            self.stage = state.stage
         for name, epoch in sorted(state.epochs.items()):
-            if self.epochs.get(name, 0) != epoch:  # never silent, with or without the bar
-                self._say(f"dataset {name!r}: all its train rows read; epoch {epoch} begins at step {state.step}")
+            before = self.epochs.get(name, 0)
+            if before != epoch:  # (a fork onto a larger file counts its epochs afresh: down to 1)
+                self._began(name, before + 1 if epoch > before else epoch, epoch, state.step)
         self.epochs = dict(state.epochs)
         if self.bar is None:
             return
@@ -112,6 +126,31 @@ class ProgressBar:
         self.bar.set_postfix_str(f"stage {state.stage} loss {state.last_loss:.3f} {rate:,.0f} tok/s", refresh=False)
         self.bar.set_description_str("", refresh=False)
         self.bar.update(1)
+
+    def _began(self, name: str, first: int, last: int, step: int) -> None:
+        """Epochs first..last of dataset `name` begin with step `step`: said now if they are its first in
+        the stage, else counted for the stage's end."""
+        if name in self.said:
+            earlier = self.later.get(name)
+            self.later[name] = (earlier[0] if earlier else first, last, step)
+            return
+        self.said.add(name)
+        rows = self.rows(name)
+        read = f"all its {rows:,} train rows" if rows else "all its train rows"
+        begins = f"epoch {last} begins" if first == last else f"epochs {first}-{last} begin"
+        self._say(
+            f"dataset {name!r}: {read} read; {begins} at step {step} (any more in stage {self.stage} are "
+            "said once, at its end)"
+        )
+
+    def _say_later(self) -> None:
+        """The epochs begun in the stage after the first said, one line a dataset."""
+        for name, (first, last, step) in sorted(self.later.items()):
+            began = f"epoch {last} began" if first == last else f"epochs {first}-{last} began"
+            at = "at step" if first == last else "the last at step"
+            self._say(f"dataset {name!r}: {began} too in stage {self.stage}, {at} {step}")
+        self.said.clear()
+        self.later.clear()
 
     def pause(self, what: str) -> None:
         """Say what the run does before the next step (the bar keeps the words until that step)."""
@@ -125,6 +164,7 @@ class ProgressBar:
             print(f"rewind: {line}", file=sys.stderr)
 
     def close(self) -> None:
+        self._say_later()  # the stage this process ends in
         if self.bar is not None:
             self.bar.close()
 
@@ -198,7 +238,9 @@ def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progres
     try:
         if speaks:
             _write_schedule_plot(run.parts, run_dir)
-        bar = ProgressBar(run.parts.schedule.num_steps, state.step, progress, state.epochs)
+        bar = ProgressBar(
+            run.parts.schedule.num_steps, state.step, progress, state.epochs, rows=lambda name: _train_rows(run, name)
+        )
         try:
             outcome = drive(run, state, max_steps=max_steps, progress=bar, pausing=bar.pause)
         finally:
@@ -217,6 +259,14 @@ def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progres
         print(f"rewind: warning: {outcome.message}", file=sys.stderr)
     print(summary(run_dir))
     return 0
+
+
+def _train_rows(run, name: str) -> int | None:
+    """How many train rows dataset `name` of the run has (None if it cannot say: the words go without)."""
+    try:
+        return run.parts.datasets[name].num_samples("train")
+    except Exception:  # a count for a message: never a reason to stop a run
+        return None
 
 
 def local_directory(run_dir: str) -> str | None:

@@ -176,9 +176,11 @@ def test_epochs_are_on_record_with_the_step_that_begins_them_and_said(straight):
         )  # that step read the first row
     assert fold(events).epochs == {"corpus": 2}
     said = [line for line in err.splitlines() if "epoch" in line]
+    first, second = (e for _, e in epochs)  # both in the run's one stage: the second is said at its end
     assert said == [
-        f"rewind: dataset 'corpus': all its train rows read; epoch {e.epoch} begins at step {e.step + 1}"
-        for _, e in epochs
+        f"rewind: dataset 'corpus': all its {NUM_TRAIN_ROWS} train rows read; epoch 1 begins at step {first.step + 1} "
+        "(any more in stage 0 are said once, at its end)",
+        f"rewind: dataset 'corpus': epoch 2 began too in stage 0, at step {second.step + 1}",
     ]
 
 

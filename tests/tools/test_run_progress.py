@@ -5,13 +5,14 @@ and a schedule plot that fails after RunStarted does not stop the run."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 from rewind.engine.loop import pause_note
-from rewind.states.events import StackAppended, StageEntered
+from rewind.states.events import EpochStarted, StackAppended, StageEntered
 from rewind.states.fold import fold
 from rewind.states.plan import (
     CacheTrunk,
@@ -96,3 +97,67 @@ def test_a_schedule_plot_that_fails_does_not_stop_the_run(tmp_path, monkeypatch)
     assert "run finished" in out
     assert f"rewind: warning: {run / 'plots' / 'schedule.png'} not written (TypeError: ufunc" in err
     assert fold(events_of(run)).finished
+
+
+WORDS = ("abc", "hello", "xyzzy", "plugh", "frob", "quux", "wand", "mox", "orb", "elk")
+SFT_ROWS = [{"q": f"rev {w}=", "a": w[::-1]} for w in WORDS]
+# Two sft stages on the 10 rows above (8 train, 2 held out), 8 rows a step: 8 steps, then 4. Every step
+# reads the train split whole, so an epoch begins at nearly every step: 11 in all.
+SMALL_SFT = """
+[run]
+seed = 1
+
+[architecture]
+block_size = 32
+num_layers = 1
+num_heads = 2
+d_model = 16
+
+[training]
+batch_size = 8
+
+[optimization]
+schedule = "constant"
+
+[logging]
+report_interval = 1000
+
+[[stages]]
+strategy = "sft"
+tokens = 2_048
+datasets = [{{ name = "qa" }}]
+
+[[stages]]
+strategy = "sft"
+tokens = 1_024
+datasets = [{{ name = "qa" }}]
+
+[data.qa]
+kind = "jsonl"
+path = "{rows}"
+prompt_field = "q"
+response_field = "a"
+validation_fraction = 0.2
+"""
+
+
+def test_a_small_dataset_read_over_and_over_says_so_twice_a_stage_not_once_an_epoch(tmp_path):
+    """Its first epoch of a stage at once, and the rest of that stage's together when the stage (or the
+    run) ends: what a 200-row sft dataset said 33 times in one stage."""
+    rows = tmp_path / "qa.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in SFT_ROWS))
+    config = tmp_path / "sft.toml"
+    config.write_text(SMALL_SFT.format(rows=rows))
+    code, _, err = run_cli("train", config, "--run-dir", tmp_path / "run", "--no-progress")
+    assert code == 0, err
+    began = [(e.epoch, e.step + 1) for e in events_of(tmp_path / "run") if isinstance(e, EpochStarted)]
+    assert began == [(epoch, epoch + 1) for epoch in range(1, 12)]  # step N + 1 begins epoch N
+    said = [line for line in err.splitlines() if "epoch" in line]
+    assert said == [
+        "rewind: dataset 'qa': all its 8 train rows read; epoch 1 begins at step 2 (any more in stage 0 are "
+        "said once, at its end)",
+        "rewind: dataset 'qa': epochs 2-7 began too in stage 0, the last at step 8",
+        "rewind: dataset 'qa': all its 8 train rows read; epoch 8 begins at step 9 (any more in stage 1 are "
+        "said once, at its end)",
+        "rewind: dataset 'qa': epochs 9-11 began too in stage 1, the last at step 12",
+    ]
