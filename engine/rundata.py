@@ -36,6 +36,7 @@ from rewind.engine.tokenizer import (
     read_tokenizer_bytes,
     train_bpe,
 )
+from rewind.engine.tokenizer_clash import tokenizers_differ
 from rewind.engine.userdata import DataHome, dataset_identity
 from rewind.states.check_data import TEXT_KINDS
 from rewind.states.config import Config
@@ -176,21 +177,22 @@ def _choose_tokenizer(config: Config, home: DataHome) -> TextTokenizer:
         return train_bpe((doc for docs in documents for doc in docs), section.train_vocab_size)
     # No tokenizer named: the one of the prepared directories the config reads, when they agree.
     adopted: dict[str, str] = {}
-    for source in config.data.values():
+    prepared: dict[str, str] = {}  # the datasets that come with a tokenizer: name -> directory
+    for name, source in config.data.items():
         path = home.resolve(source.path)
         if source.kind == "tokens" and is_prepared(path):
             manifest = read_manifest(path)
             if manifest.tokenizer:
                 adopted[manifest.tokenizer] = filesystem(path).join(TOKENIZER_FILE).url
+                prepared[name] = path
+    weights = None
     if config.pretrained.path:  # the weights' own tokenizer, when they come with it
         found = pretrained_tokenizer(home.resolve(config.pretrained.path))
         if found is not None and found[1] is not None:
             adopted[found[0]] = found[1]
+            weights = (found[0], found[1])
     if len(adopted) > 1:
-        raise TokenizerError(
-            "the prepared datasets (or pretrained weights) come with different tokenizers; name the run's with "
-            "[tokenizer] path"
-        )
+        raise TokenizerError(tokenizers_differ(prepared, weights))
     return load_tokenizer(next(iter(adopted.values()))) if adopted else ByteTokenizer()
 
 

@@ -33,6 +33,7 @@ import numpy as np
 from rewind.engine.datasets import DatasetError, PairDataset, WindowedDataset, pack_pairs
 from rewind.engine.documents import DocumentError, expand_inputs, iter_pairs
 from rewind.engine.tokenizer import ByteTokenizer, TextTokenizer
+from rewind.engine.tokenizer_clash import tokenised_by_another
 from rewind.engine.tokens import RowSplit, TokenFileError, TokenStream, open_stream
 from rewind.states.check_data import STDLIB_PLACEHOLDER
 from rewind.states.config import DataSource
@@ -170,12 +171,7 @@ def _open(name: str, source: DataSource, block_size: int, vocab_size: int, home:
 def _open_prepared(name, directory, block_size, vocab_size, home: DataHome, source: DataSource) -> WindowedDataset:
     manifest = read_manifest(directory)
     if manifest.tokenizer != home.tokenizer.identity:
-        made_by = manifest.tokenizer[:12] or "UTF-8 bytes"
-        run_has = home.tokenizer.identity[:12] or "UTF-8 bytes"
-        raise DatasetError(
-            f"dataset {name!r}: {directory} was tokenised by {made_by}, the run's tokenizer is {run_has} "
-            "(set [tokenizer] path to the tokenizer.json in that directory)"
-        )
+        raise DatasetError(tokenised_by_another(name, directory, manifest, home.tokenizer))
     location = filesystem(directory)
     streams = {
         split: home.open_stream(name, location.join(f.file).url, manifest.dtype) for split, f in manifest.splits.items()
