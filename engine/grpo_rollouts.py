@@ -28,7 +28,7 @@ from rewind.engine.layout import evaluating
 from rewind.engine.parts import Parts
 from rewind.engine.placement import placement_for
 from rewind.engine.ranks import gathered_rows, is_writer
-from rewind.engine.rewards import reward_identities, score
+from rewind.engine.rewards import reward_identities, score_groups
 from rewind.engine.rolloutreader import off_rows, training_rows
 from rewind.engine.row_batches import prompt_tokens
 from rewind.states.config import Config
@@ -55,13 +55,11 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
         temperature=settings.temperature, seed=config.run.seed, stage=stage_index, step=state.step,
         prompt_ids=[f"{name}:{row}" for name, row in zip(names, rows, strict=True)], eos_id=examples.end_id,
     )  # fmt: skip
-    tokenizer, functions = parts.datasets.home.tokenizer, [r.function for r in settings.rewards]
+    home, functions = parts.datasets.home, [r.function for r in settings.rewards]
     answers = [examples.answer(name, row) for name, row in zip(names, prompt_rows, strict=True)]
     ids = [[t for t in c.tokens if t != examples.end_id] for c in completions]
-    scores = score(
-        functions, [prompt_rows[n // group].text for n in range(len(ids))], [tokenizer.decode(c) for c in ids], ids,
-        {"answer": [answers[n // group] for n in range(len(ids))]},
-    )  # fmt: skip
+    texts = [row.text for row in prompt_rows]
+    scores = score_groups(functions, texts, answers, ids, home.tokenizer.decode, home.base_dir)
     rewards = weighted_rewards(scores, [r.weight for r in settings.rewards])
     advantages = group_advantages(rewards.view(-1, group), scale_rewards=settings.scale_rewards).reshape(-1)
     width = settings.max_new_tokens
@@ -101,7 +99,8 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
     return RolloutsRecorded(
         step=state.step, tokens=state.tokens, stage=stage_index, path=path, sha256=sha256,
         num_prompts=len(prompts), group_size=group, cursors=cursors, mean_reward=float(rewards.nan_to_num().mean()),
-        reward_code=reward_identities(functions), settings=rollout_settings(config, stage_index),
+        reward_code=reward_identities(functions, home.base_dir),
+        settings=rollout_settings(config, stage_index),
     )  # fmt: skip
 
 

@@ -25,7 +25,7 @@ from rewind.engine.placement import place
 from rewind.engine.pretrained import Pretrained, PretrainedError, apply_pretrained, load_pretrained
 from rewind.engine.reference import reference_at
 from rewind.engine.registry import DatasetRegistry
-from rewind.engine.rewards import reward_identities
+from rewind.engine.rewards import try_rewards
 from rewind.engine.rolloutreader import RolloutReader
 from rewind.engine.step import apply_hyperparameters, build_optimizer
 from rewind.engine.tensors import load_optimizer_tensors
@@ -111,8 +111,8 @@ def assembled(
 
 
 def open_datasets(config: Config, home: DataHome) -> DatasetRegistry:
-    """Open every dataset the config names now, so a bad one fails before any log is touched (and import
-    the grpo stages' reward functions: RewardError)."""
+    """Open every dataset the config names now, so a bad one fails before any log is touched (and try the
+    grpo stages' reward functions on their rows: RewardError)."""
     try:
         datasets = DatasetRegistry(config, home)
         for stage in config.stages:
@@ -124,8 +124,8 @@ def open_datasets(config: Config, home: DataHome) -> DatasetRegistry:
                     datasets.examples.preferences(sampling.name)
                 elif stage.strategy == "grpo":
                     datasets.examples.prompts(sampling.name)
-            if stage.strategy == "grpo":  # and its reward functions import, before anything is recorded
-                reward_identities([r.function for r in stage.grpo_settings.rewards])
+            if stage.strategy == "grpo":  # its reward functions import and score, before anything is recorded
+                try_rewards(stage, datasets.examples, home.base_dir)
         for name in config.training.evaluations:
             datasets[name]
     except DatasetError as exc:

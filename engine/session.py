@@ -98,9 +98,11 @@ def open_run(
     metrics: bool = True,
     threads: int = 0,
     note: Callable[[str], None] = lambda line: None,
+    base_dir: str | None = None,
 ) -> tuple[Run, State, str]:
     """Returns (run, state, how) with how in {"started", "resumed", "finished"}. The log stays open
-    (and locked) in run.journal; the caller closes it.
+    (and locked) in run.journal; the caller closes it. `base_dir`: the config file's directory, where
+    reward modules are looked for first (DataHome.base_dir; None: the working directory alone).
 
     CPU threads: a new run computes with this process's count, a resume with the run's; `threads` > 0
     (the user's --threads) with that many instead. Either is recorded (RunStarted / RunResumed), and
@@ -112,7 +114,7 @@ def open_run(
     check_directory(run_dir)
     failure: BaseException | None = None
     try:
-        opening = _plan(config, run_dir, fork=fork, threads=threads, note=note)
+        opening = _plan(config, run_dir, fork=fork, threads=threads, note=note, base_dir=base_dir)
     except DataChanged as exc:
         failure = RunError(f"{run_dir}: {exc}; the run's data changed under it (`rewind verify --data {run_dir}`)", 1)
     except DATA_ERRORS as exc:
@@ -214,15 +216,17 @@ class OrphansSetAside(UserWarning):
         self.names = names
 
 
-def _plan(config: Config, run_dir: str, *, fork: bool, threads: int, note: Callable[[str], None]) -> _Opening:
+def _plan(
+    config: Config, run_dir: str, *, fork: bool, threads: int, note: Callable[[str], None], base_dir: str | None
+) -> _Opening:
     try:
         log = EventLog.open(run_dir)  # read-only: no lock, nothing written
     except LogNotFoundError:
-        return _plan_start(config, run_dir, threads)
+        return _plan_start(config, run_dir, threads, base_dir)
     with log:
         if not log.next_seq:  # a start that died before its first record
-            return _plan_start(config, run_dir, threads)
-        return _plan_resume(config, run_dir, log, fork=fork, threads=threads, note=note)
+            return _plan_start(config, run_dir, threads, base_dir)
+        return _plan_resume(config, run_dir, log, fork=fork, threads=threads, note=note, base_dir=base_dir)
 
 
 def _check_unchanged(run_dir: str, log: EventLog, end_seq: int) -> None:
@@ -231,14 +235,14 @@ def _check_unchanged(run_dir: str, log: EventLog, end_seq: int) -> None:
         raise RunError(f"{run_dir}: another process wrote to the run while it was being opened; try again", 1)
 
 
-def _plan_start(config: Config, run_dir: str, threads: int) -> _Opening:
+def _plan_start(config: Config, run_dir: str, threads: int, base_dir: str | None = None) -> _Opening:
     schedule = Schedule(config)
     if schedule.num_steps == 0:
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
     placement, _ = enter_site(config, None, threads)  # the user's --threads, if given: recorded below
-    home = start_home(config, run_dir)
+    home = start_home(config, run_dir, base_dir=base_dir)
     built = assemble(config, run_dir, None, home)  # before the first record
     started = RunStarted(
         step=0,
@@ -259,7 +263,8 @@ def _plan_start(config: Config, run_dir: str, threads: int) -> _Opening:
 
 
 def _plan_resume(
-    config: Config, run_dir: str, log: EventLog, *, fork: bool, threads: int, note: Callable[[str], None]
+    config: Config, run_dir: str, log: EventLog, *, fork: bool, threads: int, note: Callable[[str], None],
+    base_dir: str | None = None,
 ) -> _Opening:
     # From the newest snapshot that agrees with the log and with its checkpoint's manifest.
     store = CheckpointStore(run_dir)
@@ -267,7 +272,7 @@ def _plan_resume(
     current, logged_config = folded.state, folded.config
     if not current.started:
         raise RunError(f"{run_dir}: the event log does not start with RunStarted", 1)
-    home = home_of(run_dir, current)
+    home = home_of(run_dir, current, base_dir=base_dir)
     if current.finished:
         parts = fresh_parts(logged_config, run_dir, open_datasets(logged_config, home))
         return _Opening(run_dir, "finished", parts, end_seq=folded.end_seq, state=current)

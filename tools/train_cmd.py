@@ -71,8 +71,9 @@ def _thread_count(text: str) -> int:
 def run_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     return _train(
-        config, args.run_dir, fork=args.fork, max_steps=args.max_steps, progress=not args.no_progress, threads=args.threads
-    )
+        config, args.run_dir, fork=args.fork, max_steps=args.max_steps, progress=not args.no_progress, threads=args.threads,
+        base_dir=str(Path(args.config).resolve().parent),  # reward modules are looked for beside the config first
+    )  # fmt: skip
 
 
 def run_resume(args: argparse.Namespace) -> int:
@@ -169,7 +170,9 @@ class ProgressBar:
             self.bar.close()
 
 
-def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool, threads: int) -> int:
+def _train(
+    config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool, threads: int, base_dir: str | None = None
+) -> int:
     """One process's part of training: the whole of it, or under torchrun one rank's (rank 0 alone writes
     the run and speaks; see rewind.engine.placement)."""
     from rewind.engine.placement import PlacementError, join_process_group, leave_process_group
@@ -179,12 +182,16 @@ def _train(config, run_dir: str, *, fork: bool, max_steps: int | None, progress:
     except PlacementError as exc:
         raise CommandError(str(exc), 2) from None
     try:
-        return _train_here(config, run_dir, fork=fork, max_steps=max_steps, progress=progress, threads=threads)
+        return _train_here(
+            config, run_dir, fork=fork, max_steps=max_steps, progress=progress, threads=threads, base_dir=base_dir
+        )
     finally:
         leave_process_group()
 
 
-def _train_here(config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool, threads: int) -> int:
+def _train_here(
+    config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool, threads: int, base_dir: str | None
+) -> int:
     from rewind.engine.ranks import is_writer
     from rewind.engine.session import RunError, open_run
     from rewind.stores.eventlog import LogLockedError
@@ -192,7 +199,7 @@ def _train_here(config, run_dir: str, *, fork: bool, max_steps: int | None, prog
     speaks = is_writer()
     notes: list[str] = []  # said after the line that says where the run resumes
     try:
-        run, state, how = open_run(config, run_dir, fork=fork, threads=threads, note=notes.append)
+        run, state, how = open_run(config, run_dir, fork=fork, threads=threads, note=notes.append, base_dir=base_dir)
     except RunError as exc:
         raise CommandError(str(exc), exc.exit_code) from None
     except LogLockedError as exc:
