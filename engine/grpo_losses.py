@@ -26,7 +26,9 @@ policy, and E_old[ratio * k] = E_pi[k] as a function of the parameters, so the t
 expectation is the gradient of E_pi[k]. Hence k1 and k3, whose expectation under pi is KL(pi || ref),
 are unbiased for the KL's value AND its gradient, on- and off-policy. k2 is biased for both (E_pi[k2]
 is KL's second-order approximation; it is >= 0 per token). On-policy (ratio = 1), each sample's k3
-gradient here is d * grad(logp), the low-variance form.
+gradient here is d * grad(logp), the low-variance form. The KL a step logs is the same estimate:
+sum(ratio * k) over the step's masked tokens / their count (`kl_sum`; on a window's first update, ratio
+exactly 1, the plain mean of k), whatever kl_beta.
 
 Aggregation, with m the completion mask and N the step's normaliser (`grpo_normaliser`):
 - "grpo":    sum over sequences of (sum_t L * m / n_tokens(sequence)) / N, N = the step's sequence count
@@ -68,6 +70,15 @@ def weighted_rewards(per_function: torch.Tensor, weights: torch.Tensor | Sequenc
     scored = ~torch.isnan(per_function)
     total = (torch.where(scored, per_function, 0.0) * weights.unsqueeze(1)).sum(dim=0)
     return torch.where(scored.any(dim=0), total, torch.nan)
+
+
+def reward_figures(rewards: torch.Tensor) -> tuple[float, int]:
+    """(mean, unscored) of a batch's (N,) weighted rewards (NaN: no function scored the completion): the
+    mean over the scored completions, computed in float64, and how many were not scored. Every completion
+    unscored: (0.0, N). The figures a rollout record and every step of its window carry."""
+    scored = ~torch.isnan(rewards)
+    unscored = int((~scored).sum())
+    return (float(rewards[scored].double().mean()) if bool(scored.any()) else 0.0), unscored
 
 
 def group_advantages(
@@ -147,7 +158,7 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torc
 @dataclass(frozen=True)
 class GrpoOutput:
     loss: torch.Tensor  # () this micro-batch's share of the step's loss (divided by N), differentiable
-    kl_sum: torch.Tensor  # () k summed over the masked tokens (no ratio or beta; 0 without a reference)
+    kl_sum: torch.Tensor  # () ratio * k summed over the masked tokens (no beta; 0 without a reference)
     clipped_low: torch.Tensor  # () masked tokens with A < 0 and ratio < 1 - epsilon_low (no gradient)
     clipped_high: torch.Tensor  # () masked tokens with A > 0 and ratio > 1 + epsilon_high (no gradient)
     num_tokens: torch.Tensor  # () masked tokens in this micro-batch
@@ -189,7 +200,7 @@ def grpo_loss(
     kl = ratio.new_zeros(())
     if reference_logprobs is not None:
         estimate = kl_estimate(logprobs, reference_logprobs.detach().masked_fill(~mask, 0.0), kl_estimator)
-        kl = estimate.detach().masked_fill(~mask, 0.0).sum()
+        kl = (ratio.detach() * estimate.detach()).masked_fill(~mask, 0.0).sum()
         if kl_beta != 0.0:
             token_loss = token_loss + kl_beta * ratio * estimate
     elif kl_beta != 0.0:

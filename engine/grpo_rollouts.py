@@ -7,7 +7,8 @@ group_size completions of each with the batched sampler (rewind.engine.generatio
 seed, stage, step, prompt id "<dataset>:<row>", sample index and position, so a resumed run that
 samples this window again draws the same tokens). Each completion is scored by the stage's reward
 functions (rewind.engine.rewards: on its text without the end token; their code's identity goes on the
-record), the weighted rewards become advantages within their
+record; the record's mean_reward is over the completions some function scored, `unscored` counts the
+others: rewind.engine.grpo_losses.reward_figures), the weighted rewards become advantages within their
 group (rewind.engine.grpo_losses.group_advantages), and the training rows (prompt + completion) get
 their old-policy log-probs now, through the forward and micro-batches the updates use, without dropout
 (so the first update's ratio is exactly 1), and the reference's when the stage has a KL term.
@@ -22,7 +23,7 @@ import torch
 
 from rewind.engine.example_sources import mixture_rows
 from rewind.engine.generation import sample_completions
-from rewind.engine.grpo_losses import group_advantages, weighted_rewards
+from rewind.engine.grpo_losses import group_advantages, reward_figures, weighted_rewards
 from rewind.engine.grpo_step import rank_slices, slice_logprobs
 from rewind.engine.layout import evaluating
 from rewind.engine.parts import Parts
@@ -61,6 +62,7 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
     texts = [row.text for row in prompt_rows]
     scores = score_groups(functions, texts, answers, ids, home.tokenizer.decode, home.base_dir)
     rewards = weighted_rewards(scores, [r.weight for r in settings.rewards])
+    mean_reward, unscored = reward_figures(rewards)
     advantages = group_advantages(rewards.view(-1, group), scale_rewards=settings.scale_rewards).reshape(-1)
     width = settings.max_new_tokens
     tensors = {
@@ -98,8 +100,8 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
     path, sha256 = write_rollouts(parts.run_dir, tensors, metadata) if write else rollout_name(tensors, metadata)
     return RolloutsRecorded(
         step=state.step, tokens=state.tokens, stage=stage_index, path=path, sha256=sha256,
-        num_prompts=len(prompts), group_size=group, cursors=cursors, mean_reward=float(rewards.nan_to_num().mean()),
-        reward_code=reward_identities(functions, home.base_dir),
+        num_prompts=len(prompts), group_size=group, cursors=cursors, mean_reward=mean_reward,
+        unscored=unscored, reward_code=reward_identities(functions, home.base_dir),
         settings=rollout_settings(config, stage_index),
     )  # fmt: skip
 

@@ -5,8 +5,10 @@ while the window lasts), so a step is a function of the folded state and the wei
 resume inside a window reads the same batch and samples nothing. The policy's per-token log-probs come
 through the path the old ones did (the same micro-batches, no dropout, the sampling temperature); the
 loss is `rewind.engine.grpo_losses.grpo_loss` with its normaliser counted once over the step's every
-micro-batch, so accumulation changes no figure. Metrics on record: the batch's mean reward, the mean KL
-estimate (with a reference) and the shares of tokens the clip held at each side.
+micro-batch, so accumulation changes no figure. Metrics on record (docs/posttraining.md, "Figures"): the
+batch's mean reward over its scored completions and the count of unscored ones, the importance-weighted
+KL estimate per completion token (with a reference), the shares of tokens the clip held at each side and
+the completion tokens per row.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from rewind.engine.grpo_losses import grpo_loss, grpo_normaliser, weighted_rewards
+from rewind.engine.grpo_losses import grpo_loss, grpo_normaliser, reward_figures, weighted_rewards
 from rewind.engine.layout import eval_mode
 from rewind.engine.optimizer import AdamW
 from rewind.engine.placement import is_sharded, placement_for
@@ -100,9 +102,10 @@ def grpo_train_step(
     total, kl, low, high, counted = sum_over_ranks([total, kl, low, high, counted])  # the same on every rank
     grad_norm, finite = apply_update(model, optimizer, config, lr, (total, kl))
     per_token = max(counted, 1.0)
-    rewards = weighted_rewards(batch.rewards, [r.weight for r in settings.rewards])
+    reward, unscored = reward_figures(weighted_rewards(batch.rewards, [r.weight for r in settings.rewards]))
     metrics = {
-        "reward": float(rewards.nan_to_num().mean()),
+        "reward": reward,
+        "unscored": float(unscored),
         "kl": kl / per_token,
         "clipped_low": low / per_token,
         "clipped_high": high / per_token,

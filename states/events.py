@@ -165,7 +165,10 @@ class RolloutsRecorded(Event, frozen=True, kw_only=True, tag="RolloutsRecorded")
     num_prompts: int
     group_size: int
     cursors: dict[str, int] = {}
+    # The weighted reward's mean over the completions some function scored, and how many no function
+    # scored (left out of the mean; every one unscored: mean 0.0, unscored the batch's size).
     mean_reward: float = 0.0
+    unscored: int = 0
     # Each reward function's code as it scored this batch ("builtin", or the sha256 of its module's file
     # and its version): a resume under other code is refused (rewind.engine.rewards).
     reward_code: dict[str, str] = {}

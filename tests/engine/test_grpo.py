@@ -7,7 +7,10 @@ the training rows exactly. (Killed and resumed inside a window: test_posttrain_k
 from __future__ import annotations
 
 import copy
+import dataclasses
 
+import msgspec
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -99,3 +102,35 @@ def test_a_rollout_batch_s_rows_are_its_prompts_and_completions():
     # rows 1 and 2 have no end token: dropped from the loss, their values with them
     assert rows.mask.sum(dim=1).tolist() == [2, 0, 0, 2]
     assert rows.old_logprobs[0][rows.mask[0]].tolist() == [-1.0, -2.0] and rows.old_logprobs[1].abs().sum() == 0
+
+
+def test_a_step_logs_the_mean_reward_of_its_scored_completions_and_the_kl_its_loss_uses():
+    """metrics["reward"]: over the completions some function scored, the others counted in "unscored";
+    kl: sum(ratio * k3) / tokens, the loss's importance-weighted estimate (the plain mean of k3 on a
+    window's first update only, where the ratio is exactly 1)."""
+    model = build_model(CONFIG, None)
+    rows = _rows(model, seed=5)
+    noise = 0.3 * torch.randn(rows.mask.shape, generator=torch.Generator().manual_seed(9))
+    nan = float("nan")
+    rows = dataclasses.replace(
+        rows,
+        reference_logprobs=(rows.old_logprobs + noise).masked_fill(~rows.mask, 0.0),
+        rewards=torch.tensor([[1.0, nan, 0.0, nan, 1.0, 1.0, nan, nan]]),
+    )
+    grpo = msgspec.structs.replace(CONFIG.stages[2].grpo_settings, kl_beta=0.1, epsilon_low=0.2, epsilon_high=0.2)
+    stage = msgspec.structs.replace(CONFIG.stages[2], grpo=grpo)
+    optimizer = build_optimizer(model, CONFIG)
+    mask = rows.mask
+    for update in range(2):
+        policy = logprobs_of(model, rows.tokens, mask, CONFIG, 1.0)[mask].double()  # as the update computes them
+        result = grpo_train_step(model, optimizer, rows, config=CONFIG, stage=stage, lr=0.05)
+        ratio = torch.exp(policy - rows.old_logprobs[mask].double())
+        d = policy - rows.reference_logprobs[mask].double()
+        k3 = torch.exp(-d) - 1 + d
+        weighted, plain = float((ratio * k3).sum() / mask.sum()), float(k3.mean())
+        assert result.kl == pytest.approx(weighted, rel=1e-5) and result.metrics["kl"] == result.kl
+        if update == 0:
+            assert torch.equal(ratio, torch.ones_like(ratio))
+        else:  # the weighting matters here: the plain mean is not what is logged
+            assert abs(weighted - plain) > 1e-3 * plain
+        assert result.metrics["reward"] == 0.75 and result.metrics["unscored"] == 4.0  # not 3 / 8

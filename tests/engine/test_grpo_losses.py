@@ -19,6 +19,7 @@ from rewind.engine.grpo_losses import (
     grpo_loss,
     grpo_normaliser,
     mask_truncated,
+    reward_figures,
     weighted_rewards,
 )
 from rewind.engine.response_logprobs import token_logprobs
@@ -170,7 +171,11 @@ def test_the_loss_matches_a_plain_loop_with_its_gradient(loss_type, beta, estima
         "k2": lambda log_ratio: log_ratio**2 / 2,
         "k3": lambda log_ratio: math.exp(-log_ratio) - 1 + log_ratio,
     }[estimator]
-    want_kl = math.fsum(plain_k(float(logp[b, t].detach() - ref[b, t])) for b, t in mask.nonzero().tolist())
+    # the importance-weighted sum the loss's KL term weighs, not the plain one
+    want_kl = math.fsum(
+        math.exp(float(logp[b, t].detach() - old[b, t])) * plain_k(float(logp[b, t].detach() - ref[b, t]))
+        for b, t in mask.nonzero().tolist()
+    )
     assert out.kl_sum.item() == pytest.approx(want_kl, rel=1e-12)
 
 
@@ -301,3 +306,9 @@ def test_bad_settings_are_refused():
         grpo_loss(logp, old, ref, adv, mask, **{**kwargs, "epsilon_low": -0.1})
     with pytest.raises(ValueError, match="scale_rewards"):
         group_advantages(torch.zeros(2, 2), scale_rewards="max")
+
+
+def test_the_reward_figures_are_over_the_scored_completions():
+    assert reward_figures(torch.tensor([1.0, NAN, 0.5, NAN])) == (0.75, 2)
+    assert reward_figures(torch.tensor([0.25, 1.0])) == (0.625, 0)
+    assert reward_figures(torch.tensor([NAN, NAN, NAN])) == (0.0, 3)

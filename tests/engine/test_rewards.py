@@ -17,7 +17,7 @@ from rewind.engine.rewards import TRIAL_GARBAGE, RewardError, reward_identity, s
 from rewind.engine.task_rows import task_texts
 from rewind.engine.userdata import DataHome
 from rewind.states.config_reading import loads_config
-from rewind.states.events import RolloutsRecorded
+from rewind.states.events import RolloutsRecorded, StepCommitted
 from rewind.stores.runs import read_seq_events
 from tests.conftest import EXAMPLES
 from tests.engine.test_loop import one_line, run_cli
@@ -36,6 +36,10 @@ def broken(prompts, completions, completion_ids, **fields):
 
 def short(prompts, completions, completion_ids, **fields):
     return [1.0]
+
+
+def every_other(prompts, completions, completion_ids, **fields):
+    return [None if n % 2 else 1.0 for n in range(len(completions))]
 '''
 
 
@@ -248,3 +252,18 @@ def test_the_trial_calls_each_function_as_a_rollout_does(tmp_path, request):
             {"answer": [row.answer.removesuffix("\n") for row in rows for _ in range(3)]},
         ]
 
+
+def test_the_logged_mean_reward_is_over_the_scored_completions(tmp_path, request):
+    """Half the completions unscored: the record's and the steps' mean reward is the scored half's (1.0,
+    not 0.5), and the unscored ones are counted."""
+    name = unique(request, "half")
+    (tmp_path / f"{name}.py").write_text(MODULE)
+    (tmp_path / "post.toml").write_text(grpo_config(f"{name}:every_other"))
+    run = tmp_path / "run"
+    code, _, err = run_cli("train", tmp_path / "post.toml", "--run-dir", run, "--no-progress", "--max-steps", "4")
+    assert code == 0, err
+    events = [e for _, e in read_seq_events(run)]
+    records = [e for e in events if isinstance(e, RolloutsRecorded)]
+    assert records and all((r.mean_reward, r.unscored) == (1.0, 4) for r in records)  # 2 prompts x 4
+    steps = [e for e in events if isinstance(e, StepCommitted) and e.stage == 1]
+    assert steps and all((e.metrics["reward"], e.metrics["unscored"]) == (1.0, 4.0) for e in steps)
