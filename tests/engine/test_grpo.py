@@ -15,6 +15,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rewind.engine import grpo_rollouts
+from rewind.engine.generation import sample_completions
 from rewind.engine.grpo_rollouts import logprobs_of
 from rewind.engine.grpo_step import grpo_train_step
 from rewind.engine.layout import build_model
@@ -22,7 +24,12 @@ from rewind.engine.rolloutreader import TrainingRows, off_rows, on_rows, trainin
 from rewind.engine.row_batches import completion_batch
 from rewind.engine.step import build_optimizer
 from rewind.states.config_reading import loads_config
+from rewind.states.events import RolloutsRecorded
+from rewind.stores.rollouts import read_rollouts
+from rewind.stores.runs import read_seq_events
 from tests.conftest import EXAMPLES
+from tests.engine.test_loop import run_cli
+from tests.engine.test_rewards import grpo_config
 
 TINY = (EXAMPLES / "tiny.toml").read_text()
 THIRD = 'datasets = [{ name = "sort", rate = 0.5 }, { name = "reverse", rate = 0.5 }]\nbeta = 0.2'
@@ -134,3 +141,41 @@ def test_a_step_logs_the_mean_reward_of_its_scored_completions_and_the_kl_its_lo
         else:  # the weighting matters here: the plain mean is not what is logged
             assert abs(weighted - plain) > 1e-3 * plain
         assert result.metrics["reward"] == 0.75 and result.metrics["unscored"] == 4.0  # not 3 / 8
+
+
+def test_with_mask_truncated_completions_the_file_holds_zero_log_probs_for_the_cut_ones(tmp_path, monkeypatch):
+    """docs/posttraining.md: a truncated completion trains on nothing, and its old and reference
+    log-probs in the rollout file are 0 (not computed); a finished one's are not. (A model this young
+    never ends a completion: every other one is ended by hand after its first token.)"""
+
+    def some_end(*args, **kwargs):
+        drawn = sample_completions(*args, **kwargs)
+        return [
+            dataclasses.replace(c, tokens=[c.tokens[0], NEWLINE], finish_reason="eos", log_probs=[*c.log_probs[:1], -1.0])
+            if n % 2 and c.finish_reason == "length" else c
+            for n, c in enumerate(drawn)
+        ]  # fmt: skip
+
+    monkeypatch.setattr(grpo_rollouts, "sample_completions", some_end)
+    stage = (
+        '\n[[stages]]\nstrategy = "grpo"\ntokens = 4_096\ndatasets = [{ name = "reverse", rate = 1.0 }]\n'
+        "refresh_reference = true\n"
+        "grpo = { group_size = 4, max_new_tokens = 3, kl_beta = 0.1, mask_truncated_completions = true }\n"
+    )
+    (tmp_path / "post.toml").write_text(grpo_config("", stage))
+    run = tmp_path / "run"
+    code, _, err = run_cli("train", tmp_path / "post.toml", "--run-dir", run, "--no-progress", "--max-steps", "4")
+    assert code == 0, err
+    records = [e for _, e in read_seq_events(run) if isinstance(e, RolloutsRecorded)]
+    finished = cut = 0
+    for record in records:
+        tensors, _ = read_rollouts(str(run), record.path, record.sha256)
+        for n, done in enumerate(tensors["finished"].tolist()):
+            held = [tensors[name][n, : tensors["completion_lengths"][n]] for name in ("old_logprobs", "reference_logprobs")]
+            if done:
+                finished += 1
+                assert all(bool((values < 0).all()) for values in held)
+            else:
+                cut += 1
+                assert all(bool((values == 0).all()) for values in held)
+    assert finished and cut  # both kinds were sampled
