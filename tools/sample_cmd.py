@@ -3,10 +3,12 @@
 The model is the one a resume from that checkpoint would load (`rewind.engine.checkpoint_model.load_model`
 under the layout and config the log gives it there: grown stacks, frozen and NF4 trunks, LoRA adapters),
 the text goes through the run's tokenizer (RUN/data/tokenizer.json, or UTF-8 bytes), and the draw is
-reproducible for a seed (rewind.engine.sampling). Only live checkpoints exist: retention deletes the
-rest, so `--at-step N` names a step that still has one. Nothing is written to the run.
+reproducible for a seed (rewind.engine.sampling). It stops before the model's end token (`end_token_of`:
+the tokenizer's <|endoftext|>, or the "\n" that ends a response of a byte-level model post-trained), unless
+--no-stop. Only live checkpoints exist: retention deletes the rest, so `--at-step N` names a step that
+still has one. Nothing is written to the run.
 
-`model_at` is shared with `rewind eval`.
+`model_at` is shared with `rewind eval`, `end_token_of` with `rewind export --hf`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: (0, 1], default 1.0 (off)"
     )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="the draw's seed (default 0)")
-    p.add_argument("--json", action="store_true", help="one JSON object: prompt, completion, tokens, step, ...")
+    p.add_argument(
+        "--no-stop", action="store_true",
+        help="draw --max-tokens tokens, through the end token; by default the text stops before it: the "
+        "tokenizer's <|endoftext|>, or, for a model on UTF-8 bytes that has trained in an sft, dpo or grpo "
+        'stage, the "\\n" that ends each response (a pretrained model\'s newlines end nothing)',
+    )  # fmt: skip
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object: prompt, completion, tokens, step, end_token, ..."
+    )
     p.set_defaults(run=run)
 
 
@@ -120,6 +130,25 @@ def run_tokenizer(run_dir: str, recorded: str):
     return tokenizer
 
 
+def end_token_of(config, stage: int, tokenizer) -> int | None:
+    """The token a model's text ends with, None for none: the tokenizer's <|endoftext|> where it has one;
+    else, for a model that has trained in a post-training stage (`stage`, the checkpoint's, or an earlier
+    one is sft, dpo or grpo), the end of a response, its "\n" (rewind.engine.rows.end_token: a response is
+    one line there); else none, as a model pretrained on bytes writes lines of text that a newline does not
+    end. `tokenizer`: the run's (rewind.engine.tokenizer)."""
+    from rewind.engine.rows import end_token
+    from rewind.engine.tokenizer import TokenizerError
+
+    if tokenizer.eos_id is not None:
+        return tokenizer.eos_id
+    if not any(s.strategy != "pretrain" for s in config.stages[: stage + 1]):
+        return None
+    try:
+        return end_token(tokenizer)
+    except TokenizerError:  # "\n" is several tokens: such a tokenizer cannot post-train (a run refuses it)
+        return None
+
+
 def refuse_masked(config, what: str) -> None:
     """A masked objective's model does not predict the next token: one line, exit 2."""
     if config.objective.kind != "clm":
@@ -164,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
             f"--prompt: token id {outside[0]} is outside the model's vocabulary ({vocab_size} ids); "
             "the text has characters the run never trained on"
         )
+    end = None if args.no_stop else end_token_of(loaded.config, loaded.state.stage, tokenizer)
     try:
         tokens = generate(
             loaded.model,
@@ -172,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
-            eos_id=tokenizer.eos_id,
+            eos_id=end,
         )
     except NonFiniteLogits as exc:
         raise CommandError(f"{args.run_dir}: checkpoint {loaded.checkpoint}: {exc}", 1) from None
@@ -191,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
             "temperature": args.temperature,
             "top_p": args.top_p,
             "max_tokens": max_tokens,
+            "end_token": end,  # None: it runs to max_tokens (--no-stop, or a model without an end)
             "stopped": "max_tokens" if len(tokens) == max_tokens else "eos",
         }))
     else:

@@ -23,6 +23,7 @@ from rewind.stores.runs import read_seq_events
 from rewind.tools.cli import main
 from rewind.tools.errors import CommandError, UsageError
 from rewind.tools.sample_cmd import choose_live_point, model_at, refuse_masked
+from tests.tools.small_posttrain import train_small_posttrain
 
 # Stage 0 (3 steps of 96 tokens) on grammar, stage 1 (2 steps) on add, growing at its entry: the trunk
 # becomes NF4 with LoRA adapters and a new stack trains on top. Checkpoints: the boundary (step 3,
@@ -214,3 +215,55 @@ def test_no_checkpoint_and_masked_objectives_are_refused():
     masked = config_from_dict({"objective": {"kind": "mlm"}, "training": training})
     with pytest.raises(UsageError, match=r"masked objective \(mlm\).*cannot sample"):
         refuse_masked(masked, "sample")
+
+
+@pytest.fixture(scope="module")
+def posttrained(tmp_path_factory) -> Path:
+    """The small post-training example (UTF-8 bytes: no <|endoftext|>): a checkpoint at step 2 (the end
+    of pretraining) and one at step 14 (after sft, dpo and grpo)."""
+    run = tmp_path_factory.mktemp("posttrained") / "run"
+    return train_small_posttrain(run, "--set", "logging.keep_last_checkpoints=10")
+
+
+def newline_draw(run: Path, at_step: int, prompt: bytes) -> tuple[int, list[int]]:
+    """A seed whose draw (temperature 1, not stopped) of the checkpoint at `at_step` holds a newline, and
+    that draw."""
+    loaded = model_at(str(run), at_step)
+    for seed in range(100):
+        tokens = generate(loaded.model, list(prompt), max_new_tokens=20, temperature=1.0, top_p=1.0, seed=seed)
+        if 10 in tokens:
+            return seed, tokens
+    raise AssertionError("no draw with a newline in 100 seeds")
+
+
+def draw(run: Path, at_step: int, seed: int, *more: str) -> dict:
+    args = ("--prompt", "sort dcba=", "--max-tokens", "20", "--seed", seed, "--at-step", at_step, "--json", *more)
+    code, out, err = cli("sample", run, *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_a_post_trained_byte_model_stops_at_the_newline_that_ends_a_response(posttrained):
+    """docs/posttraining.md: without <|endoftext|> a response is one line, "\\n" its end token: the text
+    stops before it (as it stops before <|endoftext|>), unless --no-stop."""
+    seed, tokens = newline_draw(posttrained, 14, b"sort dcba=")
+    stopped = draw(posttrained, 14, seed)
+    assert stopped["end_token"] == 10 and stopped["stopped"] == "eos"
+    assert stopped["tokens"] == tokens[: tokens.index(10)] and "\n" not in stopped["completion"]
+    whole = draw(posttrained, 14, seed, "--no-stop")
+    assert whole["end_token"] is None and whole["tokens"] == tokens and whole["stopped"] == "max_tokens"
+
+
+def test_a_pretrained_byte_model_does_not_stop_at_a_newline(posttrained):
+    """The checkpoint at the end of pretraining (the same run; no post-training stage yet): its newlines
+    are text."""
+    seed, tokens = newline_draw(posttrained, 2, b"sort dcba=")
+    drawn = draw(posttrained, 2, seed)
+    assert drawn["end_token"] is None and drawn["tokens"] == tokens and "\n" in drawn["completion"]
+
+
+def test_help_says_where_a_sample_stops():
+    code, out, _ = cli("sample", "--help")
+    assert code == 0
+    said = " ".join(out.split("--no-stop", 1)[1].split())
+    assert "<|endoftext|>" in said and "sft, dpo or grpo" in said and 'the "\\n" that ends each response' in said
