@@ -3,8 +3,8 @@
 The architecture is the one that computes the run's block exactly (rewind.engine.hf_models:
 LlamaForCausalLM for RMSNorm + SwiGLU, ArceeForCausalLM for RMSNorm + GELU, Starcoder2ForCausalLM for
 LayerNorm + GELU, StableLmForCausalLM for LayerNorm + SwiGLU). DIR gets `config.json`, `model.safetensors`
-(float32, metadata {"format": "pt"} as transformers writes it), `generation_config.json` (the end-of-text
-token when there is one, and no length: a length there would make every `generate(max_new_tokens=...)`
+(float32, metadata {"format": "pt"} as transformers writes it), `generation_config.json` (the model's end
+token when it has one, and no length: a length there would make every `generate(max_new_tokens=...)`
 warn) and, when the run has a tokenizer (RUN/data/tokenizer.json), `tokenizer.json` and
 `tokenizer_config.json` (PreTrainedTokenizerFast), so `AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)` load it as is.
@@ -17,6 +17,11 @@ unless `--adapters` is given too: DIR then holds the unmerged base the adapters 
 (exit 2), and so is a DIR that exists and is not empty. Every check runs before anything is written; the
 files are written into a temporary directory beside DIR, synced, and renamed to DIR, so DIR is there whole
 or not at all.
+
+The end token (`eos_token_id` of generation_config.json and config.json, where `generate` stops) is the
+one `rewind sample` stops at (rewind.tools.sample_cmd.end_token_of): the tokenizer's <|endoftext|>; for a
+model on UTF-8 bytes that has trained in an sft, dpo or grpo stage, the "\n" that ends its responses
+(docs/posttraining.md); none for a model pretrained on bytes, whose newlines are text.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True) -> PreparedHf:
         raise CommandError(f"--hf: checkpoint {ref.checkpoint} does not fit its layout: {exc}", 1) from None
     num_layers = sum(spec.num_blocks for spec in layout.stacks)
     tokenizer = run_tokenizer(run_dir, state.tokenizer if state.behaviours.data_identity else None)
-    eos = end_of_text(tokenizer, run_dir) if tokenizer is not None else None
+    eos, has_end_of_text = end_token_id(tokenizer, run_dir, config, (state.anchor or state).stage)
     files = {
         WEIGHTS_NAME: save(dict(sorted(tensors.items())), metadata={"format": "pt"}),
         CONFIG_NAME: _json(hf_models.hf_config(family, arch, num_layers=num_layers, eos_token_id=eos)),
@@ -106,7 +111,7 @@ def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True) -> PreparedHf:
     }
     if tokenizer is not None:
         files[TOKENIZER_NAME] = tokenizer
-        files[TOKENIZER_CONFIG_NAME] = _json(tokenizer_config(arch.block_size, eos is not None))
+        files[TOKENIZER_CONFIG_NAME] = _json(tokenizer_config(arch.block_size, has_end_of_text))
     adapters_note = ""
     if groups["adapters"]:
         adapters_note = ", adapters merged" if merge else ", the base of --adapters: adapters not merged"
@@ -142,18 +147,22 @@ def run_tokenizer(run_dir: str, recorded: str | None) -> bytes | None:
     return data
 
 
-def end_of_text(tokenizer: bytes, run_dir: str) -> int | None:
-    """The id of the tokenizer's `<|endoftext|>` token, or None when it has none."""
-    from tokenizers import Tokenizer
+def end_token_id(tokenizer: bytes | None, run_dir: str, config, stage: int) -> tuple[int | None, bool]:
+    """The id of the model's end token (None: it has none) and whether it is the tokenizer's
+    <|endoftext|>, for the run's tokenizer (`tokenizer`, None for UTF-8 bytes) and a checkpoint in
+    `stage` of `config` (see the module's docstring)."""
+    from rewind.engine.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
+    from rewind.tools.sample_cmd import end_token_of
 
     try:
-        return Tokenizer.from_str(tokenizer.decode()).token_to_id(END_OF_TEXT)
-    except Exception as exc:  # tokenizers raises plain Exceptions for a malformed file
+        text = ByteTokenizer() if tokenizer is None else Tokenizer(tokenizer.decode(), source="tokenizer.json")
+    except (TokenizerError, UnicodeDecodeError) as exc:
         raise CommandError(f"{run_dir}/data/tokenizer.json: not a tokenizers file ({exc})", 1) from None
+    return end_token_of(config, stage, text), text.eos_id is not None
 
 
 def generation_config(eos: int | None) -> dict[str, object]:
-    """Only the end-of-text token: any length here (max_length) makes transformers warn on every
+    """Only the end token: any length here (max_length) makes transformers warn on every
     `generate(..., max_new_tokens=N)`; the trained context is config.json's max_position_embeddings."""
     return {} if eos is None else {"eos_token_id": eos}
 

@@ -31,6 +31,7 @@ from rewind.states.fold import fold
 from rewind.states.history import config_in_force
 from rewind.stores.runs import read_seq_events
 from tests.engine.test_loop import run_cli
+from tests.tools.small_posttrain import train_small_posttrain
 
 pytest.importorskip("transformers")
 
@@ -285,3 +286,38 @@ def test_help_names_every_export():
     assert all(option in line for option in ("--to", "--hf", "--adapters", "tensorboard")), line
     code, out, _ = run_cli("export", "--help")
     assert code == 0 and all(option in out for option in ("--to", "--hf", "--adapters"))
+
+
+@pytest.fixture(scope="module")
+def posttrained(tmp_path_factory) -> Path:
+    """The small post-training example (UTF-8 bytes, no <|endoftext|>) with 32 sft steps: enough for
+    greedy text to end some responses with their newline."""
+    run = tmp_path_factory.mktemp("export-posttrained") / "run"
+    return train_small_posttrain(run, "--set", "stages[1].tokens=32768")
+
+
+def test_a_post_trained_byte_model_exports_its_newline_as_the_end_token(posttrained, tmp_path):
+    """A response ends with "\\n" where the tokenizer has no <|endoftext|> (docs/posttraining.md): that is
+    the eos_token_id transformers' generate stops at, and its greedy text is `rewind sample`'s, which
+    stops there too (a pretrained byte model's export has none: the gelu test above)."""
+    export_hf(posttrained, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"eos_token_id": 10}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 10
+    model = transformers_model(tmp_path / "hf", "ArceeForCausalLM")
+    block_size = runs_config(posttrained).architecture.block_size
+    ends = []
+    for prompt in ("sort zyx=", "sort hello=", "sort dcba=", "sort bca="):
+        ids = list(prompt.encode())
+        new = block_size - len(ids)
+        code, out, err = run_cli("sample", posttrained, "--prompt", prompt, "--max-tokens", new, "--temperature", 0, "--json")
+        assert code == 0, err
+        sampled = json.loads(out)
+        assert sampled["end_token"] == 10
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)[0, len(ids) :].tolist()
+        if sampled["stopped"] == "eos":  # transformers keeps the end token, and stops after it
+            ends.append(prompt)
+            assert generated == [*sampled["tokens"], 10], prompt
+        else:
+            assert generated == sampled["tokens"] and 10 not in generated, prompt
+    assert ends  # some greedy response ended with its newline, where generate stopped
