@@ -21,7 +21,8 @@ says so in one line then, not after the stages before it have trained.
 "module" is looked for first beside the config file (`beside`: the directory `rewind train CONFIG` read
 it from, as relative data paths are; rewind.engine.userdata.DataHome.base_dir), then in the working
 directory, as `module.py` or a package directory `module/`, and last on the Python path (an installed
-module). A command without a config file (`rewind resume`, `rewind replay`) looks in the working directory.
+module). A command without a config file (`rewind resume`, `rewind replay`, `rewind fork`) looks in the
+working directory.
 It runs with your permissions, as any code you ask a trainer to run. Its identity goes on record with every
 rollout batch (RolloutsRecorded.reward_code: the sha256 of the module's file, and its __version__ when it
 has one): a resume inside the stage under another version of the code is refused, as a changed dataset
@@ -229,7 +230,7 @@ def try_rewards(stage: Stage, examples: ExampleSources, beside: str | None = Non
             score_groups(names, [row.text for row in rows], answers, made_up, tokenizer.decode, beside)
         except RewardError as exc:
             raise RewardError(
-                f"{exc} (tried before training, on {len(rows)} rows of {sampling.name!r} with 3 made-up "
+                f"{exc} (tried before the run records anything, on {len(rows)} rows of {sampling.name!r} with 3 made-up "
                 f"completions each: the row's answer, '' and {TRIAL_GARBAGE!r})"
             ) from None
 

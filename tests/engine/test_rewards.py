@@ -207,7 +207,7 @@ def test_a_reward_function_is_tried_before_the_run_records_anything(tmp_path, re
     assert code == 2 and "Traceback" not in err, err
     line = one_line(err)
     assert f"reward function {name}:{function}" in line and said in line, line
-    assert "tried before training, on 2 rows of 'reverse'" in line, line
+    assert "tried before the run records anything, on 2 rows of 'reverse'" in line, line
     assert not (tmp_path / "run").exists()  # the pretraining stage before it never started
 
 
