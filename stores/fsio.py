@@ -14,7 +14,8 @@ replace them to simulate a full disk or a crash between write and sync.
 
 Files a user or a run directory supplies (a tokenizer.json, a manifest, a config.json, a token file)
 are read through `Location.read_bounded` / `read_json` (built on rewind.stores.untrusted): only a
-regular file, at most a byte cap stated per kind of file, JSON through msgspec.
+regular file, at most a byte cap stated per kind of file, JSON through msgspec. A file appended to (a
+log segment, metrics.jsonl) is opened by `open_appending`: a regular file too, never waited on.
 
 Errors: a URL whose filesystem cannot be had (its fsspec backend is not installed, or the protocol is
 unknown) raises `FilesystemUnavailable`, a `LogError`, naming the package to install. What the
@@ -40,7 +41,7 @@ from rewind.stores.codec import LogError
 from rewind.stores.untrusted import RefusedFile as RefusedFile
 from rewind.stores.untrusted import decode_json as decode_json
 from rewind.stores.untrusted import open_regular as open_regular
-from rewind.stores.untrusted import too_large
+from rewind.stores.untrusted import refuse_irregular, too_large
 
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
@@ -227,10 +228,10 @@ class Location(NamedTuple):
             self.fs.pipe_file(self.path, bytes(data))
 
     def open_append(self, *, create: bool) -> int:
-        """Local only: a raw fd appending to the file. `create` makes a new file (failing if one is
-        there) and fsyncs the directory, so the file's name is as durable as its synced data."""
-        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o644)
+        """Local only: a raw fd appending to the file, which must be a regular file (`open_appending`).
+        `create` makes a new file (failing if one is there) and fsyncs the directory, so the file's name
+        is as durable as its synced data."""
+        fd = open_appending(self.path, exclusive=create)
         if create:
             try:
                 fsync_dir(os.path.dirname(self.path))
@@ -309,6 +310,26 @@ def read_json(location: Location, max_bytes: int, kind: object = object) -> obje
     """`location.read_bounded(max_bytes)` decoded by `decode_json`: RefusedFile / FileNotFoundError /
     OSError for the file, msgspec.DecodeError (ValidationError included) for what it holds."""
     return decode_json(location.read_bounded(max_bytes), kind)
+
+
+def open_appending(path: str, *, exclusive: bool = False) -> int:
+    """A raw fd appending to the local file `path`, created if missing (`exclusive`: which must be
+    missing, FileExistsError otherwise). What is there must be a regular file (links followed): a FIFO,
+    device, socket or directory is a RefusedFile, found before the open (opening a FIFO to write waits
+    for a reader, opening a device can act) and again on the descriptor (the name may have been swapped
+    in between). The open never blocks (O_NONBLOCK, cleared once the file is known to be regular)."""
+    if not exclusive:
+        with contextlib.suppress(FileNotFoundError):
+            refuse_irregular(os.stat(path).st_mode, path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | (os.O_EXCL if exclusive else 0)
+    fd = os.open(path, flags | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        refuse_irregular(os.fstat(fd).st_mode, path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def write_new_file(path: str, data: bytes | bytearray) -> None:

@@ -20,6 +20,12 @@ socket or symbolic link there refuses with `LogLockedError` and is never opened 
 waited on. A holder whose fields are out of range (a pid outside 1..`PID_MAX`, a host that is not a
 short printable word) is an unreadable holder, like any other garbage.
 
+A writer writes only inside its run: once the kernel's lock is held, and before the holder is written,
+the run directory the lock file's `events/` belongs to is looked over (rewind.stores.runguard): a link
+anywhere in it leading out of the run, a FIFO or a device, a file where rewind keeps a directory refuse
+the writer (`NotWritable`, one line) with the lock file left as it was, so a refused command has changed
+nothing in the run.
+
 Object stores (no flock): the lock file holds a lease that expires unless its writer renews it, and
 every new holder claims a writer epoch in the log; see `rewind.stores.lease`.
 """
@@ -41,8 +47,10 @@ import msgspec
 
 from rewind.stores.codec import LogError
 from rewind.stores.fsio import Location
+from rewind.stores.runguard import check_writable
 
 MAX_LOCK_BYTES = 4096  # what rewind writes is a few hundred bytes; more is not a lock file
+RUN_LOG_DIR = "events"  # a run's lock file is RUN/events/LOCK (rewind.stores.logread.EVENTS_DIR)
 PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT; other systems' pids stay below it
 
 # Fields of a file anyone can write: bounded, printable, one word (they end up in one-line messages).
@@ -210,6 +218,8 @@ class WriterLock:
             previous = _read_fd(fd)
             if isinstance(previous, LockInfo) and not previous.kernel_lock and not is_stale(previous):
                 raise LogLockedError(location.url, previous)  # a rewind 0.1 writer, alive: no kernel lock
+            if location.parent.name == RUN_LOG_DIR:  # the lock of a run's log (not a lone lock file)
+                check_writable(location.parent.parent)
             if previous is not False:
                 who = previous.describe() if isinstance(previous, LockInfo) else "an unreadable holder"
                 warnings.warn(

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 import msgspec
 
 from rewind.states.events import Evaluated, Event, StepCommitted, Validated
-from rewind.stores.fsio import filesystem
+from rewind.stores.fsio import filesystem, open_appending, open_regular
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -247,7 +247,8 @@ class MetricsProjection:
             return -1
         self.close()
         try:
-            with open(self.jsonl_path, "rb", buffering=0) as handle:  # unbuffered: read only what is asked
+            # Unbuffered: read only what is asked. A regular file only: a FIFO would block this open forever.
+            with _reading(self.jsonl_path) as handle:
                 size = handle.seek(0, os.SEEK_END)
                 cut = find_cut(handle, through_seq, next_step, self.tail_block_bytes)
         except FileNotFoundError:
@@ -278,7 +279,8 @@ class MetricsProjection:
         if self._pending:
             if self._jsonl is None:
                 os.makedirs(self.run_dir, exist_ok=True)
-                self._jsonl = open(self.jsonl_path, "ab")  # noqa: SIM115 - lives as long as the projection
+                # Lives as long as the projection; a regular file only (a FIFO would block this open).
+                self._jsonl = os.fdopen(open_appending(self.jsonl_path), "ab")
             self._jsonl.write(b"".join(self._pending))
             self._jsonl.flush()
             self._pending.clear()
@@ -352,6 +354,13 @@ def _wait_until_new_event_files_sort_last(tb_dir: str) -> None:
     deadline = time.monotonic() + _EVENT_FILE_ORDER_WAIT_S
     while seconds and int(time.time()) <= max(seconds) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _reading(path: str) -> BinaryIO:
+    """The regular file at `path`, unbuffered, for reading (RefusedFile for a FIFO, device or directory)."""
+    handle = open(open_regular(path)[0], "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+    handle.name = path  # (for the messages: it would be the descriptor's number)
+    return handle
 
 
 def rebuild(run_dir: str | os.PathLike[str], records: Iterable[tuple[int, Event]]) -> None:
