@@ -1,9 +1,16 @@
-"""Opening a run's log: its folded state and the config in force, in time proportional to its tail.
+"""Opening a run's log: its folded state and the config in force.
 
-`fold_log` starts from the newest state snapshot (rewind.stores.snapshots) that agrees with the log
-(the record at its seq exists, with the event type and step it claims) and folds only the records
-after it; with none, it folds the whole log. The result is the same either way: the snapshot is a
-cache of exactly that fold. Used by resume (which then writes a fresh snapshot) and by the tools.
+For readers (`rewind state`, `log`, `timeline`, what they print is never recorded), `fold_log` starts
+from the newest state snapshot (rewind.stores.snapshots) that agrees with the log (the record at its
+seq exists, with the event type, step and bytes it claims) and folds only the records after it, in
+time proportional to the tail; with none, it folds the whole log. The result is the same either way
+for a snapshot the engine wrote.
+
+A resume (`store` given: it holds the run's checkpoints) records and trains on what it folds, so it
+trusts no snapshot: a checksum is all that protects one, and the log vouches for none of the state it
+holds. It folds the whole log, checks every snapshot it passes against the fold (the check `rewind
+verify` makes: snapshots.snapshot_problem) and warns in one line about those that disagree
+(SnapshotsIgnored); the snapshot it writes after its RunResumed is the fold's own.
 
 Every record folded here is first admitted (rewind.states.admission, through rewind.stores.trust: a
 config carried in the log gets the checks a config file gets), and so is a snapshot's state before it is used: a log is untrusted input.
@@ -11,6 +18,7 @@ config carried in the log gets the checks a config file gets), and so is a snaps
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +29,7 @@ from rewind.states.fold import IllegalTransition, apply, fold
 from rewind.states.history import SeqEvent, config_in_force, effective, is_superseded, skip_ranges
 from rewind.states.state import State
 from rewind.stores import snapshots
-from rewind.stores.checkpoints import CheckpointError, CheckpointStore
+from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.eventlog import EventLog, Record
 from rewind.stores.trust import RecordChecker
 
@@ -51,32 +59,15 @@ def _agrees(log: EventLog, snapshot: snapshots.Snapshot) -> Iterator[Record] | N
     return records
 
 
-def _matches_its_checkpoint(snapshot: snapshots.Snapshot, store: CheckpointStore) -> bool:
-    """Does the state agree with the manifest of its last checkpoint (named in the log, its hash in its
-    name) on what decides the data and the step: step, tokens, stage, cursors? A resume trains from
-    these, so it does not take them from a cache the log does not vouch for."""
-    ref = snapshot.state.last_checkpoint
-    if ref is None:
-        return False
-    try:
-        recorded = store.load_manifest(ref.checkpoint).meta.get("control") or {}
-    except CheckpointError:
-        return False
-    state = snapshot.state
-    return all(
-        recorded.get(key) == value
-        for key, value in (("step", state.step), ("tokens", state.tokens), ("stage", state.stage), ("cursors", state.cursors))
-    )
-
-
 def fold_log(log: EventLog, run_dir: str, store: CheckpointStore | None = None) -> FoldedLog:
-    """`store` given (a resume): use only a snapshot that also agrees with its checkpoint's manifest."""
+    """`store` given (a resume, which passes the run's checkpoint store): the whole log, no snapshot
+    trusted (see the module's docstring)."""
     end_seq = log.next_seq - 1
+    if store is not None:
+        return _fold_whole(log, run_dir, end_seq)
     for snapshot in snapshots.candidates(run_dir, end_seq):
         if state_problem(snapshot.state, snapshot.config):
             continue  # the full fold below names the record that carries the problem
-        if store is not None and not _matches_its_checkpoint(snapshot, store):
-            continue
         records = _agrees(log, snapshot)
         if records is None:
             continue
@@ -88,6 +79,43 @@ def fold_log(log: EventLog, run_dir: str, store: CheckpointStore | None = None) 
         return FoldedLog(state, _config_after(snapshot.config, tail), tail, end_seq, snapshot.seq)
     records = _checked(((r.seq, r.event) for r in log.records()), RecordChecker())
     state = fold(e for _, e in records)
+    config = config_in_force(records) if records and isinstance(records[0][1], RunStarted) else Config()
+    return FoldedLog(state, config, records, records[-1][0] if records else -1, -1)
+
+
+class SnapshotsIgnored(UserWarning):
+    """A resume found snapshots that are not the fold of the log: it folded the log instead."""
+
+    def __init__(self, run_dir: str, problems: list[str]):
+        named = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        super().__init__(
+            f"{run_dir}: {named} (not used: a resume always folds the log whole; "
+            f"`rewind verify {run_dir}` lists every such snapshot)"
+        )
+        self.problems = problems
+
+
+def _fold_whole(log: EventLog, run_dir: str, end_seq: int) -> FoldedLog:
+    """The fold of every record, each snapshot up to `end_seq` compared with it on the way."""
+    cached = set(snapshots.list_seqs(run_dir))
+    checker, state, config = RecordChecker(), State(), None
+    records: list[SeqEvent] = []
+    problems: list[str] = []
+    for record in log.records():
+        seq, event = record.seq, record.event
+        checker.check(seq, event)  # UntrustedRecord, before the fold could act on what it carries
+        records.append((seq, event))
+        state = apply(state, event)
+        if isinstance(event, RunStarted | ConfigChanged):
+            config = event.config
+        if seq in cached:
+            snapshot = snapshots.read(run_dir, seq)
+            if snapshot is None and snapshots.written_elsewhere(run_dir, seq):
+                continue  # another release's: unused, and replaced at the next checkpoint
+            if problem := snapshots.snapshot_problem(seq, snapshot, event, state, config):
+                problems.append(problem)
+    if problems:
+        warnings.warn(SnapshotsIgnored(run_dir, problems), stacklevel=3)
     config = config_in_force(records) if records and isinstance(records[0][1], RunStarted) else Config()
     return FoldedLog(state, config, records, records[-1][0] if records else -1, -1)
 

@@ -9,11 +9,18 @@ newest snapshot that checks out.
 A snapshot is never trusted over the log: one that is missing, damaged, of another format or shape of
 state (a schema fingerprint), from a different history (the record at its seq is not the one it was
 taken at, byte for byte) or past the log's end is ignored, and the run is folded from the start instead.
-Renaming a field of the state therefore never strands a run: old snapshots just stop being used. A
-resume also checks the snapshot's step, tokens, stage and data cursors against the manifest of the
-checkpoint it restores from, a file the log names by hash (stores/folding.py). `rewind verify`
-folds the whole log and checks every snapshot against it. Writes are atomic (temporary file, rename)
-but not synced: losing a snapshot costs one full fold, nothing else.
+Renaming a field of the state therefore never strands a run: old snapshots just stop being used.
+
+Only readers start from one (`rewind state`, `log`, `timeline`: what they print is never recorded). A
+resume, which records and trains on what it folds, never does: a snapshot is protected by a checksum
+alone, which whoever edits it recomputes, and nothing in the log vouches for the state it holds (the
+reference, the held rollout batch, the cursors ...), so the only check that cannot be fooled is the
+fold itself. A resume therefore folds the whole log, compares every snapshot it passes with the fold
+(`snapshot_problem`, the check `rewind verify` makes) and says in one warning line which ones disagree:
+a damaged or forged snapshot costs a resume nothing, not even time, and never changes what it trains.
+The price is a resume that folds its whole log (what `rewind bench resume` calls cold) where it folded
+the tail. Refusing instead would stop a run over a file whose loss costs nothing. Writes are atomic (temporary file, rename) but not synced: losing a snapshot
+costs a reader one full fold, nothing else.
 """
 
 from __future__ import annotations
@@ -189,6 +196,30 @@ def read(run_dir: str, seq: int) -> Snapshot | None:
         return None
     snapshot = decode(data)
     return snapshot if snapshot is not None and snapshot.seq == seq else None
+
+
+def snapshot_problem(seq: int, snapshot: Snapshot | None, event: Any, state: State, config: Config | None) -> str:
+    """Why the snapshot stored at `seq` is not the fold of the log up to that record ("" if it is):
+    `event` is the log's record `seq`, `state` the fold of the log up to it, `config` the config in
+    force then. `rewind verify` and a resume both ask this (None: the file did not decode)."""
+    where = f"snapshot {seq:012d}"
+    if snapshot is None:
+        return f"{where}: damaged or of an unknown format (ignored; deleting it is safe)"
+    tag = type(event).__struct_config__.tag
+    if (snapshot.tag, snapshot.step) != (tag, event.step):
+        return f"{where}: names {snapshot.tag} at step {snapshot.step}, the log holds {tag} at step {event.step}"
+    same = snapshot.event_sha256 == event_sha256(event) and _bits(snapshot.state) == _bits(state)
+    if not same or _bits(snapshot.config) != _bits(config):
+        return f"{where}: differs from the fold of the log up to record {seq}; delete it (it is a cache)"
+    return ""
+
+
+_CANONICAL = msgspec.msgpack.Encoder(order="deterministic")
+
+
+def _bits(value: Any) -> bytes:
+    """Equal for equal values, a NaN (a skipped step's loss) included, whatever order a dict was built in."""
+    return _CANONICAL.encode(value)
 
 
 def candidates(run_dir: str, end_seq: int) -> list[Snapshot]:

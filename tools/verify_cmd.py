@@ -115,7 +115,8 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
                 if snapshot is None and snapshots.written_elsewhere(run_dir, record.seq):
                     elsewhere.append(record.seq)
                     continue
-                problems += _snapshot_problems(record.seq, snapshot, record.event, state, config)
+                if problem := snapshots.snapshot_problem(record.seq, snapshot, record.event, state, config):
+                    problems.append(problem)
     problems += [f"snapshot {seq:012d}: past the end of the log (record {seq} does not exist)" for seq in cached]
     notes.append(f"fold: ok (step {state.step}, {'finished' if state.finished else 'not finished'})")
     if elsewhere:
@@ -219,19 +220,6 @@ def _cache_problems(run_dir: str, path: str) -> list[str]:
         inside_path(location.path, path.split("/"))
     except NotConfined as exc:
         return [f"activation cache {exc} (rewind neither reads nor writes a cache there)"]
-    return []
-
-
-def _snapshot_problems(seq: int, snapshot, event, state, config) -> list[str]:
-    from rewind.states.events import event_tag
-
-    where = f"snapshot {seq:012d}"
-    if snapshot is None:
-        return [f"{where}: damaged or of an unknown format (ignored; deleting it is safe)"]
-    if (snapshot.tag, snapshot.step) != (event_tag(event), event.step):
-        return [f"{where}: names {snapshot.tag} at step {snapshot.step}, the log holds {event_tag(event)} at step {event.step}"]
-    if snapshot.state != state or snapshot.config != config:
-        return [f"{where}: differs from the fold of the log up to record {seq}; delete it (it is a cache)"]
     return []
 
 

@@ -118,9 +118,12 @@ def test_verify_names_a_restore_point_whose_reference_is_gone(tmp_path, monkeypa
 
 def test_a_resume_does_not_train_from_a_forged_snapshot(tmp_path):
     """Found in review: a snapshot with its cursors changed (CRC recomputed) was used by a resume, which
-    then drew other data. A resume checks the snapshot against its checkpoint's manifest."""
+    then drew other data. A resume folds the whole log and says which snapshot disagrees with it."""
+    import warnings
+
     from rewind.states.events import StepCommitted
     from rewind.stores import snapshots
+    from rewind.stores.folding import SnapshotsIgnored
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert run_cli(*train_args(straight, "--max-steps", "8"))[0] == 0
@@ -131,7 +134,10 @@ def test_a_resume_does_not_train_from_a_forged_snapshot(tmp_path):
     cursors = {name: count + 1 for name, count in snapshot.state.cursors.items()}
     forged = msgspec.structs.replace(snapshot, state=msgspec.structs.replace(snapshot.state, cursors=cursors))
     (stopped / "snapshots" / f"{newest:012d}.state").write_bytes(snapshots.encode(forged))
-    assert run_cli(*train_args(stopped, "--max-steps", "2"))[0] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", SnapshotsIgnored)
+        code, _, err = run_cli(*train_args(stopped, "--max-steps", "2"))
+    assert code == 0 and f"snapshot {newest:012d}: differs from the fold of the log" in err, err
 
     def steps(run):
         return {e.step: e for _, e in read_seq_events(run) if isinstance(e, StepCommitted)}

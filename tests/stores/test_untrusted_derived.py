@@ -1,0 +1,97 @@
+"""Nothing derived is trusted on resume that the log does not vouch for: a state snapshot forged with
+its checksum recomputed (another KL reference, another held rollout batch) changes nothing a resume
+trains, and the resume says which snapshot disagrees with the log (rewind.stores.folding)."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rewind.states.events import CheckpointCommitted, RolloutsRecorded
+from rewind.stores import snapshots
+from rewind.stores.folding import SnapshotsIgnored
+from rewind.stores.runs import read_seq_events
+from tests.engine.test_loop import run_cli
+from tests.tools.small_posttrain import POSTTRAIN, SMALL
+
+# The small post-training run with a checkpoint every step and windows of two updates on one batch:
+# stopped after step 9 (the grpo stage's second step), a resume trains step 9 on the batch held.
+GRPO = [
+    *SMALL,
+    "--set", "logging.checkpoint_interval=1",
+    "--set", "logging.report_interval=1",
+    "--set", "stages[3].grpo={group_size=4, max_new_tokens=10, kl_beta=0.02, num_iterations=2}",
+]  # fmt: skip
+
+
+def train(run: Path, *args: str) -> None:
+    code, _, err = run_cli("train", POSTTRAIN, "--run-dir", run, "--no-progress", *GRPO, *args)
+    assert code == 0, err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, Path]:
+    """(the run trained straight through, the same run stopped after step 9)."""
+    base = tmp_path_factory.mktemp("grpo")
+    straight, stopped = base / "straight", base / "stopped"
+    train(straight)
+    train(stopped, "--max-steps", "9")
+    return straight, stopped
+
+
+def committed(run: Path) -> list[bytes]:
+    """Every checkpoint the run committed, record bytes: names and hashes of every file."""
+    return [msgspec.msgpack.encode(e) for _, e in read_seq_events(run) if isinstance(e, CheckpointCommitted)]
+
+
+def forge_newest_snapshot(run: Path, **changes) -> int:
+    """Change fields of the newest snapshot's state (and of its restore anchor, which a resume restarts
+    from), the checksum recomputed as a forger would. Returns its seq."""
+    seq = snapshots.list_seqs(str(run))[-1]
+    snapshot = snapshots.read(str(run), seq)
+    assert snapshot is not None and snapshot.state.anchor is not None
+    anchor = msgspec.structs.replace(snapshot.state.anchor, **changes)
+    state = msgspec.structs.replace(snapshot.state, anchor=anchor, **changes)
+    (run / "snapshots" / f"{seq:012d}.state").write_bytes(snapshots.encode(msgspec.structs.replace(snapshot, state=state)))
+    return seq
+
+
+def resume(run: Path) -> list[str]:
+    """Resume; the warnings it said (the command prints rewind's warnings on stderr, one line each)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", SnapshotsIgnored)
+        code, _, err = run_cli("resume", run, "--no-progress")
+    assert code == 0, err
+    return [line for line in err.splitlines() if "warning" in line]
+
+
+def test_a_forged_kl_reference_in_a_snapshot_is_not_trained_on(runs, tmp_path):
+    straight, stopped = runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    state = snapshots.read(str(run), snapshots.list_seqs(str(run))[-1]).state
+    older = [c.checkpoint for c in state.live_checkpoints if c.checkpoint != state.reference.checkpoint]
+    seq = forge_newest_snapshot(run, reference=msgspec.structs.replace(state.reference, checkpoint=older[-1]))
+    code, out, _ = run_cli("verify", run)
+    assert code == 1 and f"PROBLEM snapshot {seq:012d}: differs from the fold" in out
+    said = resume(run)
+    assert committed(run)[-1] == committed(straight)[-1]  # bit for bit the straight run's weights
+    assert len(said) == 1 and f"snapshot {seq:012d}: differs from the fold of the log" in said[0], said
+
+
+def test_a_forged_held_rollout_batch_in_a_snapshot_is_not_trained_on(runs, tmp_path):
+    straight, stopped = runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    held = snapshots.read(str(run), snapshots.list_seqs(str(run))[-1]).state.rollouts
+    # Another window's batch of the same run, its file copied in: a consistent forgery.
+    other = next(e for _, e in read_seq_events(straight) if isinstance(e, RolloutsRecorded) and e.sha256 != held.sha256)
+    shutil.copy(straight / other.path, run / other.path)
+    seq = forge_newest_snapshot(run, rollouts=msgspec.structs.replace(other, step=held.step))
+    said = resume(run)
+    assert committed(run)[-1] == committed(straight)[-1]
+    assert len(said) == 1 and f"snapshot {seq:012d}: differs from the fold of the log" in said[0], said
