@@ -44,6 +44,7 @@ import msgspec
 
 from rewind.states.events import Evaluated, Event, StepCommitted, Validated
 from rewind.stores.fsio import filesystem, open_appending, open_regular
+from rewind.stores.runguard import check_writable
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -364,6 +365,8 @@ def _reading(path: str) -> BinaryIO:
 
 
 def rebuild(run_dir: str | os.PathLike[str], records: Iterable[tuple[int, Event]]) -> None:
-    """Rewrite `run_dir`'s metrics.jsonl and tb/ from its effective (seq, event) records, e.g. for tools."""
+    """Rewrite `run_dir`'s metrics.jsonl and tb/ from its effective (seq, event) records, e.g. for tools.
+    It takes no lock, so it makes the writer's check itself: nothing leads out of the run (runguard)."""
+    check_writable(filesystem(run_dir))
     with MetricsProjection(run_dir) as projection:
         projection.rebuild(run_dir, records)

@@ -272,3 +272,19 @@ def test_a_resume_with_a_fifo_as_metrics_jsonl_ends_in_one_line_and_does_not_han
     assert done.stderr == f"rewind: {run}/metrics.jsonl is a FIFO, not a regular file: no file of a run is one " \
         "(opening it can block); remove it; nothing was written\n"
     assert tree_state(run) == before
+
+
+@pytest.mark.parametrize("name", ["tb", "metrics.jsonl"])
+def test_export_tensorboard_through_a_link_out_is_refused_and_nothing_is_written(run, tmp_path, name):
+    """`rewind export tensorboard RUN` rewrites tb/ and metrics.jsonl without taking the lock: it looks first too."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "theirs").write_text("not the run's")
+    target = run / name
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    target.symlink_to(outside if name == "tb" else outside / "theirs")
+    before, before_outside = tree_state(run), tree_state(outside)
+    code, out, err = run_cli("export", "tensorboard", run)
+    assert code == 1 and out == "", err
+    assert err.count("\n") == 1 and err.startswith(f"rewind: {target} leads outside the run directory"), err
+    assert tree_state(run) == before and tree_state(outside) == before_outside
