@@ -10,7 +10,9 @@ A resume (`store` given: it holds the run's checkpoints) records and trains on w
 trusts no snapshot: a checksum is all that protects one, and the log vouches for none of the state it
 holds. It folds the whole log, checks every snapshot it passes against the fold (the check `rewind
 verify` makes: snapshots.snapshot_problem) and warns in one line about those that disagree
-(SnapshotsIgnored); the snapshot it writes after its RunResumed is the fold's own.
+(SnapshotsIgnored); the snapshot it writes after its RunResumed is the fold's own. It also refuses,
+before anything is recorded, what the fold accepts but no run writes (`commit_problem`: a checkpoint
+committed twice), which verify names too.
 
 Every record folded here is first admitted (rewind.states.admission, through rewind.stores.trust: a
 config carried in the log gets the checks a config file gets), and so is a snapshot's state before it is used: a log is untrusted input.
@@ -24,14 +26,14 @@ from dataclasses import dataclass
 
 from rewind.states.admission import state_problem
 from rewind.states.config import Config
-from rewind.states.events import ConfigChanged, RunStarted, event_tag
+from rewind.states.events import CheckpointCommitted, ConfigChanged, Event, RunStarted, event_tag
 from rewind.states.fold import IllegalTransition, apply, fold
 from rewind.states.history import SeqEvent, config_in_force, effective, is_superseded, skip_ranges
 from rewind.states.state import State
 from rewind.stores import snapshots
 from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.eventlog import EventLog, Record
-from rewind.stores.trust import RecordChecker
+from rewind.stores.trust import RecordChecker, UntrustedRecord
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,22 @@ def fold_log(log: EventLog, run_dir: str, store: CheckpointStore | None = None) 
     return FoldedLog(state, config, records, records[-1][0] if records else -1, -1)
 
 
+def commit_problem(state: State, event: Event) -> str:
+    """What the fold accepts in `event` after `state` but no run writes ("" if nothing): a checkpoint
+    committed while a record already names it live. No code path commits a checkpoint twice (a resume
+    restarts from the last one and never takes another at its step; a content-named checkpoint taken
+    again holds another state, so another name), and retention would later try to delete it twice.
+    `rewind verify` and a resume both ask this."""
+    if isinstance(event, CheckpointCommitted):
+        first = next((c for c in state.live_checkpoints if c.checkpoint == event.checkpoint), None)
+        if first is not None:
+            return (
+                f"checkpoint {event.checkpoint} committed a second time (it is live since step {first.step}); "
+                "a run commits a checkpoint once: the log was edited"
+            )
+    return ""
+
+
 class SnapshotsIgnored(UserWarning):
     """A resume found snapshots that are not the fold of the log: it folded the log instead."""
 
@@ -104,6 +122,8 @@ def _fold_whole(log: EventLog, run_dir: str, end_seq: int) -> FoldedLog:
     for record in log.records():
         seq, event = record.seq, record.event
         checker.check(seq, event)  # UntrustedRecord, before the fold could act on what it carries
+        if problem := commit_problem(state, event):
+            raise UntrustedRecord(seq, event, problem)
         records.append((seq, event))
         state = apply(state, event)
         if isinstance(event, RunStarted | ConfigChanged):

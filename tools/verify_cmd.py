@@ -9,8 +9,9 @@ Checks, reporting every problem with its exact location:
 2. the fold succeeds (no illegal transition), and no record carries what no rewind run could have
    written (rewind.stores.trust: a config `check_config` refuses, an absurd thread count, a fork seed
    past the run's end, a checkpoint, file or dataset name that is not a plain name, an activation cache
-   path rewind does not write); every activation cache a record names stays inside the run once links
-   are resolved;
+   path rewind does not write), nor what only an edited log holds (a checkpoint committed twice:
+   rewind.stores.folding.commit_problem, which a resume refuses); every activation cache a record
+   names stays inside the run once links are resolved;
 3. every checkpoint the log still holds live exists and matches the hashes its CheckpointCommitted
    recorded, file by file;
 4. each live checkpoint's manifest agrees with the control state folded from the log at that point
@@ -59,6 +60,7 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
     from rewind.stores import snapshots
     from rewind.stores.checkpoints import CheckpointStore
     from rewind.stores.eventlog import EventLog, verify_log
+    from rewind.stores.folding import commit_problem
     from rewind.stores.orphans import LogEnd, lost_record_problems
     from rewind.stores.trust import RecordChecker
 
@@ -97,6 +99,8 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
                 problems.append(f"record: {where}: {problem}")
                 return problems, notes  # the fold would act on what the record carries
             max_step, end_seq = max(max_step, record.event.step), record.seq
+            if problem := commit_problem(state, record.event):
+                problems.append(f"record: {where}: {problem}")
             try:
                 state = apply(state, record.event)
             except IllegalTransition as exc:

@@ -1,6 +1,7 @@
 """Nothing derived is trusted on resume that the log does not vouch for: a state snapshot forged with
 its checksum recomputed (another KL reference, another held rollout batch) changes nothing a resume
-trains, and the resume says which snapshot disagrees with the log (rewind.stores.folding)."""
+trains, and the resume says which snapshot disagrees with the log (rewind.stores.folding); a log that
+commits a checkpoint twice, which no run writes, is named by verify and refused by a resume."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import pytest
 
 from rewind.states.events import CheckpointCommitted, RolloutsRecorded
 from rewind.stores import snapshots
+from rewind.stores.eventlog import EventLog
 from rewind.stores.folding import SnapshotsIgnored
 from rewind.stores.runs import read_seq_events
-from tests.engine.test_loop import run_cli
+from tests.engine.test_loop import one_line, run_cli, train_args
+from tests.tools.rundir_forgery import tree_state
 from tests.tools.small_posttrain import POSTTRAIN, SMALL
 
 # The small post-training run with a checkpoint every step and windows of two updates on one batch:
@@ -95,3 +98,31 @@ def test_a_forged_held_rollout_batch_in_a_snapshot_is_not_trained_on(runs, tmp_p
     said = resume(run)
     assert committed(run)[-1] == committed(straight)[-1]
     assert len(said) == 1 and f"snapshot {seq:012d}: differs from the fold of the log" in said[0], said
+
+
+def test_a_checkpoint_committed_twice_is_named_by_verify_and_refused_by_a_resume(tmp_path):
+    """No run commits a checkpoint twice; a log that does would make retention delete it twice, fifty
+    steps after the resume. verify names the record, a resume refuses it up front: one line, nothing
+    written."""
+    run = tmp_path / "run"
+    assert run_cli(*train_args(run, "--max-steps", "6"))[0] == 0
+    records = read_seq_events(run)
+    at = max(i for i, (_, e) in enumerate(records) if isinstance(e, CheckpointCommitted))
+    events = [e for _, e in records[: at + 1]] + [records[at][1]] + [e for _, e in records[at + 1 :]]
+    shutil.rmtree(run / "events")
+    with EventLog.open(run, "w") as log:  # the real writer: framing and CRCs are right
+        for event in events:
+            log.append(event)
+        log.commit()
+    name = records[at][1].checkpoint
+    code, out, _ = run_cli("verify", run)
+    assert code == 1
+    assert f"PROBLEM record: seq {at + 1} " in out and f"checkpoint {name} committed a second time" in out, out
+    before = tree_state(run)
+    code, _, err = run_cli(*train_args(run))
+    assert code == 1 and one_line(err) == (
+        f"rewind: event log record {at + 1} (CheckpointCommitted at step {records[at][1].step}): checkpoint {name} "
+        f"committed a second time (it is live since step {records[at][1].step}); a run commits a checkpoint once: "
+        "the log was edited"
+    )
+    assert tree_state(run) == before
