@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from rewind.engine.grpo_step import window_rows
 from rewind.engine.parts import Parts, RunError, build_parts, fresh_parts, open_datasets, starting_weights
 from rewind.engine.placement import (
@@ -29,6 +31,7 @@ from rewind.engine.rewards import RewardError, reward_code_changes
 from rewind.engine.rundata import DataChanged, check_data
 from rewind.engine.userdata import DataHome
 from rewind.states.config import Config
+from rewind.states.cpu_threads import threads_worth
 from rewind.states.entry import Site
 from rewind.states.plan import rollouts_due
 from rewind.states.state import State
@@ -50,7 +53,11 @@ def adopt_site(site: Site | None, threads: int = 0) -> str:
 
 def enter_site(config: Config, site: Site | None, threads: int = 0) -> tuple[Placement, str]:
     """Adopt `site` (`adopt_site`) and refuse what this process cannot compute as `config` asks
-    (PlacementError), with the process-wide settings its device needs made: (placement, note)."""
+    (PlacementError), with the process-wide settings its device needs made: (placement, note). A new run
+    without --threads computes with the threads its steps keep busy, up to this process's count
+    (rewind.states.cpu_threads)."""
+    if site is None and threads <= 0:
+        threads = threads_worth(config, torch.get_num_threads())
     note = adopt_site(site, threads)
     placement = placement_for(config)
     check_compute(config, placement)

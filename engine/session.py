@@ -241,7 +241,7 @@ def _plan_start(config: Config, run_dir: str, threads: int, base_dir: str | None
         raise RunError(
             f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
         )
-    placement, _ = enter_site(config, None, threads)  # the user's --threads, if given: recorded below
+    placement, _ = enter_site(config, None, threads)  # --threads, or what its steps keep busy: recorded below
     home = start_home(config, run_dir, base_dir=base_dir)
     built = assemble(config, run_dir, None, home)  # before the first record
     started = RunStarted(

@@ -1,5 +1,6 @@
 """The CPU threads a `rewind` process computes with: as many as the cores it may use (affinity mask,
-cgroup quota), chosen before torch loads its OpenMP runtime, whose idle threads then sleep, not spin."""
+cgroup quota), chosen before torch loads its OpenMP runtime, whose idle threads then sleep, not spin; a
+new run computes with as many of them as its steps keep busy (rewind.states.cpu_threads)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from rewind.states.events import RunStarted
+from rewind.stores.runs import read_records
 from rewind.tools.cpu_threads import cgroup_quota, prepare_threads, usable_cores
+from tests.conftest import EXAMPLES
 
 EIGHT = lambda: set(range(8))  # noqa: E731 - an affinity mask of eight cores
 
@@ -113,3 +117,20 @@ def test_the_command_chooses_before_torch_loads_and_torch_computes_with_it():
     cores = usable_cores()
     assert probed["seen"] == {"policy": "PASSIVE", "count": str(cores), "torch": False}
     assert probed["threads"] == cores
+
+
+def test_a_new_run_records_the_threads_its_steps_keep_busy_unless_told(tmp_path):
+    """The tiny example in a fresh process whose OpenMP runtime has 2 threads: a new run computes with 1
+    (its steps keep no second thread busy: rewind.states.cpu_threads), --threads 2 with 2; both recorded."""
+    environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"OMP_NUM_THREADS": "2"}
+    recorded = []
+    for run, extra in (("chosen", []), ("told", ["--threads", "2"])):
+        subprocess.run(
+            [sys.executable, "-m", "rewind", "train", str(EXAMPLES / "tiny.toml"), "--run-dir", str(tmp_path / run),
+             "--max-steps", "1", "--no-progress", *extra],
+            env=environ, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        started = read_records(str(tmp_path / run))[0].event
+        assert isinstance(started, RunStarted)
+        recorded.append(started.num_threads)
+    assert recorded == [1, 2]
