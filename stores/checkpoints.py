@@ -23,7 +23,7 @@ import shutil
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from rewind.stores import confine
+from rewind.stores import confine, temporaries
 from rewind.stores.fsio import filesystem, fsync_dir, write_new_file
 from rewind.stores.manifest import FORMAT_VERSION as FORMAT_VERSION
 from rewind.stores.manifest import FORMAT_WITH_LOG_SEQ as FORMAT_WITH_LOG_SEQ
@@ -50,6 +50,7 @@ from rewind.stores.manifest import (
     serialize_group,
 )
 from rewind.stores.manifest import group_file as group_file
+from rewind.stores.temporaries import TEMPORARIES, is_temporary
 
 if TYPE_CHECKING:
     import torch  # for annotations only: reading and verifying checkpoints never imports it
@@ -226,26 +227,30 @@ class CheckpointStore:
         except FileNotFoundError:
             return []
         bases = [os.path.basename(i["name"].rstrip("/")) for i in listing if i["type"] == "directory"]
-        return sorted(base for base in bases if base.startswith(TMP_PREFIX) or NAME_PATTERN.fullmatch(base))
+        return sorted(base for base in bases if is_temporary(CHECKPOINTS_DIR, base) or NAME_PATTERN.fullmatch(base))
 
     def orphans(self, committed_names: Iterable[str]) -> list[str]:
         """Directories the log does not name (incomplete writes, temporaries, checkpoints of superseded
         steps). Call with the run lock held: a concurrent writer's temporary looks like an orphan."""
         committed = set(committed_names)
-        return [name for name in self.names_on_disk() if name.startswith(TMP_PREFIX) or name not in committed]
+        return [name for name in self.names_on_disk() if name not in committed]
 
     def set_aside_orphans(self, committed_names: Iterable[str]) -> tuple[list[str], list[str]]:
         """(removed, moved): this store's own temporaries are removed (nothing was ever committed from
         them, or their deletion was on record), every other orphan is moved under `orphaned/`, never
-        deleted: a checkpoint the log does not name may be one whose record was lost. Lock held."""
+        deleted: a checkpoint the log does not name may be one whose record was lost. Lock held: a
+        resume calls this once its RunResumed is on record, and so it also removes the temporaries a
+        killed writer left in the run's other directories (rewind.stores.temporaries; `removed` names
+        those by their path in the run)."""
         removed, moved = [], []
         for name in self.orphans(committed_names):
-            if name.startswith(TMP_PREFIX):
+            if is_temporary(CHECKPOINTS_DIR, name):
                 self._remove(name)
                 removed.append(name)
             else:
                 self._set_aside(name)
                 moved.append(name)
+        removed += temporaries.remove(str(self.run_dir), tuple(d for d in TEMPORARIES if d != CHECKPOINTS_DIR))
         return removed, moved
 
     def set_aside_names(self) -> list[str]:

@@ -18,7 +18,8 @@ Checks, reporting every problem with its exact location:
    (step, tokens, cursors, stage, config);
 5. what a resume would load (the restore point's checkpoint and its KL reference) is live;
 6. no checkpoint on disk that the log does not name proves that the log lost acknowledged records
-   (rewind.stores.orphans: which checkpoint, and the step the log should reach);
+   (rewind.stores.orphans: which checkpoint, and the step the log should reach); the temporaries a
+   killed write left (rewind.stores.temporaries) are a note;
 7. every state snapshot beside the log (`snapshots/`, a cache that lets resume fold only the tail) is
    exactly the fold of the log up to its record, under the config then in force; a damaged or wrong
    one is named (it is never used over the log, and deleting it is safe);
@@ -58,10 +59,11 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
     from rewind.states.fold import IllegalTransition, apply
     from rewind.states.state import State, anchor_checkpoint, control_summary
     from rewind.stores import snapshots
-    from rewind.stores.checkpoints import CheckpointStore
+    from rewind.stores.checkpoints import CHECKPOINTS_DIR, CheckpointStore
     from rewind.stores.eventlog import EventLog, verify_log
     from rewind.stores.folding import commit_problem
     from rewind.stores.orphans import LogEnd, lost_record_problems
+    from rewind.stores.temporaries import is_temporary, stale
     from rewind.stores.trust import RecordChecker
 
     problems: list[str] = []
@@ -164,9 +166,11 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
     interval = config.logging.report_interval if config is not None else 1
     lost = lost_record_problems(store, live_names, anchor_checkpoint(anchor) if anchor else "", end, interval)
     problems += [f"log: lost acknowledged records: {line}" for line in lost]
-    orphans = store.orphans(live_names)
+    orphans = [name for name in store.orphans(live_names) if not is_temporary(CHECKPOINTS_DIR, name)]
     if orphans:
         notes.append(f"checkpoints on disk that no live event names (ignored by rewind): {', '.join(orphans)}")
+    if left := stale(run_dir):
+        notes.append(f"temporaries a killed write left (never read; the next resume removes them): {', '.join(left)}")
     if aside := store.set_aside_names():
         notes.append(f"checkpoints a resume set aside under checkpoints/orphaned/ (kept, unused): {', '.join(aside)}")
     if data and config is not None:

@@ -5,18 +5,25 @@ commits a checkpoint twice, which no run writes, is named by verify and refused 
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import warnings
 from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 from rewind.states.events import CheckpointCommitted, RolloutsRecorded
 from rewind.stores import snapshots
+from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.eventlog import EventLog
 from rewind.stores.folding import SnapshotsIgnored
+from rewind.stores.fsio import filesystem
 from rewind.stores.runs import read_seq_events
+from rewind.stores.temporaries import TEMPORARIES
+from rewind.stores.trunks import TrunkStore, serialize
 from tests.engine.test_loop import one_line, run_cli, train_args
 from tests.tools.rundir_forgery import tree_state
 from tests.tools.small_posttrain import POSTTRAIN, SMALL
@@ -126,3 +133,49 @@ def test_a_checkpoint_committed_twice_is_named_by_verify_and_refused_by_a_resume
         "the log was edited"
     )
     assert tree_state(run) == before
+
+
+def killed_before_the_rename(monkeypatch, write) -> None:
+    """Run `write` as a process killed between writing its temporary and renaming it into place."""
+
+    def die(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "replace", die)
+        patched.setattr(os, "rename", die)
+        with pytest.raises(KeyboardInterrupt):
+            write()
+
+
+def test_the_temporaries_a_killed_writer_leaves_are_noted_by_verify_and_removed_by_a_resume(tmp_path, monkeypatch):
+    """A kill while a rollout file, a frozen stack's file, a snapshot or a checkpoint is written leaves
+    its temporary (written by the real writers here); verify notes them and a resume removes exactly
+    them, never a file of another name."""
+    run = tmp_path / "run"
+    assert run_cli(*train_args(run, "--max-steps", "4"))[0] == 0
+    data = b"rollout bytes"
+    (run / "rollouts").mkdir()
+    target = filesystem(str(run)).join("rollouts", f"{hashlib.sha256(data).hexdigest()}.safetensors")
+    killed_before_the_rename(monkeypatch, lambda: target.write_atomic(data))
+    trunk, digest = serialize({"w": torch.ones(2)})
+    killed_before_the_rename(monkeypatch, lambda: TrunkStore(run).write(trunk, digest))
+    seq = snapshots.list_seqs(str(run))[-1]
+    killed_before_the_rename(monkeypatch, lambda: snapshots.write(str(run), snapshots.read(str(run), seq)))
+    killed_before_the_rename(monkeypatch, lambda: CheckpointStore(run).write(9, {"model": {"w": torch.ones(2)}}))
+    left = sorted(str(p.relative_to(run)) for part in TEMPORARIES for p in (run / part).iterdir() if ".tmp-" in p.name)
+    assert [p.split("/")[0] for p in left] == ["checkpoints", "rollouts", "snapshots", "trunks"], left
+    # Names rewind does not write stay whatever they look like.
+    others = ["rollouts/.tmp-notes", "rollouts/notes.safetensors.tmp-1-00000000", "snapshots/000000000001.state.tmp-",
+              "trunks/.tmp-mine", "checkpoints/.tmp-mine"]  # fmt: skip
+    for other in others:
+        (run / other).mkdir() if other.startswith("checkpoints") else (run / other).write_text("mine")
+    code, out, _ = run_cli("verify", run)
+    assert code == 0, out
+    said = "temporaries a killed write left (never read; the next resume removes them): "
+    noted = [line.removeprefix(said).split(", ") for line in out.splitlines() if line.startswith(said)]
+    assert len(noted) == 1 and sorted(noted[0]) == left, out
+    assert run_cli(*train_args(run, "--max-steps", "1"))[0] == 0
+    assert not any((run / path).exists() for path in left)
+    assert all((run / other).exists() for other in others)
+    assert "temporaries" not in run_cli("verify", run)[1]
