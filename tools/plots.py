@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rewind.states.events import Event, ReferenceRefreshed, StackAppended, StageEntered
 from rewind.states.schedule import Schedule
+from rewind.tools.kl_terms import RunKl
 from rewind.tools.outfile import write_file_atomically
 
 # One colour per stage, the same in every panel and every plot rewind draws.
@@ -155,11 +156,19 @@ def schedule_figure(schedule: Schedule, events: list[Event], title: str = ""):
     ax_lr.set_ylabel(f"learning rate\n({config.optimization.schedule})")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
 
-    ax_kl.step(x, [schedule.beta(k) for k in steps], where="post", color="#C00000", linewidth=1.2)
+    # The weight of the KL penalty each step's stage adds (rewind.tools.kl_terms): beta, a grpo stage's
+    # grpo.kl_beta; a dpo stage adds none (its beta is 0 by rule), its loss being its tie to the reference.
+    kl = RunKl(config.stages)
+    ax_kl.step(x, [kl.penalties[schedule.primary(k)] for k in steps], where="post", color="#C00000", linewidth=1.2,
+               gid="kl weight")
     draw_stage_context(ax_kl, schedule, events)
-    ax_kl.set_ylabel(f"KL weight\n({config.optimization.kl.kind})")
+    kinds = f"beta ({config.optimization.kl.kind}), grpo.kl_beta" if any(kl.grpo) else config.optimization.kl.kind
+    ax_kl.set_ylabel(f"KL weight\n({kinds})")
+    if any(kl.dpo):
+        ax_kl.text(0.01, 0.85, "dpo stages: no KL penalty (the loss is the tie to the reference, dpo.beta)",
+                   transform=ax_kl.transAxes, fontsize=8, color="0.4")
     ax_kl.set_xlabel("tokens consumed")
-    ax_kl.set_ylim(bottom=0, top=max(max(schedule.betas), 1e-3) * 1.25)
+    ax_kl.set_ylim(bottom=0, top=max(max(kl.penalties), 1e-3) * 1.25)
     ax_kl.set_xlim(0, schedule.num_steps * schedule.tokens_per_step)
     fig.tight_layout()
     return fig

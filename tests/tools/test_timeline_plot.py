@@ -211,3 +211,33 @@ def test_a_run_without_a_kl_penalty_says_precisely_why(figures, config, override
     kl = panels(figures(timeline))["kl"]
     assert [t.get_text() for t in kl.texts] == [said]
     assert not [line for line in kl.get_lines() if line.get_gid() in ("kl", "weighted kl")]
+
+
+def schedule_kl_panel(config, *overrides):
+    """`rewind schedule --plot`'s KL panel for a config: its ylabel, texts, and the weight by step index."""
+    from rewind.tools.plots import schedule_figure
+
+    schedule = Schedule(load_config(str(config), list(overrides)))
+    fig = schedule_figure(schedule, list(plan(schedule)))
+    (kl,) = [ax for ax in fig.axes if ax.get_label() == "kl"]
+    (curve,) = [line for line in kl.get_lines() if len(line.get_xdata()) > 2]  # not a boundary's axvline
+    tps = schedule.tokens_per_step
+    weight = {int(x) // tps: y for x, y in zip(curve.get_xdata(), curve.get_ydata(), strict=True)}
+    said = (kl.get_ylabel(), [t.get_text() for t in kl.texts], kl.get_ylim()[1])
+    pyplot().close(fig)
+    return schedule, weight, said
+
+
+def test_the_schedule_plot_draws_a_grpo_stages_kl_weight_and_says_a_dpo_stage_adds_none():
+    """examples/posttrain.toml: every beta is 0 by rule, but the grpo stage's loss carries grpo.kl_beta 0.02 x
+    its KL estimate: the schedule's KL weight panel draws 0.02 there, as `rewind schedule` and the timeline say."""
+    schedule, weight, (ylabel, texts, top) = schedule_kl_panel(POSTTRAIN)
+    grpo = schedule.entry_steps[3]
+    assert {w for k, w in weight.items() if k >= grpo} == {0.02}
+    assert {w for k, w in weight.items() if k < grpo} == {0.0}
+    assert ylabel == "KL weight\n(beta (token_kl), grpo.kl_beta)" and top >= 0.02
+    assert texts == ["dpo stages: no KL penalty (the loss is the tie to the reference, dpo.beta)"]
+    # A run of pretrain stages draws its betas as before.
+    schedule, weight, (ylabel, texts, _) = schedule_kl_panel(TINY)
+    assert weight == {k: schedule.beta(k) for k in weight} and any(weight.values())
+    assert ylabel == f"KL weight\n({schedule.config.optimization.kl.kind})" and texts == []
