@@ -162,7 +162,8 @@ def schedule_figure(schedule: Schedule, events: list[Event], title: str = ""):
     ax_kl.step(x, [kl.penalties[schedule.primary(k)] for k in steps], where="post", color="#C00000", linewidth=1.2,
                gid="kl weight")
     draw_stage_context(ax_kl, schedule, events)
-    kinds = f"beta ({config.optimization.kl.kind}), grpo.kl_beta" if any(kl.grpo) else config.optimization.kl.kind
+    kinds = config.optimization.kl.kind
+    kinds = f"beta ({kinds}), grpo.kl_beta" if any(kl.grpo) else kinds
     ax_kl.set_ylabel(f"KL weight\n({kinds})")
     if any(kl.dpo):
         ax_kl.text(0.01, 0.85, "dpo stages: no KL penalty (the loss is the tie to the reference, dpo.beta)",

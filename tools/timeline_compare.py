@@ -23,7 +23,7 @@ from rewind.states.events import Evaluated, ReferenceRefreshed, StackAppended
 from rewind.tools.outfile import write_file_atomically
 from rewind.tools.plots import dataset_styles, draw_stage_context, format_tokens, pyplot
 from rewind.tools.timeline_buckets import StepColumns, runs_of
-from rewind.tools.timeline_plot import LEGEND, evaluation_points
+from rewind.tools.timeline_plot import LEGEND, KlWeights, evaluation_points
 from rewind.tools.timeline_scan import Timeline
 
 RUN_COLOURS = {"a": "#1F4E9C", "b": "#D95F02"}
@@ -151,19 +151,22 @@ def _draw_lr(ax, side: str, steps: StepColumns) -> None:
         )
 
 
-def _draw_kl(ax, side: str, steps: StepColumns) -> None:
+def _draw_kl(ax, side: str, timeline: Timeline, steps: StepColumns) -> None:
+    """The run's KL and the part its penalty adds to the objective: beta x KL, a grpo stage's
+    grpo.kl_beta x its estimate (rewind.tools.kl_terms); blank over dpo steps, which compute no KL."""
     if steps.num_steps:
         colour, line = RUN_COLOURS[side], RUN_LINES[side]
-        ax.plot(
-            steps.tokens, steps.kl, color=colour, linestyle=line, linewidth=1.5, label=f"KL ({side.upper()})"
-        )
+        weights = KlWeights(timeline.config.stages)
+        kl = np.where(weights.is_dpo[steps.stage], np.nan, steps.kl)
+        ax.plot(steps.tokens, kl, color=colour, linestyle=line, linewidth=1.5, label=f"KL ({side.upper()})")
+        weight = "weight" if any(weights.grpo) else "beta"  # the weight: beta, or grpo.kl_beta in grpo stages
         ax.plot(
             steps.tokens,
-            steps.kl * steps.beta,
+            kl * weights.of(steps.stage, steps.beta),
             color=colour,
             linestyle=":",
             linewidth=1.0,
-            label=f"beta x KL ({side.upper()})",
+            label=f"{weight} x KL ({side.upper()})",
         )
 
 
@@ -210,7 +213,7 @@ def comparison_figure(a: Timeline, b: Timeline, child: str = ""):
         _draw_losses(ax_loss, side, names[side], steps)
         _draw_accuracy(ax_eval, side, names[side], timeline, styles)
         _draw_lr(ax_lr, side, steps)
-        _draw_kl(ax_kl, side, steps)
+        _draw_kl(ax_kl, side, timeline, steps)
         _draw_mixture(ax_mix, side, steps, styles)
     _draw_difference(ax_delta, columns["a"], columns["b"])
     refreshes = a.effective_of(ReferenceRefreshed)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from rewind.states.compare import first_difference
@@ -269,6 +270,34 @@ def test_diff_plot_marks_the_fork_names_both_runs_and_draws_b_minus_a(straight, 
         pyplot().close(fig)
     same = timeline_compare.run_names({"a": a, "b": a})
     assert same["a"] != same["b"]  # one run twice is still two names
+
+
+def test_diff_plot_weighs_a_grpo_stages_kl_by_its_kl_beta_and_leaves_dpo_steps_blank():
+    """examples/posttrain.toml's steps as its log reads (every beta 0 by rule): the dotted weight x KL line is
+    grpo.kl_beta 0.02 x the KL in the grpo stage, as the loss weighs it, not beta x KL = 0; a dpo step,
+    which computes no KL, is blank in both lines."""
+    from rewind.tools import timeline_compare
+    from rewind.tools.plots import pyplot
+    from tests.tools.test_timeline_plot import POSTTRAIN, no_text, written_timeline
+
+    a = written_timeline(POSTTRAIN, lambda k, stage: 1.0, no_text, kl_of=lambda k, stage: 0.25 * stage)
+    b = written_timeline(POSTTRAIN, lambda k, stage: 1.0, no_text, kl_of=lambda k, stage: 0.5 * stage)
+    fig = timeline_compare.comparison_figure(a, b)
+    try:
+        (kl_panel,) = [ax for ax in fig.axes if ax.get_label() == "kl"]
+        lines = {line.get_label(): line for line in kl_panel.get_lines()}
+        schedule, tps = a.schedule, a.schedule.tokens_per_step
+        dpo, grpo = schedule.entry_steps[2], schedule.entry_steps[3]
+        for side, kl in (("A", 0.75), ("B", 1.5)):
+            steps = [int(x) // tps - 1 for x in lines[f"KL ({side})"].get_xdata()]
+            assert steps == list(range(schedule.num_steps))
+            raw = np.asarray(lines[f"KL ({side})"].get_ydata())
+            weighted = np.asarray(lines[f"weight x KL ({side})"].get_ydata())
+            assert np.all(np.isnan(raw[dpo:grpo])) and np.all(np.isnan(weighted[dpo:grpo]))  # blank, not 0
+            assert raw[grpo:] == pytest.approx(kl) and weighted[grpo:] == pytest.approx(0.02 * kl)
+            assert not weighted[:dpo].any()  # pretrain and sft: beta 0
+    finally:
+        pyplot().close(fig)
 
 
 def test_a_stopped_run_ends_early(straight, stopped):
