@@ -10,6 +10,7 @@ million-step run takes seconds and a bounded amount of memory.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,21 +32,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def read_timeline(run_dir: str, *, with_plot: bool = False) -> Any:
     """The run's `Timeline` (tools.timeline_scan): its log read once, after a first pass for the
     superseded ranges (see stores.runs.superseded_ranges), and folded on the way; never held."""
+    from rewind.states.events import StepCommitted
     from rewind.tools.streamlog import marked_records
     from rewind.tools.timeline_scan import Timeline
 
     records = marked_records(run_dir)
     timeline = Timeline(run_dir, with_plot=with_plot)
+    # stage -> [sum, count] of the finite KL its effective steps logged with a record's beta of 0: a grpo
+    # stage's estimate, weighed by grpo.kl_beta, which the scan's per-stage mean (beta > 0) leaves out.
+    timeline.own_kl = own_kl = {}
 
     def events() -> Any:
         for seq, event, superseded in records:
             timeline.add(seq, event, superseded)
+            kept = not superseded and isinstance(event, StepCommitted)
+            if kept and event.beta == 0 and math.isfinite(event.kl):
+                tally = own_kl.setdefault(event.stage, [0.0, 0])
+                tally[0] += event.kl
+                tally[1] += 1
             yield event
 
     return timeline.finish(fold_events(run_dir, events()))
 
 
 # --- the summary ------------------------------------------------------------------------------------
+
+
+def kl_columns(timeline, stage: int, kl_mean: float | None) -> dict:
+    """For a dpo or grpo stage, whose beta is 0 by rule, what ties it to the reference instead
+    (rewind.tools.kl_terms: "kl", as setting, value and penalty) and the mean KL that weighs: a grpo
+    stage's logged estimate, none for a dpo stage; a stage tied by its beta keeps its row as it was."""
+    from rewind.tools.kl_terms import kl_term
+
+    stages = timeline.config.stages
+    term = kl_term(stages[stage]) if stage < len(stages) else None
+    if term is None or term.setting == "beta":
+        return {"kl_mean": kl_mean}
+    total, count = getattr(timeline, "own_kl", {}).get(stage, (0.0, 0))
+    grpo_kl = total / count if count and term.penalty > 0 else None
+    return {"kl_mean": grpo_kl if term.setting == "grpo.kl_beta" else None, "kl": term._asdict()}
 
 
 def stage_rows(timeline) -> list[dict]:
@@ -57,6 +82,7 @@ def stage_rows(timeline) -> list[dict]:
     for stage in range(timeline.schedule.num_stages):
         steps = timeline.stage_steps(stage)
         first, last = steps.first, steps.last
+        losses = steps.losses()  # loss_start, loss_end, loss_min, kl_mean (of the steps with beta > 0)
         rows.append(
             {
                 "stage": stage,
@@ -66,8 +92,9 @@ def stage_rows(timeline) -> list[dict]:
                 "last_step": last.step if last else None,
                 "tokens_start": first.tokens - tps if first else None,
                 "tokens_end": last.tokens if last else None,
-                **steps.losses(),  # loss_start, loss_end, loss_min, kl_mean
+                **losses,
                 "beta": timeline.schedule.betas[stage] if stage < len(timeline.schedule.betas) else 0.0,
+                **kl_columns(timeline, stage, losses["kl_mean"]),  # kl (the stage's term), kl_mean
                 "validation": timeline.validated.get(stage, {}),
                 "evaluation": evaluated.get(stage),
                 "bits_per_byte": bits.get(stage),  # held-out text at the stage's end (None: no text scored)
@@ -240,9 +267,11 @@ def render(summary: dict, tables: Sequence[str] = ()) -> list[str]:
         ("task loss", "end", [_number(r["loss_end"]) for r in stages]),
         ("task loss", "min", [_number(r["loss_min"]) for r in stages]),
     ]
-    if any(r["beta"] > 0 for r in stages):
+    terms = [r.get("kl") or {"setting": "beta", "value": r["beta"], "penalty": r["beta"]} for r in stages]
+    if any(term["penalty"] > 0 for term in terms):
+        own = any(term["setting"] != "beta" for term in terms)  # then the weight is not beta everywhere
         columns += [
-            ("KL to reference", "beta", [f"{r['beta']:g}" for r in stages]),
+            ("KL to reference", "weight" if own else "beta", [_kl_weight(term) for term in terms]),
             ("KL to reference", "mean KL", [_number(r["kl_mean"]) for r in stages]),
         ]
     columns += [
@@ -265,6 +294,13 @@ def render(summary: dict, tables: Sequence[str] = ()) -> list[str]:
     lines += [f"{m['step']:>10,} {m['tokens']:>14,}  {m['text']}" for m in summary["markers"]]
     lines.append(_checkpoint_line(summary["checkpoints"]))
     return lines
+
+
+def _kl_weight(term: dict) -> str:
+    """The weight of a stage's KL penalty: '0.2' (beta), 'grpo.kl_beta 0.02', 'none (dpo)'."""
+    if term["setting"] == "dpo.beta":
+        return "none (dpo)"
+    return f"{term['value']:g}" if term["setting"] == "beta" else f"{term['setting']} {term['value']:g}"
 
 
 def _in_stage_order(names: set[str], stages: list[dict]) -> list[str]:

@@ -249,6 +249,40 @@ def test_the_mixture_shows_the_split_inside_a_stage_and_the_kl_term_is_drawn(str
     assert "KL to reference" in out and "mean KL" in out and "task loss" in out
 
 
+@pytest.fixture(scope="module")
+def posttrained(tmp_path_factory) -> Path:
+    from tests.tools.small_posttrain import train_small_posttrain
+
+    return train_small_posttrain(tmp_path_factory.mktemp("posttrained") / "run")
+
+
+def test_the_kl_columns_show_a_grpo_stages_kl_penalty_and_a_dpo_stages_loss(posttrained):
+    """examples/posttrain.toml made small: every beta is 0 (the rule in dpo and grpo stages), but the grpo
+    stage's loss carries grpo.kl_beta 0.02 x its KL estimate. The table shows that weight and the mean of the
+    KL its steps logged, and says the dpo stage adds none, instead of leaving the KL columns out."""
+    from rewind.tools.kl_terms import kl_term
+
+    config = config_of(posttrained)
+    grpo = [e.kl for e in events_of(posttrained) if isinstance(e, StepCommitted) and e.stage == 3]
+    assert grpo and all(math.isfinite(kl) for kl in grpo) and any(kl != 0 for kl in grpo)
+    rows = stage_rows(read_timeline(str(posttrained)))
+    assert [r["beta"] for r in rows] == [0.0] * 4
+    assert [r.get("kl") for r in rows] == [None, None, *(kl_term(s)._asdict() for s in config.stages[2:])]
+    assert rows[3]["kl"] == {"setting": "grpo.kl_beta", "value": 0.02, "penalty": 0.02}
+    assert [r["kl_mean"] for r in rows[:3]] == [None] * 3
+    assert rows[3]["kl_mean"] == pytest.approx(sum(grpo) / len(grpo))
+    code, out, err = run_cli("timeline", posttrained)
+    assert code == 0, err
+    lines = out.splitlines()
+    (header,) = [line for line in lines if line.startswith("stage ")]
+    assert header.split()[6:9] == ["weight", "mean", "KL"]
+    assert "KL to reference" in lines[lines.index(header) - 1]
+    table = {line.split()[0]: line for line in lines[lines.index(header) + 1 :][:4]}
+    assert table["2"].split()[6:9] == ["none", "(dpo)", "-"]
+    assert table["3"].split()[6:9] == ["grpo.kl_beta", "0.02", f"{sum(grpo) / len(grpo):.3f}"]
+    assert table["0"].split()[6:8] == ["0", "-"]
+
+
 def test_bucket_helpers_reduce_long_series_exactly():
     values = np.arange(10_000, dtype=np.float64)
     values[17] = math.nan  # a skipped step
