@@ -17,21 +17,23 @@ What is exported is the last committed checkpoint's model: its adapters, under t
 when that checkpoint was taken (a run that grew after its last checkpoint and then crashed has a later
 layout in the log than the checkpoint holds). Everything is checked before anything is written: a run
 without a checkpoint or whose checkpoint holds no adapters is exit 1, a DIR that cannot be a directory
-(an existing file, a path inside a run's own files) or a model no transformers model computes exit 2,
-and then nothing is written (`prepare_adapters` does all of it; a command writing other files as well
-calls it before writing any). Each file is written whole or not at all (rewind.tools.outfile), the
-weights first.
+of ours (an existing file, a path inside a run's own files, a directory that is not empty: with
+`--overwrite`, one holding only an earlier --adapters export, then replaced whole) or a model no
+transformers model computes exit 2, and then nothing is written (`prepare_adapters` does all of it; a
+command writing other files as well calls it before writing any). DIR is written into a temporary
+directory beside it and renamed into place with the export's other outputs (rewind.tools.outfile
+.write_outputs): all of them whole, or none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from pathlib import Path
 
-from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.errors import CommandError
+from rewind.tools.outfile import Output
 from rewind.tools.runlog import load_records
 
 PEFT_PREFIX = "base_model.model."
@@ -82,36 +84,34 @@ def config_json(lora) -> bytes:
     return json.dumps(output, indent=2, sort_keys=True).encode()
 
 
-def check_out_dir(out_dir: str) -> tuple[Path, Path]:
-    """The two files' paths in DIR, refused up front (exit 2) where DIR cannot be a directory of ours."""
-    from rewind.tools.outfile import check_target
+def check_out_dir(out_dir: str, *, overwrite: bool = False) -> Path:
+    """DIR, refused up front (exit 2) where it cannot be a directory of ours: new or empty, or with
+    `overwrite` holding only what an earlier --adapters export wrote (rewind.tools.outfile)."""
+    from rewind.tools.outfile import check_out_directory
 
-    if not out_dir.strip():
-        raise UsageError("--adapters '': an empty path; name the directory to write the adapters to")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UsageError(
-            f"--adapters {out_dir}: exists and is not a directory; name a directory to write the adapters to"
-        )
-    weights, config = (
-        check_target(os.path.join(out_dir, name), "--adapters", "adapter")
-        for name in (WEIGHTS_NAME, CONFIG_NAME)
-    )
-    return weights, config
+    return check_out_directory("--adapters", out_dir, (WEIGHTS_NAME, CONFIG_NAME), overwrite=overwrite)
 
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Adapters checked and ready to write: nothing is on disk yet."""
 
-    weights_path: Path
-    config_path: Path
+    target: Path
     weights: bytes
     config: bytes
     summary: str
     architecture: str  # the transformers class the adapters are named for
 
+    @property
+    def output(self) -> Output:
+        """DIR, for rewind.tools.outfile.write_outputs (whole or not at all, with the other outputs)."""
+        return Output("--adapters", self.target, {WEIGHTS_NAME: self.weights, CONFIG_NAME: self.config})
 
-def prepare_adapters(run_dir: str, out_dir: str, hf_dir: str) -> Prepared:
+    def written(self, out_dir: str) -> str:
+        return f"wrote {self.summary} to {out_dir} (peft layout, for the {self.architecture} of --hf)"
+
+
+def prepare_adapters(run_dir: str, out_dir: str, hf_dir: str, *, overwrite: bool = False) -> Prepared:
     """Every check of `export RUN --hf HF_DIR --adapters DIR` for DIR (exit 2: DIR, or a model no
     transformers model computes; exit 1: the run has no checkpoint or its checkpoint no adapters, or they
     do not fit its layout) and the bytes to write; writes nothing, so a caller writing other files too
@@ -123,7 +123,7 @@ def prepare_adapters(run_dir: str, out_dir: str, hf_dir: str) -> Prepared:
     from rewind.stores.trunks import checkpoint_weights
     from rewind.tools.export_source import checkpoint_layout, checkpointed_state, expressible
 
-    weights_path, config_path = check_out_dir(out_dir)
+    target = check_out_dir(out_dir, overwrite=overwrite)
     records = load_records(run_dir)
     state = checkpointed_state(run_dir, records)
     ref = state.last_checkpoint
@@ -148,18 +148,4 @@ def prepare_adapters(run_dir: str, out_dir: str, hf_dir: str) -> Prepared:
         f"{len(renamed)} adapter tensors ({len(tensors)} in rewind's fused layers) of checkpoint "
         f"{ref.checkpoint} (step {ref.step})"
     )
-    return Prepared(weights_path, config_path, weights, config_json(lora), summary, family.names.architecture)
-
-
-def write_adapters(prepared: Prepared, out_dir: str) -> None:
-    """Write what `prepare_adapters` made: the weights, then the config (each whole or not at all)."""
-    from rewind.tools.outfile import write_file_atomically
-
-    try:
-        write_file_atomically(prepared.weights_path, prepared.weights)
-        write_file_atomically(prepared.config_path, prepared.config)
-    except OSError as exc:
-        raise CommandError(
-            f"--adapters {out_dir}: cannot write the adapters ({exc.strerror or exc})", 1
-        ) from None
-    print(f"wrote {prepared.summary} to {out_dir} (peft layout, for the {prepared.architecture} of --hf)")
+    return Prepared(target, weights, config_json(lora), summary, family.names.architecture)

@@ -3,6 +3,13 @@ transformers model directory, rewind.tools.export_hf), `--adapters DIR` with it 
 peft, onto that model: rewind.tools.export_adapters) and `rewind export tensorboard RUN` (rebuild the
 metrics projection from the log alone).
 
+An export writes only what is new: an existing --to file, or a --hf or --adapters directory that is not
+empty, is refused (exit 2) unless `--overwrite` is given, and then a directory only if it holds nothing but
+an earlier export's files (replaced whole, a user's other files never deleted). Every output is checked
+before any work, made before any is written, and written whole or not at all with the others
+(rewind.tools.outfile.write_outputs): a failed export leaves none of them, and what it would have
+replaced as it was.
+
 The `--to` file's metadata says what model its tensors make, so the file alone can start a run
 (`[pretrained] path`, rewind.engine.pretrained): "layout" (the stacks in order, JSON of ModelLayout),
 "rewind.architecture" (the architecture section, num_layers = all blocks), "rewind.objective", and
@@ -11,10 +18,13 @@ The `--to` file's metadata says what model its tensors make, so the file alone c
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import os
+from pathlib import Path
 
-from rewind.tools.errors import CommandError, UsageError
-from rewind.tools.outfile import check_target, write_file_atomically
+from rewind.tools.errors import UsageError
+from rewind.tools.outfile import Output, check_target, write_outputs
 from rewind.tools.runlog import load_records
 
 HELP = (
@@ -39,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="with --hf: write the LoRA adapters for peft (adapter_config.json + adapter_model.safetensors), "
         "named for the --hf model, which then holds the unmerged base",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --to file, and an --hf or --adapters directory holding an earlier export "
+        "(replaced whole); without it an export writes only new files and new or empty directories",
     )
     p.set_defaults(run=run)
 
@@ -65,19 +81,39 @@ def run(args: argparse.Namespace) -> int:
     from rewind.tools.rundir import check_run_dir
 
     check_run_dir(args.what, "RUN")
-    from rewind.tools.export_adapters import prepare_adapters, write_adapters
-    from rewind.tools.export_hf import prepare_hf, write_hf
+    from rewind.tools.export_adapters import check_out_dir, prepare_adapters
+    from rewind.tools.export_hf import check_hf_dir, prepare_hf
 
-    # Every check of every output before any is written: a refused --adapters or --hf leaves no --to behind.
-    prepared_hf = prepare_hf(args.what, args.hf, merge=args.adapters is None) if args.hf is not None else None
-    prepared = prepare_adapters(args.what, args.adapters, args.hf) if args.adapters is not None else None
+    # Every output is checked before any work (exit 2) and everything is made before anything is written;
+    # then the outputs are written together, all whole or none (a failed --adapters leaves no --hf behind).
+    overwrite = args.overwrite
+    _check_apart({"--to": args.to, "--hf": args.hf, "--adapters": args.adapters})
     if args.to is not None:
-        export_weights(args.what, args.to)
-    if prepared_hf is not None:
-        write_hf(prepared_hf, args.hf)
-    if prepared is not None:
-        write_adapters(prepared, args.adapters)
+        check_target(args.to, replace=overwrite)
+    if args.hf is not None:
+        check_hf_dir(args.hf, overwrite=overwrite)
+    if args.adapters is not None:
+        check_out_dir(args.adapters, overwrite=overwrite)
+    made = []  # (what is written, where the user asked for it)
+    if args.to is not None:
+        made.append((prepare_weights(args.what, args.to, overwrite=overwrite), args.to))
+    if args.hf is not None:
+        merge = args.adapters is None
+        made.append((prepare_hf(args.what, args.hf, merge=merge, overwrite=overwrite), args.hf))
+    if args.adapters is not None:
+        made.append((prepare_adapters(args.what, args.adapters, args.hf, overwrite=overwrite), args.adapters))
+    write_outputs([prepared.output for prepared, _ in made])
+    for prepared, out in made:
+        print(prepared.written(out))
     return 0
+
+
+def _check_apart(outputs: dict[str, str | None]) -> None:
+    """No output inside another or at the same place (the second would move the first aside)."""
+    places = {option: Path(out).absolute() for option, out in outputs.items() if out and out.strip()}
+    for (option, place), (other, around) in itertools.permutations(places.items(), 2):
+        if place == around or around in place.parents:
+            raise UsageError(f"{option} {outputs[option]}: inside {other} {outputs[other]}; name another place")
 
 
 def export_metrics(run_dir: str) -> int:
@@ -115,14 +151,31 @@ def model_metadata(config, layout, tokenizer: str | None = None) -> dict[str, st
     }
 
 
-def export_weights(run_dir: str, out: str) -> int:
+@dataclasses.dataclass(frozen=True)
+class PreparedWeights:
+    """The --to file's bytes, made and checked: nothing is on disk yet."""
+
+    target: Path
+    data: bytes
+    summary: str
+
+    @property
+    def output(self) -> Output:
+        return Output("--to", self.target, self.data)
+
+    def written(self, out: str) -> str:
+        return f"wrote {self.summary} to {out}"
+
+
+def prepare_weights(run_dir: str, out: str, *, overwrite: bool = False) -> PreparedWeights:
+    """Every check of `export RUN --to FILE` (an existing FILE only with `overwrite`) and FILE's bytes."""
     from safetensors.torch import save
 
     from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
     from rewind.tools.export_source import checkpoint_layout, checkpointed_state
 
-    target = check_target(out)
+    target = check_target(out, replace=overwrite)
     records = load_records(run_dir)
     state = checkpointed_state(run_dir, records)
     ref = state.last_checkpoint
@@ -131,10 +184,5 @@ def export_weights(run_dir: str, out: str) -> int:
     recorded = state.tokenizer if state.behaviours.data_identity else None
     model = model_metadata(config_in_force(records), checkpoint_layout(state), recorded)
     metadata = {"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step), **model}
-    data = save(groups["model"], metadata=metadata)
-    try:
-        write_file_atomically(target, data)
-    except OSError as exc:
-        raise CommandError(f"--to {out}: cannot write the weights ({exc.strerror or exc}); nothing was written", 1) from None
-    print(f"wrote {len(groups['model'])} tensors of checkpoint {ref.checkpoint} (step {ref.step}) to {out}")
-    return 0
+    summary = f"{len(groups['model'])} tensors of checkpoint {ref.checkpoint} (step {ref.step})"
+    return PreparedWeights(target, save(groups["model"], metadata=metadata), summary)

@@ -14,9 +14,10 @@ stacks in their final order, one layer per block), in float32, an NF4 stack's we
 the run computed with; nothing is re-quantised). Its LoRA adapters are merged into their base weights,
 unless `--adapters` is given too: DIR then holds the unmerged base the adapters go onto
 (rewind.tools.export_adapters). A masked objective, which no causal LM computes, is refused in one line
-(exit 2), and so is a DIR that exists and is not empty. Every check runs before anything is written; the
-files are written into a temporary directory beside DIR, synced, and renamed to DIR, so DIR is there whole
-or not at all.
+(exit 2), and so is a DIR that exists and is not empty, unless `--overwrite` is given and DIR holds only
+what an earlier --hf export wrote (it is then replaced whole). Every check runs before anything is written;
+the files are written into a temporary directory beside DIR, synced, and renamed to DIR once the export's
+other outputs are whole too (rewind.tools.outfile.write_outputs), so DIR is there whole or not at all.
 
 The end token (`eos_token_id` of generation_config.json and config.json, where `generate` stops) is the
 one `rewind sample` stops at (rewind.tools.sample_cmd.end_token_of): the tokenizer's <|endoftext|>; for a
@@ -26,15 +27,12 @@ model on UTF-8 bytes that has trained in an sft, dpo or grpo stage, the "\n" tha
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import secrets
-import shutil
 from pathlib import Path
 
-from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.errors import CommandError
+from rewind.tools.outfile import Output
 from rewind.tools.runlog import load_records
 
 CONFIG_NAME = "config.json"
@@ -55,30 +53,30 @@ class PreparedHf:
     summary: str
     architecture: str  # the transformers class, e.g. LlamaForCausalLM
 
+    @property
+    def output(self) -> Output:
+        """DIR, for rewind.tools.outfile.write_outputs (whole or not at all, with the other outputs)."""
+        return Output("--hf", self.target, self.files)
 
-def check_hf_dir(out_dir: str) -> Path:
-    """DIR, refused up front (exit 2) unless it is a new or empty local directory outside a run's files."""
-    from rewind.tools.outfile import RUN_PARTS
-
-    if not out_dir.strip():
-        raise UsageError("--hf '': an empty path; name the directory to write the model to")
-    if "://" in out_dir or "::" in out_dir:
-        raise UsageError(f"--hf {out_dir}: a local directory is expected, not a URL")
-    target = Path(out_dir)
-    for parent in (target.absolute(), *target.absolute().parents):
-        if parent.name in RUN_PARTS and (parent.parent / "events").is_dir():
-            raise UsageError(f"--hf {out_dir}: inside the run directory {parent.parent}'s {parent.name}/; write elsewhere")
-    if target.exists() or target.is_symlink():
-        if not target.is_dir() or target.is_symlink():
-            raise UsageError(f"--hf {out_dir}: exists and is not a directory; name a new directory")
-        if any(target.iterdir()):
-            raise UsageError(f"--hf {out_dir}: exists and is not empty; name a new or empty directory")
-    return target
+    def written(self, out_dir: str) -> str:
+        return f"wrote {self.summary} to {out_dir} (transformers {self.architecture})"
 
 
-def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True) -> PreparedHf:
+HF_FILES = (CONFIG_NAME, WEIGHTS_NAME, GENERATION_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME)
+
+
+def check_hf_dir(out_dir: str, *, overwrite: bool = False) -> Path:
+    """DIR, refused up front (exit 2) unless it is a new or empty local directory outside a run's files, or
+    with `overwrite` one holding only what an earlier --hf export wrote (rewind.tools.outfile)."""
+    from rewind.tools.outfile import check_out_directory
+
+    return check_out_directory("--hf", out_dir, HF_FILES, overwrite=overwrite)
+
+
+def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True, overwrite: bool = False) -> PreparedHf:
     """Every check of `export RUN --hf DIR` and the bytes of DIR's files; writes nothing. `merge`: the
-    adapters merged into the weights (else the unmerged base, for `--adapters`)."""
+    adapters merged into the weights (else the unmerged base, for `--adapters`); `overwrite`: an earlier
+    export in DIR may be replaced."""
     from safetensors.torch import save
 
     from rewind.engine import hf_models
@@ -87,7 +85,7 @@ def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True) -> PreparedHf:
     from rewind.stores.trunks import checkpoint_weights
     from rewind.tools.export_source import checkpoint_layout, checkpointed_state, expressible
 
-    target = check_hf_dir(out_dir)
+    target = check_hf_dir(out_dir, overwrite=overwrite)
     records = load_records(run_dir)
     state = checkpointed_state(run_dir, records)
     ref = state.last_checkpoint
@@ -180,38 +178,3 @@ def tokenizer_config(block_size: int, has_eos: bool) -> dict[str, object]:
 
 def _json(value: dict) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
-
-
-def write_hf(prepared: PreparedHf, out_dir: str) -> None:
-    """DIR whole or not at all: the files into a temporary directory beside it (each synced), renamed to DIR
-    (which replaces DIR only while it is empty), the parent directory synced."""
-    from rewind.stores import fsio
-
-    target = prepared.target
-    parent = target.absolute().parent
-    tmp = parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-        for name, data in prepared.files.items():
-            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                fsio.write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsio.fsync_dir(str(tmp))
-        os.replace(tmp, target)  # an empty DIR is replaced; one filled meanwhile is an OSError
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(tmp)
-        raise CommandError(f"--hf {out_dir}: cannot write the model ({exc.strerror or exc}); nothing was written", 1) from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(tmp)
-        raise
-    try:
-        fsio.fsync_dir(str(parent))
-    except OSError as exc:
-        raise CommandError(f"--hf {out_dir}: written, but its parent directory cannot be synced ({exc.strerror or exc})", 1) from None
-    print(f"wrote {prepared.summary} to {out_dir} (transformers {prepared.architecture})")

@@ -1,35 +1,49 @@
 """Files a tool writes for the user (exported weights, plots): checked before any work is done, and
 written whole or not at all (temp file, fsync, rename), so a full device or a bad path is an error, never
-a report of a file that is not there."""
+a report of a file that is not there.
+
+What is there already: a plot (`--plot FILE`) replaces the file the user named, as drawing it again is
+what the option is for; an export never replaces a file (`check_target(..., replace=False)`) or writes
+into a directory that is not empty (`check_out_directory`) unless asked to (`--overwrite`), and then only
+a directory an earlier export wrote. An export's outputs are written together (`write_outputs`): each into
+a temporary sibling, renamed into place only once every one is whole, so a failure leaves none of them."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
+import shutil
 import stat
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from rewind.tools.errors import UsageError
+from rewind.tools.errors import CommandError, UsageError
 
 # A run's own files: nothing a tool writes may land among them (an export over events/00000000.log
 # would replace the run's log).
-RUN_PARTS = ("events", "checkpoints", "snapshots", "tb")
+RUN_PARTS = ("events", "checkpoints", "snapshots", "tb", "rollouts", "data", "cache", "trunks")
 
 
-def check_target(out: str, option: str = "--to", kind: str = ".safetensors") -> Path:
-    """The output path, refused up front (exit 2) unless it is, or can become, a regular file outside a
-    run's own files: a directory, a device such as /dev/full or /dev/null, or a FIFO is not a place for
-    output, writing beside one and renaming over it would replace the device node, and a file under a
-    run's events/ or checkpoints/ is the run's."""
-    if not out.strip():
-        raise UsageError(f"{option} '': an empty path; name the {kind} file to write")
-    target = Path(out)
-    for parent in target.absolute().parents:
+def _inside_a_run(option: str, out: str, places: Iterable[Path]) -> None:
+    for parent in places:
         if parent.name in RUN_PARTS and (parent.parent / "events").is_dir():
             raise UsageError(
                 f"{option} {out}: inside the run directory {parent.parent}'s {parent.name}/; write elsewhere"
             )
+
+
+def check_target(out: str, option: str = "--to", kind: str = ".safetensors", *, replace: bool = True) -> Path:
+    """The output path, refused up front (exit 2) unless it is, or can become, a regular file outside a
+    run's own files: a directory, a device such as /dev/full or /dev/null, or a FIFO is not a place for
+    output, writing beside one and renaming over it would replace the device node, and a file under a
+    run's events/ or checkpoints/ is the run's. `replace` False: an existing file is refused too (an
+    export's, without --overwrite)."""
+    if not out.strip():
+        raise UsageError(f"{option} '': an empty path; name the {kind} file to write")
+    target = Path(out)
+    _inside_a_run(option, out, target.absolute().parents)
     try:
         info = target.stat()
     except FileNotFoundError:
@@ -45,7 +59,133 @@ def check_target(out: str, option: str = "--to", kind: str = ".safetensors") -> 
         raise UsageError(
             f"{option} {out}: not a regular file (a device, FIFO or socket); name a file to write"
         )
+    if not replace:
+        raise UsageError(f"{option} {out}: exists; name a new file, or give --overwrite to replace it")
     return target
+
+
+def check_out_directory(option: str, out_dir: str, names: Iterable[str], *, overwrite: bool) -> Path:
+    """An export's output directory, refused up front (exit 2) unless it is new or empty, or, with
+    `overwrite`, holds nothing but files of `names` (what an earlier export wrote there, which it replaces
+    whole): a user's files are never deleted nor mixed with an export's. Never a URL, a link, a file, or a
+    place among a run's own files."""
+    if not out_dir.strip():
+        raise UsageError(f"{option} '': an empty path; name the directory to write to")
+    if "://" in out_dir or "::" in out_dir:
+        raise UsageError(f"{option} {out_dir}: a local directory is expected, not a URL")
+    target = Path(out_dir)
+    _inside_a_run(option, out_dir, (target.absolute(), *target.absolute().parents))
+    try:
+        info = os.lstat(target)
+    except FileNotFoundError:
+        return target  # missing directories are created
+    except NotADirectoryError:  # a file where a directory of the path belongs
+        blocker = next(p for p in reversed(target.parents) if p.exists() and not p.is_dir())
+        raise UsageError(f"{option} {out_dir}: {blocker} is not a directory") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise UsageError(f"{option} {out_dir}: exists and is not a directory; name a new directory")
+    found = sorted(os.listdir(target))
+    if not found:
+        return target
+    if not overwrite:
+        raise UsageError(
+            f"{option} {out_dir}: exists and is not empty; name a new or empty directory "
+            "(--overwrite replaces an earlier export there)"
+        )
+    ours = set(names)
+    foreign = [n for n in found if n not in ours or not stat.S_ISREG(os.lstat(target / n).st_mode)]
+    if foreign:
+        raise UsageError(
+            f"{option} {out_dir}: holds what no export writes ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}), which --overwrite would delete; name another directory"
+        )
+    return target
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """What a command writes for the user at `target`: a file (`data` its bytes) or a directory (`data`
+    {file name: bytes}); `option` names it in messages."""
+
+    option: str
+    target: Path
+    data: bytes | dict[str, bytes]
+
+
+def write_outputs(outputs: Sequence[Output]) -> None:
+    """Every output whole, or none changed. Each is written into a temporary sibling of its target (every
+    file synced); once all are there, each target that exists (what the checks let through: an empty
+    directory, or what --overwrite replaces) is moved aside and the temporary renamed into its place, and
+    only then is what was moved aside deleted. A failure removes the temporaries and puts back what was
+    moved aside: CommandError (exit 1) naming the output, for what the filesystem refused (OSError)."""
+    from rewind.stores import fsio
+
+    temporaries: dict[Path, Path] = {}  # target -> its temporary, written or being written
+    placed: list[tuple[Path, Path | None]] = []  # (target, what it replaced, moved aside)
+    current = outputs[0] if outputs else None
+    try:
+        for current in outputs:
+            temporaries[current.target] = _sibling(current.target, "tmp")
+            _write_temporary(current, temporaries[current.target], fsio)
+        for current in outputs:
+            aside = _sibling(current.target, "old") if os.path.lexists(current.target) else None
+            if aside is not None:
+                os.rename(current.target, aside)
+            placed.append((current.target, aside))
+            os.rename(temporaries[current.target], current.target)
+            del temporaries[current.target]
+            fsio.fsync_dir(str(current.target.absolute().parent))
+    except BaseException as exc:
+        _undo(temporaries.values(), placed)
+        if isinstance(exc, OSError) and current is not None:
+            why = exc.strerror or exc
+            where = f"{current.option} {current.target}"
+            raise CommandError(f"{where}: cannot write it ({why}); nothing was written", 1) from None
+        raise
+    for _, aside in placed:
+        if aside is not None:
+            _remove(aside)
+
+
+def _sibling(target: Path, what: str) -> Path:
+    return target.absolute().parent / f".{target.name}.{what}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _write_temporary(output: Output, tmp: Path, fsio) -> None:
+    tmp.parent.mkdir(parents=True, exist_ok=True)  # a missing parent directory is created
+    if isinstance(output.data, bytes):
+        files = {tmp: output.data}
+    else:
+        files = {tmp / name: data for name, data in output.data.items()}
+        tmp.mkdir()
+    for path, data in files.items():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fsio.write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if not isinstance(output.data, bytes):
+        fsio.fsync_dir(str(tmp))
+
+
+def _undo(temporaries: Iterable[Path], placed: list[tuple[Path, Path | None]]) -> None:
+    """Best effort, after a failure: nothing of ours left, and what was there back in its place."""
+    for tmp in temporaries:
+        _remove(tmp)
+    for target, aside in reversed(placed):
+        _remove(target)
+        if aside is not None:
+            with contextlib.suppress(OSError):
+                os.rename(aside, target)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def write_file_atomically(target: Path, data: bytes) -> None:

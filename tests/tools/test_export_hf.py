@@ -218,7 +218,7 @@ def test_refusals_are_one_line_and_write_nothing(swiglu_run, tmp_path):
     taken.mkdir()
     (taken / "keep.txt").write_text("mine")
     code, _, err = run_cli("export", swiglu_run, "--to", tmp_path / "w.safetensors", "--hf", taken)
-    assert code == 2 and err.strip().endswith("exists and is not empty; name a new or empty directory")
+    assert code == 2 and "exists and is not empty; name a new or empty directory" in err
     assert err.count("\n") == 1 and not (tmp_path / "w.safetensors").exists()
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]
     code, _, err = run_cli("export", swiglu_run, "--hf", taken / "keep.txt")
