@@ -37,7 +37,13 @@ def _problems(run: Path) -> list[str]:
 
 def test_the_directories_named_are_the_stores_own():
     names = {CHECKPOINTS_DIR, f"{CHECKPOINTS_DIR}/{ORPHANED_DIR}", SNAPSHOTS_DIR, ROLLOUTS_DIR, TB_DIR_NAME}
-    names |= {EVENTS_DIR, CACHE_DIR, TRUNKS_DIR, "data", "plots"}  # (the engine's DATA_DIR, train_cmd's plots)
+    names |= {
+        EVENTS_DIR,
+        CACHE_DIR,
+        TRUNKS_DIR,
+        "data",
+        "plots",
+    }  # (the engine's DATA_DIR, train_cmd's plots)
     assert set(RUN_DIRECTORIES) == names
     assert lock.RUN_LOG_DIR == EVENTS_DIR
 
@@ -161,7 +167,7 @@ def test_a_lone_lock_file_is_not_a_run(tmp_path):
 
 
 def _in_time(action, seconds: float = 20.0):
-    """What `action()` returns or raises, run in a thread so that a blocking open fails the test, not hangs it."""
+    """What `action()` returns or raises, run in a thread: a blocking open fails the test, not hangs it."""
     outcome: list = []
 
     def target():
@@ -230,7 +236,9 @@ def run(base_run, tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("name", ["checkpoints/orphaned", "snapshots", "tb", "rollouts", "metrics.jsonl"])
-def test_a_resume_through_a_link_out_of_the_run_is_refused_and_nothing_is_moved_or_written(run, tmp_path, name):
+def test_a_resume_through_a_link_out_of_the_run_is_refused_and_nothing_is_moved_or_written(
+    run, tmp_path, name
+):
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "theirs").write_text("not the run's")
@@ -269,14 +277,16 @@ def test_a_resume_with_a_fifo_as_metrics_jsonl_ends_in_one_line_and_does_not_han
         timeout=120,
     )
     assert done.returncode == 1, done.stderr
-    assert done.stderr == f"rewind: {run}/metrics.jsonl is a FIFO, not a regular file: no file of a run is one " \
+    assert (
+        done.stderr == f"rewind: {run}/metrics.jsonl is a FIFO, not a regular file: no file of a run is one "
         "(opening it can block); remove it; nothing was written\n"
+    )
     assert tree_state(run) == before
 
 
 @pytest.mark.parametrize("name", ["tb", "metrics.jsonl"])
 def test_export_tensorboard_through_a_link_out_is_refused_and_nothing_is_written(run, tmp_path, name):
-    """`rewind export tensorboard RUN` rewrites tb/ and metrics.jsonl without taking the lock: it looks first too."""
+    """`rewind export tensorboard RUN` rewrites tb/ and metrics.jsonl without the lock: it looks first too."""
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "theirs").write_text("not the run's")
