@@ -71,6 +71,7 @@ def next_step_plan(schedule, state) -> dict | None:
     if state.finished or state.step >= schedule.num_steps:
         return None
     from rewind.states.plan import step_lr
+    from rewind.tools.kl_terms import kl_term
 
     plan = schedule.step_plan(state.step)
     return {
@@ -80,7 +81,8 @@ def next_step_plan(schedule, state) -> dict | None:
         "weights": list(plan.weights),
         "rows": list(plan.rows),
         "lr": step_lr(state, schedule, state.step),  # what the engine trains it at (the run's resets)
-        "beta": plan.beta,
+        "beta": plan.beta,  # the token-level KL weight: 0 by rule in a dpo or grpo stage
+        "kl": kl_term(schedule.config.stages[plan.stage])._asdict(),  # what ties the stage to the reference
     }
 
 
@@ -248,7 +250,7 @@ def render_state(run_dir: str, started, state, config, upcoming: dict | None, as
             _line("  weights", " ".join(f"{w:.3f}" for w in upcoming["weights"])),
             _line("  rows", " ".join(str(r) for r in upcoming["rows"])),
             _line("  lr", f"{upcoming['lr']:.6g}"),
-            _line("  beta", f"{upcoming['beta']:g}"),
+            _kl_line(upcoming),
         ]
     cursors = ", ".join(f"{name} {count:,}" for name, count in state.cursors.items())
     reference = state.reference
@@ -293,6 +295,16 @@ def render_state(run_dir: str, started, state, config, upcoming: dict | None, as
         )
     )
     return lines
+
+
+def _kl_line(upcoming: dict) -> str:
+    """The next step's tie to the reference (rewind.tools.kl_terms): its beta, or a dpo or grpo stage's own
+    setting (grpo.kl_beta, dpo.beta), where the beta is the 0 the rules force."""
+    kl = upcoming["kl"]
+    if kl["setting"] == "beta":
+        return _line("  beta", f"{upcoming['beta']:g}")
+    loss = " (its loss; no KL penalty added)" if kl["setting"] == "dpo.beta" else ""
+    return _line(f"  {kl['setting']}", f"{kl['value']:g}{loss}")
 
 
 def _boundary(boundary: int) -> str:

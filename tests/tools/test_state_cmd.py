@@ -176,6 +176,7 @@ def test_state_at_step_gives_that_steps_cursors_and_the_schedule_of_the_next(str
         "rows": list(plan.rows),
         "lr": plan.lr,
         "beta": plan.beta,
+        "kl": {"setting": "beta", "value": plan.beta, "penalty": plan.beta},  # tiny.toml: pretrain stages
     }
     if step + 1 in committed:  # what the run then did is what the plan said
         done = committed[step + 1]
@@ -186,6 +187,37 @@ def test_state_at_step_gives_that_steps_cursors_and_the_schedule_of_the_next(str
             list(plan.rows),
         )
     assert shown["status"] == "not finished" and shown["as_of"] == {"step": step}
+
+
+@pytest.fixture(scope="module")
+def posttrained(tmp_path_factory) -> Path:
+    from tests.tools.small_posttrain import train_small_posttrain
+
+    return train_small_posttrain(tmp_path_factory.mktemp("posttrained") / "run")
+
+
+@pytest.mark.parametrize(
+    ("step", "line", "kl"),
+    [
+        (5, "  beta             0", {"setting": "beta", "value": 0.0, "penalty": 0.0}),
+        (
+            6,
+            "  dpo.beta         0.1 (its loss; no KL penalty added)",
+            {"setting": "dpo.beta", "value": 0.1, "penalty": 0.0},
+        ),
+        (8, "  grpo.kl_beta     0.02", {"setting": "grpo.kl_beta", "value": 0.02, "penalty": 0.02}),
+    ],
+)
+def test_the_next_step_says_what_ties_its_stage_to_the_reference(posttrained, step, line, kl):
+    """examples/posttrain.toml made small (steps 0-1 pretrain, 2-5 sft, 6-7 dpo, 8-13 grpo): every beta is
+    0, the rule in dpo and grpo stages, whose tie to the reference is their own setting: the next step's
+    line names it (an sft step keeps its beta), and --json adds it beside the folded beta."""
+    code, out, err = run_cli("state", posttrained, "--at-step", step)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[lines.index(next(x for x in lines if x.startswith("  lr "))) + 1] == line
+    shown = state_json(posttrained, "--at-step", step)["next_step"]
+    assert shown["beta"] == 0.0 and shown["kl"] == kl
 
 
 def test_state_at_the_last_step_is_the_finished_state(straight):
