@@ -11,6 +11,10 @@ leaves chunks without completion records, and the next process writes only those
 `rewind.engine.trunkreader` gives a step its cached rows. Values read are bitwise the values a recomputation gives,
 so a run with the cache and one without end with the same weights.
 
+A cache is bound to the run that made it (its spec carries the identity the log gives it: see
+rewind.stores.activations): another's, copied in under the right name, is never read (the trunk is
+recomputed, to the same bits, with one warning) and `rewind verify` names it.
+
 A cache is read and written only inside the run: the record's path is a name rewind writes (checked
 when the log is read: rewind.stores.cachenames), and in a local run directory `cache/` and the cache
 must not lead out of it through a link. A cache that does is never read (the trunk is recomputed, to
@@ -33,7 +37,7 @@ from rewind.states.events import ActivationsCached
 from rewind.states.plan import CacheTrunk
 from rewind.states.state import State
 from rewind.stores import cachenames
-from rewind.stores.activations import ActivationCache, CacheError, CacheSpec
+from rewind.stores.activations import ActivationCache, CacheError, CacheSpec, cache_identity
 from rewind.stores.cachenames import CACHE_DIR
 from rewind.stores.confine import NotConfined
 from rewind.stores.fsio import filesystem
@@ -54,10 +58,14 @@ def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCa
     width = config.architecture.d_model
     dtype = "bfloat16" if _trunk_dtype(model) == torch.bfloat16 else "float32"
     batch = config.training.batch_size
-    spec = CacheSpec(
-        num_rows=intent.num_rows, seq_len=config.architecture.block_size, width=width, dtype=dtype, rows_per_chunk=batch
-    )
     path = cache_path(intent.version, state.step, config)
+    # Bound to what the log records (rewind.stores.activations.cache_identity): a cache of another run
+    # at this path, complete or not, has another spec, and `create` deletes it.
+    identity = cache_identity(state, intent.version, state.step, intent.num_steps, intent.num_rows, path)
+    spec = CacheSpec(
+        num_rows=intent.num_rows, seq_len=config.architecture.block_size, width=width, dtype=dtype,
+        rows_per_chunk=batch, identity=identity,
+    )  # fmt: skip
     writer = is_writer()
     cache = None
     if writer:  # rank 0 writes the cache; every rank of a sharded run computes it (each forward is collective)

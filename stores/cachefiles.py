@@ -79,6 +79,9 @@ DTYPES = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
 _CHUNK_NAME = re.compile(r"c\.\d+\.0\.0|(c\.\d+\.0|zarr)\.[0-9a-f]{32}\.partial")
 
 
+_IDENTITY = re.compile(r"(?:[0-9a-f]{64})?", re.ASCII)
+
+
 class CacheError(Exception):
     """A cache that cannot be used as asked: absent, damaged, or called with bad arguments."""
 
@@ -94,6 +97,9 @@ class CacheSpec:
     width: int
     dtype: str  # "float32" or "bfloat16" (torch dtype names)
     rows_per_chunk: int
+    # What made it, as the log records it (rewind.stores.activations.cache_identity: a sha256); "" in a
+    # cache written before caches carried one, and in caches that are not a run's (benchmarks, tests).
+    identity: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_rows", "seq_len", "width", "rows_per_chunk"):
@@ -102,6 +108,8 @@ class CacheSpec:
                 raise CacheError(f"cache spec: {name} must be a positive int, got {value!r}")
         if self.dtype not in DTYPES:
             raise CacheError(f"cache spec: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.identity, str) or not _IDENTITY.fullmatch(self.identity):
+            raise CacheError(f"cache spec: identity must be a sha256 or empty, got {str(self.identity)[:80]!r}")
 
 
 class ChunkRecord(msgspec.Struct, frozen=True):

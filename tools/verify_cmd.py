@@ -11,7 +11,8 @@ Checks, reporting every problem with its exact location:
    past the run's end, a checkpoint, file or dataset name that is not a plain name, an activation cache
    path rewind does not write), nor what only an edited log holds (a checkpoint committed twice:
    rewind.stores.folding.commit_problem, which a resume refuses); every activation cache a record
-   names stays inside the run once links are resolved;
+   names stays inside the run once links are resolved, and one there is the one the log records (its
+   identity: rewind.stores.activations), not another run's;
 3. every checkpoint the log still holds live exists and matches the hashes its CheckpointCommitted
    recorded, file by file;
 4. each live checkpoint's manifest agrees with the control state folded from the log at that point
@@ -93,6 +94,7 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
     cached = {seq: snapshots.read(run_dir, seq) for seq in snapshots.list_seqs(run_dir)}
     checker, max_step, end_seq = RecordChecker(), 0, -1
     rollouts: dict[str, tuple[str, str]] = {}  # sha256 -> (where first recorded, path)
+    caches: dict[str, State] = {}  # activation cache path -> the state that records it
     elsewhere: list[int] = []  # snapshots of another release: unused, replaced at the next checkpoint
     with EventLog.open(run_dir) as log:
         for record in log.records(check=False):  # checked below, so each problem is reported
@@ -113,7 +115,10 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
             if isinstance(record.event, CheckpointCommitted):
                 at_checkpoint[record.event.checkpoint] = control_summary(state)
             if isinstance(record.event, ActivationsCached) and record.event.path:
-                problems += [f"record: {where}: {p}" for p in _cache_problems(run_dir, record.event.path)]
+                found = _cache_problems(run_dir, record.event.path)
+                problems += [f"record: {where}: {p}" for p in found]
+                if not found:
+                    caches[record.event.path] = state  # what the last record naming it says it holds
             if isinstance(record.event, RolloutsRecorded):
                 rollouts.setdefault(record.event.sha256, (where, record.event.path))
             if record.seq in cached:
@@ -157,6 +162,10 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
             problems.append(f"restore point: its {role} {ref.checkpoint} is not live: a resume could not load it")
     verdict = f"{num_bad} with problems" if num_bad else "verified"
     notes.append(f"checkpoints: {len(state.live_checkpoints)} live, {verdict}")
+    for path, holding in caches.items():
+        found, said = _cache_identity_problems(run_dir, path, holding)
+        problems += found
+        notes += said
     if rollouts:
         found = _rollout_problems(run_dir, rollouts)
         problems += found
@@ -229,6 +238,27 @@ def _cache_problems(run_dir: str, path: str) -> list[str]:
     except NotConfined as exc:
         return [f"activation cache {exc} (rewind neither reads nor writes a cache there)"]
     return []
+
+
+def _cache_identity_problems(run_dir: str, path: str, state) -> tuple[list[str], list[str]]:
+    """(problems, notes) of the activation cache at `path`, if one is there: it must be the one the log
+    records (stores.activations.identity_problem, the check a resume makes before it reads a cache).
+    An absent or unfinished one is no problem: a resume writes or recomputes what it lacks."""
+    from rewind.stores.activations import OLDER_RELEASE, ActivationCache, CacheError, identity_problem
+    from rewind.stores.fsio import filesystem
+
+    location = filesystem(run_dir).join(*path.split("/"))
+    if not location.exists():
+        return [], []
+    try:
+        cache = ActivationCache.open(location.url)
+    except CacheError as exc:
+        return [], [f"activation cache {path}: unreadable, so recomputed ({exc})"]
+    if not cache.is_complete() or not (problem := identity_problem(cache, state)):
+        return [], []
+    if problem == OLDER_RELEASE:
+        return [], [f"activation cache {path}: {problem}: not read (the trunk is recomputed, the same bits)"]
+    return [f"activation cache {path}: {problem}; a resume does not read it (the trunk is recomputed): delete it"], []
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,8 +15,17 @@ import msgspec
 import pytest
 import torch
 
-from rewind.states.events import CheckpointCommitted, RolloutsRecorded
+from rewind.states.events import ActivationsCached, CheckpointCommitted, RolloutsRecorded
+from rewind.states.state import State
 from rewind.stores import snapshots
+from rewind.stores.activations import (
+    OLDER_RELEASE,
+    ActivationCache,
+    CacheError,
+    CacheSpec,
+    cache_identity,
+    identity_problem,
+)
 from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.eventlog import EventLog
 from rewind.stores.folding import SnapshotsIgnored
@@ -179,3 +188,39 @@ def test_the_temporaries_a_killed_writer_leaves_are_noted_by_verify_and_removed_
     assert not any((run / path).exists() for path in left)
     assert all((run / other).exists() for other in others)
     assert "temporaries" not in run_cli("verify", run)[1]
+
+
+def test_an_activation_cache_is_bound_to_what_the_log_records(tmp_path):
+    """Its identity covers the record's fields and the state's account of the trunk's inputs; a cache of
+    another identity is not the run's (complete: not read; partial: started over, none of its chunks
+    kept), one without an identity is an older release's."""
+    state = State(config_hash="c" * 64, tokenizer="t" * 64)
+    record = ActivationsCached(step=10, tokens=0, version=1, num_steps=3, num_rows=6, path="cache/x.zarr")
+    state = msgspec.structs.replace(state, activation_cache=record)
+    ours = cache_identity(state, 1, 10, 3, 6, "cache/x.zarr")
+    assert len({ours, cache_identity(msgspec.structs.replace(state, config_hash="d" * 64), 1, 10, 3, 6, "cache/x.zarr"),
+                cache_identity(msgspec.structs.replace(state, tokenizer=""), 1, 10, 3, 6, "cache/x.zarr"),
+                cache_identity(msgspec.structs.replace(state, parent_run="p"), 1, 10, 3, 6, "cache/x.zarr"),
+                cache_identity(state, 1, 11, 3, 6, "cache/x.zarr")}) == 5  # fmt: skip
+    url = str(tmp_path / "x.zarr")
+    spec = CacheSpec(num_rows=6, seq_len=2, width=3, dtype="float32", rows_per_chunk=2, identity=ours)
+    theirs = CacheSpec(**{**spec.__dict__, "identity": "e" * 64})
+    cache = ActivationCache.create(url, theirs)
+    for chunk in range(3):
+        cache.write_chunk(chunk, torch.ones(2, 2, 3))
+    cache.mark_complete()
+    assert identity_problem(ActivationCache.open(url), state).startswith("not this run's")
+    mine = ActivationCache.create(url, spec)  # the writer of this run: nothing of theirs is kept
+    assert mine.missing_chunks() == [0, 1, 2]
+    for chunk in range(3):
+        mine.write_chunk(chunk, torch.zeros(2, 2, 3))
+    mine.mark_complete()
+    assert identity_problem(ActivationCache.open(url), state) == ""
+    older = str(tmp_path / "older.zarr")
+    cache = ActivationCache.create(older, CacheSpec(**{**spec.__dict__, "identity": ""}))
+    for chunk in range(3):
+        cache.write_chunk(chunk, torch.zeros(2, 2, 3))
+    cache.mark_complete()
+    assert identity_problem(ActivationCache.open(older), state) == OLDER_RELEASE
+    with pytest.raises(CacheError, match="identity must be a sha256"):
+        CacheSpec(**{**spec.__dict__, "identity": "../x"})
