@@ -342,12 +342,16 @@ def summary(run_dir: str) -> str:
         *projection_lines(run_dir),
     ]
     tasks = list(evaluations[0].scores) if evaluations else []
+    # A run evaluates before training (the "(start)" row) only when training.evaluations is set.
+    when = "at each stage boundary"
+    if any(e.boundary < 0 for e in evaluations):
+        when = "before training and at each stage boundary"
     if tasks:
-        lines += ["", "answer-token accuracy before training and at each stage boundary (rows: after stage; columns: task)"]
+        lines += ["", f"answer-token accuracy {when} (rows: after stage; columns: task)"]
         lines += _boundary_table(evaluations, tasks, lambda e, t: e.scores.get(t, float("nan")))
     texts = list(evaluations[0].bits_per_byte) if evaluations else []
     if texts:
-        lines += ["", "held-out text: bits per byte before training and at each stage boundary (columns: dataset)"]
+        lines += ["", f"held-out text: bits per byte {when} (columns: dataset)"]
         lines += _boundary_table(evaluations, texts, lambda e, t: e.bits_per_byte.get(t, float("nan")))
     from rewind.states.history import config_in_force
     from rewind.tools.growth_report import growth_table

@@ -165,6 +165,27 @@ def assert_one_clean_line(code: int, err: str, expected_code: int, *needles: str
     return line
 
 
+def test_the_end_tables_say_before_training_only_when_a_start_row_is_there(straight, tmp_path):
+    """A run evaluates before training only when training.evaluations is set: without it the tables have
+    no "(start)" row, and their titles no longer claim one."""
+    from rewind.tools.train_cmd import summary
+
+    with_start = summary(str(straight)).splitlines()
+    title = "answer-token accuracy before training and at each stage boundary (rows: after stage; columns: task)"
+    assert title in with_start
+    assert any(line.split()[0] == "(start)" for line in with_start if line.strip())
+    run = tmp_path / "run"
+    code, _, err = run_cli(*train_args(run, "--set", "training.evaluations=[]"))
+    assert code == 0, err
+    lines = summary(str(run)).splitlines()
+    titles = [line for line in lines if "at each stage boundary" in line]
+    assert titles == [
+        "answer-token accuracy at each stage boundary (rows: after stage; columns: task)",
+        "held-out text: bits per byte at each stage boundary (columns: dataset)",
+    ]
+    assert not [line for line in lines if "(start)" in line or "before training" in line]
+
+
 def test_missing_config_file(rewind_cli, tmp_path):
     code, _, err = rewind_cli("train", tmp_path / "nope.toml", "--run-dir", tmp_path / "run")
     assert_one_clean_line(code, err, 2, "nope.toml", "no such config file")
