@@ -131,13 +131,16 @@ def open_fork(
     metrics: bool = True,
     num_threads: int = 0,
     note: Callable[[str], None] = lambda line: None,
+    base_dir: str | None = None,
 ) -> tuple[Run, State, RestorePoint, Config]:
     """Create the child run and return it ready to drive (log open and locked in run.journal).
 
     `config_of_child(parent_config) -> Config` makes the child's config from the parent's config in
     force at the fork point (e.g. by applying --set overrides); it may raise ConfigError. The child
     records the parent's CPU thread count there, or `num_threads` (> 0: the user's --threads); what the
-    user should know about it goes to `note`."""
+    user should know about it goes to `note`. `base_dir`: the directory of the child's config file
+    (`rewind fork --config FILE`), where its grpo reward modules are looked for first
+    (DataHome.base_dir; None: the working directory alone)."""
     records = read_seq_events(parent_dir)
     if not records or not isinstance(records[0][1], RunStarted):
         raise RunError(f"{parent_dir}: the event log is empty or does not start with RunStarted", 1)
@@ -161,7 +164,7 @@ def open_fork(
     if problem := change_problem(parent_config, config, point):
         raise RunError(f"cannot fork {parent_dir} at step {point.state.step}: {problem}")
     try:
-        home = read_only_home(parent_dir, parent_state)
+        home = dataclasses.replace(read_only_home(parent_dir, parent_state), base_dir=base_dir)
         recorded = identities(config, home, parent_state.data, parent_config)
         data = {"data": recorded, "tokenizer": home.tokenizer.identity}
         preamble = fork_records(records[0][1], point, parent_config, config, origin, num_threads, data, REWIND_VERSION)

@@ -18,11 +18,11 @@ the stage's datasets with made-up completions (the row's answer, an empty one an
 return checked as every rollout's is. A function that does not import, raises or returns what no reward is
 says so in one line then, not after the stages before it have trained.
 
-"module" is looked for first beside the config file (`beside`: the directory `rewind train CONFIG` read
-it from, as relative data paths are; rewind.engine.userdata.DataHome.base_dir), then in the working
-directory, as `module.py` or a package directory `module/`, and last on the Python path (an installed
-module). A command without a config file (`rewind resume`, `rewind replay`, `rewind fork`) looks in the
-working directory.
+"module" is looked for first beside the config file (`beside`: the directory `rewind train CONFIG` or
+`rewind fork --config CONFIG` read it from, as relative data paths are;
+rewind.engine.userdata.DataHome.base_dir), then in the working directory, as `module.py` or a package
+directory `module/`, and last on the Python path (an installed module). A command without a config file
+(`rewind resume`, `rewind replay`, `rewind fork` without --config) looks in the working directory.
 It runs with your permissions, as any code you ask a trainer to run. Its identity goes on record with every
 rollout batch (RolloutsRecorded.reward_code: the sha256 of the module's file, and its __version__ when it
 has one): a resume inside the stage under another version of the code is refused, as a changed dataset

@@ -63,9 +63,12 @@ def run(args: argparse.Namespace) -> int:
         return resolve_data_paths(config_from_dict(raw, source=f"{args.run_dir} config with --set"), Path.cwd())
 
     notes: list[str] = []
+    # A --config file's reward modules are looked for beside it first, as `rewind train FILE` looks.
+    base_dir = str(Path(args.config).resolve().parent) if args.config else None
     try:
         run, state, point, parent_config = open_fork(
-            args.run_dir, args.at_step, config_of_child, args.new_run, num_threads=args.threads, note=notes.append
+            args.run_dir, args.at_step, config_of_child, args.new_run,
+            num_threads=args.threads, note=notes.append, base_dir=base_dir,
         )
     except LogNotFoundError:
         raise CommandError(f"{args.run_dir}: no run here (no event log)") from None

@@ -262,3 +262,31 @@ def test_a_fork_cannot_be_forked_before_its_own_fork_point(unchanged_fork, tmp_p
     assert code == 2
     assert "is a fork of" in one_line(err) and "fork its parent instead" in err
     assert not (tmp_path / "grandchild").exists()
+
+
+def test_a_fork_with_a_config_elsewhere_finds_the_reward_module_beside_it(tmp_path, monkeypatch, request):
+    """`rewind fork --config FILE` looks for a grpo stage's reward module beside FILE first, as `rewind train
+    FILE` does, not only in the working directory: a fork run from elsewhere finds it and scores with it."""
+    import hashlib
+
+    from rewind.states.events import RolloutsRecorded
+    from tests.engine.test_rewards import MODULE, grpo_config, unique
+
+    name = unique(request, "forked")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "parent.toml").write_text(grpo_config("exact_match"))
+    parent = tmp_path / "parent"
+    code, _, err = run_cli("train", tmp_path / "parent.toml", "--run-dir", parent, "--max-steps=1")
+    assert code == 0, err
+    source = tmp_path / "sub" / f"{name}.py"
+    source.write_text(MODULE)
+    (tmp_path / "sub" / "post.toml").write_text(grpo_config(f"{name}:by_length"))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    elsewhere = ["--config", "../sub/post.toml", "--max-steps=4"]
+    code, _, err = run_cli(*fork_args(parent, Path("child"), 0, *elsewhere))
+    assert code == 0, err
+    child = tmp_path / "elsewhere" / "child"
+    records = [e for _, e in read_seq_events(child) if isinstance(e, RolloutsRecorded)]
+    identity = "sha256:" + hashlib.sha256(source.read_bytes()).hexdigest() + ";version=1.0"
+    assert records and all(r.reward_code == {f"{name}:by_length": identity} for r in records)
