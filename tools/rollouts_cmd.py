@@ -6,7 +6,8 @@ checked before anything in it is shown. Per prompt: its dataset and row, its tex
 decoded with the run's tokenizer (the end token left out of the text: the finish reason says it was
 there), how it finished ("eos" or "length": cut at max_new_tokens), each reward function's value in
 the order of `reward_functions` (a list: a function may be named twice; None where it did not apply)
-and its advantage. Nothing is written to the run.
+and its advantage. The batch's mean reward is the record's, over the completions some function scored;
+`unscored` counts the others. Nothing is written to the run.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def show_rollouts(
         "num_prompts": num_prompts,
         "group_size": group_size,
         "reward_functions": names,
-        "mean_reward": record["mean_reward"],
+        "mean_reward": record["mean_reward"],  # over the completions some function scored
+        "unscored": record["unscored"],  # the others: no function scored them
         "cursors": dict(record["cursors"]),
         "prompts": prompts,
     }
@@ -133,7 +135,7 @@ def render(shown: dict) -> list[str]:
     lines = [
         f"rollouts recorded at step {shown['step']:,} (stage {shown['stage']}, sampled by the weights of step "
         f"{shown['policy_step']:,}): {shown['num_prompts']} prompts x {shown['group_size']} completions, "
-        f"mean reward {shown['mean_reward']:.4g}",
+        f"mean reward {shown['mean_reward']:.4g} over the scored completions ({shown['unscored']} unscored)",
         f"file {shown['path']}",
     ]
     for prompt in shown["prompts"]:

@@ -61,7 +61,7 @@ def run(tmp_path) -> tuple[str, dict]:
     path, sha256 = write_rollouts(str(tmp_path), batch_of(PROMPTS, COMPLETIONS, REWARDS), metadata)
     record = {
         "step": 7, "tokens": 7 * 256, "stage": 3, "path": path, "sha256": sha256, "num_prompts": 2,
-        "group_size": 2, "cursors": {"add": 12}, "mean_reward": 0.4,
+        "group_size": 2, "cursors": {"add": 12}, "mean_reward": 0.4, "unscored": 1,
     }  # fmt: skip
     return str(tmp_path), record
 
@@ -73,6 +73,7 @@ def test_each_prompt_shows_its_group_decoded_with_finish_rewards_and_advantages(
         "step": 7, "stage": 3, "policy_step": 6, "num_prompts": 2, "group_size": 2,
     }  # fmt: skip
     assert shown["reward_functions"] == ["exact_match", "exact_match"]  # a function named twice stays twice
+    assert (shown["mean_reward"], shown["unscored"]) == (0.4, 1)  # the record's: over the scored completions
     assert [(p["text"], p["dataset"], p["row"]) for p in shown["prompts"]] == [
         ("1+1=", "sort", 17),
         ("2+2=", "add", 4242),
@@ -101,7 +102,7 @@ def test_the_text_output_keeps_one_line_per_completion(run):
     lines = render(show_rollouts(run_dir, record, ByteTokenizer().decode, datasets=["add", "sort"]))
     assert lines[0] == (
         "rollouts recorded at step 7 (stage 3, sampled by the weights of step 6): 2 prompts x 2 completions, "
-        "mean reward 0.4"
+        "mean reward 0.4 over the scored completions (1 unscored)"
     )
     assert lines[3] == 'prompt 0 (sort, row 17): "1+1="'
     assert lines[4] == '  [0] eos     exact_match 1  exact_match 0.5  advantage -1.5000  "2"'
@@ -237,6 +238,11 @@ def test_the_command_shows_a_real_grpo_run_s_batch_as_its_file_holds_it(tmp_path
     shown = json_module.loads(out)
     tensors, _ = read_rollouts(str(run), records[0].path, records[0].sha256)
     assert shown["step"] == 10 and shown["sha256"] == records[0].sha256
+    assert (shown["mean_reward"], shown["unscored"]) == (records[0].mean_reward, records[0].unscored)
+    code, out, err = run_cli("rollouts", run, "--step", "11")
+    assert code == 0, err
+    said = f"mean reward {records[0].mean_reward:.4g} over the scored completions ({records[0].unscored} unscored)"
+    assert out.splitlines()[0].endswith(said)
     completions = [c for p in shown["prompts"] for c in p["completions"]]
     assert len(completions) == 8
     for n, completion in enumerate(completions):
