@@ -11,6 +11,10 @@
   prompt_field and answer_field), a causal objective, no fade into or out of it and no token-level KL
   (its own kl_beta, with a reference refreshed at it or before); a rollout batch of whole groups
   (training.batch_size a multiple of group_size) whose prompt and completion fit the context.
+Every number of a settings table is checked at the range the stage computes with it: the scales and
+weights (dpo.beta, dpo.sft_weight, grpo.kl_beta, grpo.epsilon_high, a reward's weight) multiply float32
+tensors, so each is a float32 number (a positive one not so small that float32 rounds it to 0), and
+grpo.temperature is at least `MIN_TEMPERATURE`.
 A settings table belongs to its strategy (`[stages.sft]` on an sft stage). Problems name the record's
 field (`stages[2].sft: ...`). Called by `rewind.states.config_rules.check_config`.
 """
@@ -28,6 +32,18 @@ BUILTIN_REWARDS: tuple[str, ...] = ("exact_match",)
 _ENTRY_POINT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 # The strategies whose settings are a table of the stage record, by the table's field name.
 SETTINGS_TABLES: tuple[str, ...] = ("sft", "dpo", "grpo")
+# float32's largest and smallest normal numbers: the losses and the sampler compute in float32, where a
+# setting past the first is infinite (a first step's 0 times it is NaN; the clip bound 1 + epsilon_high
+# cannot even be made) and a positive one below the second rounds to 0 or loses its precision.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+# A grpo stage's temperature divides float32 logits, and its log-probs, the importance ratio exp(logp -
+# old_logp) and k3's exp(-d) move 1/T times as fast as the logits: float32's exp overflows past 88.7, a
+# logit change of 0.89 at T = 0.01 between a rollout and an update. Below this (vLLM's floor too) the
+# sampling is argmax in all but name while one ordinary update can overflow the loss.
+MIN_TEMPERATURE = 0.01
+# The ipo loss is (h - 1 / (2 beta)) ** 2, h = 0 at a stage's first step: finite in float32 from here up.
+IPO_MIN_BETA = 2.8e-20
 
 
 def gives_examples(config: Config, name: str) -> bool:
@@ -133,7 +149,27 @@ def _dpo_problems(config: Config, stage: Stage, i: int) -> list[str]:
         add(f"{at}.dpo.label_smoothing: the {settings.loss} loss has no label smoothing (sigmoid or robust do)")
     if settings.sft_weight < 0:
         add(f"{at}.dpo.sft_weight: must be >= 0, got {settings.sft_weight}")
+    for name in ("beta", "sft_weight"):
+        problems += _float32_problems(f"{at}.dpo.{name}", getattr(settings, name))
+    if settings.loss == "ipo" and FLOAT32_TINY <= settings.beta < IPO_MIN_BETA:
+        add(
+            f"{at}.dpo.beta: the ipo loss needs at least {IPO_MIN_BETA} (its target 1 / (2 beta), squared, is a "
+            f"float32), got {settings.beta}"
+        )
     return problems
+
+
+def _float32_problems(path: str, value: float, tiny: bool = True) -> list[str]:
+    """A scale the stage multiplies float32 tensors by: within float32's range, and (`tiny`) a positive
+    one not rounded to 0 or below float32's normal numbers (the sign rules are the caller's)."""
+    if value > FLOAT32_MAX:
+        return [f"{path}: must be at most 3.4e38 (the stage computes with it in float32), got {value}"]
+    if tiny and 0 < value < FLOAT32_TINY:
+        return [
+            f"{path}: must not lie in (0, 1.2e-38), below float32's normal numbers (the stage computes with it "
+            f"in float32), got {value}"
+        ]
+    return []
 
 
 def _grpo_problems(config: Config, stage: Stage, i: int) -> list[str]:
@@ -149,6 +185,11 @@ def _grpo_problems(config: Config, stage: Stage, i: int) -> list[str]:
         )
     if not settings.temperature > 0:
         add(f"{at}.temperature: must be positive (the log-probs are the sampled distribution's), got {settings.temperature}")
+    elif settings.temperature < MIN_TEMPERATURE:
+        add(
+            f"{at}.temperature: must be at least {MIN_TEMPERATURE} (the log-probs and the importance ratio move 1/T "
+            f"times as fast as the float32 logits), got {settings.temperature}"
+        )
     if not 1 <= settings.max_new_tokens < block:
         add(f"{at}.max_new_tokens: must be in [1, block_size - 1 = {block - 1}] (the prompt needs a token), got {settings.max_new_tokens}")
     if settings.num_iterations < 1:
@@ -157,8 +198,10 @@ def _grpo_problems(config: Config, stage: Stage, i: int) -> list[str]:
         add(f"{at}.epsilon_low: must be in [0, 1], got {settings.epsilon_low}")
     if settings.epsilon_high < 0:
         add(f"{at}.epsilon_high: must be >= 0, got {settings.epsilon_high}")
+    problems += _float32_problems(f"{at}.epsilon_high", settings.epsilon_high, tiny=False)
     if settings.kl_beta < 0:
         add(f"{at}.kl_beta: must be >= 0, got {settings.kl_beta}")
+    problems += _float32_problems(f"{at}.kl_beta", settings.kl_beta)
     if not settings.rewards:
         add(f"{at}.rewards: at least one reward function")
     for j, reward in enumerate(settings.rewards):
@@ -169,4 +212,5 @@ def _grpo_problems(config: Config, stage: Stage, i: int) -> list[str]:
             )
         if not reward.weight > 0:
             add(f"{at}.rewards[{j}].weight: must be positive, got {reward.weight}")
+        problems += _float32_problems(f"{at}.rewards[{j}].weight", reward.weight)
     return problems
