@@ -27,13 +27,19 @@ from rewind.states.config_error import ConfigError
 from rewind.states.config_reading import loads_config
 from tests.conftest import EXAMPLES
 
-TINY = (EXAMPLES / "tiny.toml").read_text().replace("[training.fade]\noverlap = 0.5", "[training.fade]\noverlap = 0.0")
+TINY = (
+    (EXAMPLES / "tiny.toml")
+    .read_text()
+    .replace("[training.fade]\noverlap = 0.5", "[training.fade]\noverlap = 0.0")
+)
 THIRD = 'datasets = [{ name = "sort", rate = 0.5 }, { name = "reverse", rate = 0.5 }]\nbeta = 0.2'
 BOUNDARIES = (0.0, FLOAT32_TINY, FLOAT32_MAX, MIN_TEMPERATURE, IPO_MIN_BETA, 0.5, 1.0)
 
 
 def _stage(strategy: str, table: str) -> str:
-    return TINY.replace(THIRD, f'strategy = "{strategy}"\ndatasets = [{{ name = "sort", rate = 1.0 }}]\n{table}')
+    return TINY.replace(
+        THIRD, f'strategy = "{strategy}"\ndatasets = [{{ name = "sort", rate = 1.0 }}]\n{table}'
+    )
 
 
 def grpo_text(weight: float = 1.0, **values: float | str) -> str:
@@ -81,7 +87,9 @@ def test_a_dpo_stage_s_scales_are_float32_numbers_and_the_ipo_target_too():
 
 
 def test_the_bounds_themselves_are_accepted():
-    assert problems(grpo_text(temperature=MIN_TEMPERATURE, epsilon_high=FLOAT32_MAX, kl_beta=FLOAT32_MAX)) == []
+    assert (
+        problems(grpo_text(temperature=MIN_TEMPERATURE, epsilon_high=FLOAT32_MAX, kl_beta=FLOAT32_MAX)) == []
+    )
     assert problems(grpo_text(kl_beta=FLOAT32_TINY, weight=FLOAT32_TINY)) == []
     assert problems(dpo_text(beta=IPO_MIN_BETA, loss="ipo", sft_weight=FLOAT32_MAX)) == []
 
@@ -143,7 +151,11 @@ def test_any_accepted_grpo_setting_keeps_the_sampler_and_the_loss_finite(
     temperature, epsilon_low, epsilon_high, kl_beta, weight, seed
 ):
     text = grpo_text(
-        weight=weight, temperature=temperature, epsilon_low=epsilon_low, epsilon_high=epsilon_high, kl_beta=kl_beta
+        weight=weight,
+        temperature=temperature,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        kl_beta=kl_beta,
     )
     if problems(text):
         return
@@ -151,7 +163,7 @@ def test_any_accepted_grpo_setting_keeps_the_sampler_and_the_loss_finite(
     generator = torch.Generator().manual_seed(seed)
     logits = _logits(4, generator)
     drawn = _draw(logits[:, 0], s.temperature, [(seed, 2, 0, row, 0) for row in range(4)], 0)
-    assert ((0 <= drawn) & (drawn < 11)).all()
+    assert ((drawn >= 0) & (drawn < 11)).all()
     logp = token_logprobs(logits, drawn[:, None], torch.ones(4, 1, dtype=torch.bool), s.temperature)
     assert torch.isfinite(logp).all(), s.temperature
     _grpo_first_and_later(s, logp.detach())
@@ -164,7 +176,9 @@ def test_any_accepted_grpo_setting_keeps_the_sampler_and_the_loss_finite(
     beta=_finite_floats(), label_smoothing=st.floats(0.0, 0.5), sft_weight=_finite_floats(),
     variant=st.sampled_from(DPO_VARIANTS), seed=st.integers(0, 2**16),
 )  # fmt: skip
-def test_any_accepted_dpo_setting_keeps_the_first_step_s_loss_finite(beta, label_smoothing, sft_weight, variant, seed):
+def test_any_accepted_dpo_setting_keeps_the_first_step_s_loss_finite(
+    beta, label_smoothing, sft_weight, variant, seed
+):
     text = dpo_text(beta=beta, label_smoothing=label_smoothing, sft_weight=sft_weight, loss=variant)
     if problems(text):
         return
