@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from rewind.engine.rundata import DATA_DIR
 from rewind.states.admission import CACHE_DIR, ROLLOUTS_DIR
 from rewind.stores import fsio, lock
 from rewind.stores.checkpoints import CHECKPOINTS_DIR, ORPHANED_DIR
@@ -37,18 +38,15 @@ def _problems(run: Path) -> list[str]:
 
 def test_the_directories_named_are_the_stores_own():
     names = {CHECKPOINTS_DIR, f"{CHECKPOINTS_DIR}/{ORPHANED_DIR}", SNAPSHOTS_DIR, ROLLOUTS_DIR, TB_DIR_NAME}
-    names |= {
-        EVENTS_DIR,
-        CACHE_DIR,
-        TRUNKS_DIR,
-        "data",
-        "plots",
-    }  # (the engine's DATA_DIR, train_cmd's plots)
+    names |= {EVENTS_DIR, CACHE_DIR, TRUNKS_DIR, DATA_DIR, "plots"}  # (plots: tools/train_cmd.py's)
     assert set(RUN_DIRECTORIES) == names
     assert lock.RUN_LOG_DIR == EVENTS_DIR
 
 
-WRITTEN = ["checkpoints/orphaned", "snapshots", "tb", "rollouts", "plots", "checkpoints", "metrics.jsonl"]
+WRITTEN = [
+    *("checkpoints/orphaned", "snapshots", "tb", "rollouts", "metrics.jsonl"),  # what a resume writes
+    *("events", "checkpoints", "plots", "data", "cache", "trunks"),
+]
 
 
 @pytest.mark.parametrize("name", WRITTEN)
