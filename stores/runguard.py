@@ -13,7 +13,7 @@ ones to come) and whoever writes there. A directory that must not be written is 
 - anything that is neither a directory nor a regular file (a FIFO, a device, a socket): no file of a run
   is one, and opening one to read or append blocks or acts;
 - a file, a FIFO or a link where rewind keeps a directory (`RUN_DIRECTORIES`: `checkpoints/orphaned` a
-  regular file).
+  regular file), or a directory where it appends to a file (`RUN_FILES`: `metrics.jsonl`).
 
 The writer is refused in one line (`NotWritable`, exit 1) naming the first problem and the way forward,
 before it has written, moved or recorded anything; `rewind verify` lists every problem (`write_problems`).
@@ -43,6 +43,8 @@ RUN_DIRECTORIES = {
     CACHE_DIR: "where rewind keeps activation caches",
     "trunks": "where rewind keeps frozen stacks' weights",
 }
+# The files a run appends to, the same way: a directory there is no file to append to.
+RUN_FILES = {"metrics.jsonl": "where rewind writes the metrics projection"}
 
 _SPECIAL_KINDS = (
     (stat.S_ISFIFO, "a FIFO"),
@@ -109,6 +111,8 @@ def _problem(root: str, display: str, name: str, entry: os.DirEntry) -> str:
         mode = entry.stat(follow_symlinks=False).st_mode
     except OSError:  # gone since the listing
         return ""
+    if stat.S_ISDIR(mode) and name in RUN_FILES:
+        return f"{where} is a directory, {RUN_FILES[name]}: move it away"
     if stat.S_ISDIR(mode) or (stat.S_ISREG(mode) and kept is None):
         return ""
     kind = next((what for test, what in _SPECIAL_KINDS if test(mode)), "neither a file nor a directory")

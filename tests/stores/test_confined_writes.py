@@ -21,7 +21,7 @@ from rewind.stores.checkpoints import CHECKPOINTS_DIR, ORPHANED_DIR
 from rewind.stores.eventlog import EventLog
 from rewind.stores.logread import EVENTS_DIR
 from rewind.stores.metrics import JSONL_NAME, TB_DIR_NAME, MetricsProjection
-from rewind.stores.runguard import RUN_DIRECTORIES, NotWritable, check_writable, write_problems
+from rewind.stores.runguard import RUN_DIRECTORIES, RUN_FILES, NotWritable, check_writable, write_problems
 from rewind.stores.snapshots import SNAPSHOTS_DIR
 from rewind.stores.trunks import TRUNKS_DIR
 from tests.engine.test_loop import run_cli, train_args
@@ -40,7 +40,7 @@ def test_the_directories_named_are_the_stores_own():
 
     names = {CHECKPOINTS_DIR, f"{CHECKPOINTS_DIR}/{ORPHANED_DIR}", SNAPSHOTS_DIR, ROLLOUTS_DIR, TB_DIR_NAME}
     names |= {EVENTS_DIR, CACHE_DIR, TRUNKS_DIR, DATA_DIR, "plots"}  # (plots: tools/train_cmd.py's)
-    assert set(RUN_DIRECTORIES) == names
+    assert set(RUN_DIRECTORIES) == names and set(RUN_FILES) == {JSONL_NAME}
     assert lock.RUN_LOG_DIR == EVENTS_DIR
 
 
@@ -103,6 +103,12 @@ def test_a_file_where_rewind_keeps_a_directory_says_what_it_is_and_what_to_do(tm
     (tmp_path / name).write_text("mine")
     (problem,) = _problems(tmp_path)
     assert problem == f"{tmp_path}/{name} is a file, {RUN_DIRECTORIES[name]}: move it away"
+
+
+def test_a_directory_where_rewind_appends_to_a_file_says_what_it_is_and_what_to_do(tmp_path):
+    (tmp_path / "metrics.jsonl").mkdir()
+    (problem,) = _problems(tmp_path)
+    assert problem == f"{tmp_path}/metrics.jsonl is a directory, {RUN_FILES['metrics.jsonl']}: move it away"
 
 
 def test_the_refusal_is_one_line_naming_the_first_problem_and_counting_the_others(tmp_path):
