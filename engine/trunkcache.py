@@ -37,7 +37,8 @@ from rewind.states.events import ActivationsCached
 from rewind.states.plan import CacheTrunk
 from rewind.states.state import State
 from rewind.stores import cachenames
-from rewind.stores.activations import ActivationCache, CacheError, CacheSpec, cache_identity
+from rewind.stores.activations import ActivationCache, CacheError, CacheSpec
+from rewind.stores.cachebinding import cache_identity
 from rewind.stores.cachenames import CACHE_DIR
 from rewind.stores.confine import NotConfined
 from rewind.stores.fsio import filesystem
@@ -59,7 +60,7 @@ def write_cache(parts: Parts, state: State, intent: CacheTrunk) -> ActivationsCa
     dtype = "bfloat16" if _trunk_dtype(model) == torch.bfloat16 else "float32"
     batch = config.training.batch_size
     path = cache_path(intent.version, state.step, config)
-    # Bound to what the log records (rewind.stores.activations.cache_identity): a cache of another run
+    # Bound to what the log records (rewind.stores.cachebinding): a cache of another run
     # at this path, complete or not, has another spec, and `create` deletes it.
     identity = cache_identity(state, intent.version, state.step, intent.num_steps, intent.num_rows, path)
     spec = CacheSpec(

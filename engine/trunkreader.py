@@ -1,7 +1,7 @@
 """Reading the frozen trunk's cached outputs (written by rewind.engine.trunkcache): a step gets its rows
 from the cache the state names, or None, and then computes the trunk, to the same bits.
 
-A cache is read only if it is the one the log records (rewind.stores.activations.identity_problem, the
+A cache is read only if it is the one the log records (rewind.stores.cachebinding.identity_problem, the
 check `rewind verify` makes): another run's copied in under the right name is not, and the run says so
 once (ForeignCache) and recomputes the trunk; one written before caches carried an identity is
 recomputed without a word (an upgrade's, verify notes it)."""
@@ -14,7 +14,8 @@ import torch
 
 from rewind.states.events import ActivationsCached
 from rewind.states.state import State
-from rewind.stores.activations import OLDER_RELEASE, ActivationCache, CacheError, identity_problem
+from rewind.stores.activations import ActivationCache, CacheError
+from rewind.stores.cachebinding import OLDER_RELEASE, identity_problem
 from rewind.stores.confine import NotConfined, inside_path
 from rewind.stores.fsio import filesystem
 
@@ -56,7 +57,7 @@ class TrunkReader:
                 opened = ActivationCache.open(cache_url(run_dir, ref.path))
                 if opened.spec.num_rows != ref.num_rows or not opened.is_complete():
                     return None  # not the cache the record names: recomputed instead, to the same bits
-                if problem := identity_problem(opened, state):
+                if problem := identity_problem(opened.spec, state):
                     self._refused = ref
                     if problem != OLDER_RELEASE:
                         warnings.warn(ForeignCache(run_dir, ref.path, problem), stacklevel=2)

@@ -32,23 +32,13 @@ Each chunk read is checked against its stored crc32c (what zarr's codec checks: 
 truncation) and that crc32c against the record's, so a record never vouches for other bytes. Any
 mismatch is a CacheError naming the chunk, never zeros.
 
-A run's cache is bound to what its log records about it: its spec carries `cache_identity`, a digest of
-the ActivationsCached fields known before it is written (trunk version, first step, steps, rows, path)
-and of what the state on record says the trunk's inputs are (the config's hash, every dataset's
-identity, the tokenizer's, the pretrained weights', the parent run). Caches of two computations that
-differ in any of these differ in identity, so another run's cache copied in under the right name
-(`identity_problem`) is never read: the trunk is recomputed (the same bits, slower) and `rewind verify`
-names it. What the identity cannot tell apart is two runs of the same config on the same data, whose
-caches hold the same values (up to the thread count and device each computed with). And it is a claim
-the cache makes, not a hash of its chunks (the log records none: that would take a field of
-ActivationsCached), so a cache edited to claim this run's identity is not caught. A cache written
-before caches carried an identity is not read either (recomputed, the same bits; verify notes it).
+A run's cache is bound to what its log records about it: its spec carries an identity
+(rewind.stores.cachebinding), and a reader uses a cache only if it is the one the log gives it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import sys
 import weakref
 from dataclasses import asdict
@@ -58,7 +48,6 @@ import google_crc32c
 import msgspec
 import numpy as np
 
-from rewind.states.state import State
 from rewind.stores import fsio
 from rewind.stores.cachefiles import (
     ARRAY_META,
@@ -385,36 +374,6 @@ class ActivationCache:
         if manifest is None or manifest.spec != asdict(self.spec) or len(manifest.crc32c) != self.num_chunks:
             return None
         return manifest
-
-
-def cache_identity(state: State, version: int, step: int, num_steps: int, num_rows: int, path: str) -> str:
-    """The identity of the cache of trunk `version` for the steps [step, step + num_steps) at `path`
-    (its ActivationsCached's fields) in a run whose state is `state` (the module's docstring says what
-    it covers). The same for the writer, before the record, and for every reader after it: nothing it
-    reads from the state changes while the state holds the cache (a ConfigChanged drops it)."""
-    made_of = [version, step, num_steps, num_rows, path, state.config_hash, state.data, state.tokenizer,
-               state.pretrained, state.parent_run]  # fmt: skip
-    return hashlib.sha256(msgspec.msgpack.encode(made_of, order="deterministic")).hexdigest()
-
-
-OLDER_RELEASE = "written before caches carried the identity of what made them"
-
-
-def identity_problem(cache: ActivationCache, state: State) -> str:
-    """Why `cache` is not the one `state.activation_cache` records ("" if it is): another computation's,
-    or OLDER_RELEASE's (an upgrade's, not damage). Resume and `rewind verify` both ask this."""
-    record = state.activation_cache
-    if record is None:
-        return "no cache on record"
-    expected = cache_identity(state, record.version, record.step, record.num_steps, record.num_rows, record.path)
-    if cache.spec.identity == expected:
-        return ""
-    if not cache.spec.identity:
-        return OLDER_RELEASE
-    return (
-        "not this run's: made by another run, config or data (its identity is not the one the log gives "
-        "it)"
-    )
 
 
 def cache_status(url: str) -> str:

@@ -97,7 +97,7 @@ class CacheSpec:
     width: int
     dtype: str  # "float32" or "bfloat16" (torch dtype names)
     rows_per_chunk: int
-    # What made it, as the log records it (rewind.stores.activations.cache_identity: a sha256); "" in a
+    # What made it, as the log records it (rewind.stores.cachebinding.cache_identity: a sha256); "" in a
     # cache written before caches carried one, and in caches that are not a run's (benchmarks, tests).
     identity: str = ""
 

@@ -12,7 +12,7 @@ Checks, reporting every problem with its exact location:
    path rewind does not write), nor what only an edited log holds (a checkpoint committed twice:
    rewind.stores.folding.commit_problem, which a resume refuses); every activation cache a record
    names stays inside the run once links are resolved, and one there is the one the log records (its
-   identity: rewind.stores.activations), not another run's;
+   identity: rewind.stores.cachebinding), not another run's;
 3. every checkpoint the log still holds live exists and matches the hashes its CheckpointCommitted
    recorded, file by file;
 4. each live checkpoint's manifest agrees with the control state folded from the log at that point
@@ -242,9 +242,10 @@ def _cache_problems(run_dir: str, path: str) -> list[str]:
 
 def _cache_identity_problems(run_dir: str, path: str, state) -> tuple[list[str], list[str]]:
     """(problems, notes) of the activation cache at `path`, if one is there: it must be the one the log
-    records (stores.activations.identity_problem, the check a resume makes before it reads a cache).
+    records (stores.cachebinding.identity_problem, the check a resume makes before it reads a cache).
     An absent or unfinished one is no problem: a resume writes or recomputes what it lacks."""
-    from rewind.stores.activations import OLDER_RELEASE, ActivationCache, CacheError, identity_problem
+    from rewind.stores.activations import ActivationCache, CacheError
+    from rewind.stores.cachebinding import OLDER_RELEASE, identity_problem
     from rewind.stores.fsio import filesystem
 
     location = filesystem(run_dir).join(*path.split("/"))
@@ -254,7 +255,7 @@ def _cache_identity_problems(run_dir: str, path: str, state) -> tuple[list[str],
         cache = ActivationCache.open(location.url)
     except CacheError as exc:
         return [], [f"activation cache {path}: unreadable, so recomputed ({exc})"]
-    if not cache.is_complete() or not (problem := identity_problem(cache, state)):
+    if not cache.is_complete() or not (problem := identity_problem(cache.spec, state)):
         return [], []
     if problem == OLDER_RELEASE:
         return [], [f"activation cache {path}: {problem}: not read (the trunk is recomputed, the same bits)"]

@@ -18,14 +18,8 @@ import torch
 from rewind.states.events import ActivationsCached, CheckpointCommitted, RolloutsRecorded
 from rewind.states.state import State
 from rewind.stores import snapshots
-from rewind.stores.activations import (
-    OLDER_RELEASE,
-    ActivationCache,
-    CacheError,
-    CacheSpec,
-    cache_identity,
-    identity_problem,
-)
+from rewind.stores.activations import ActivationCache, CacheError, CacheSpec
+from rewind.stores.cachebinding import OLDER_RELEASE, cache_identity, identity_problem
 from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.eventlog import EventLog
 from rewind.stores.folding import SnapshotsIgnored
@@ -209,18 +203,18 @@ def test_an_activation_cache_is_bound_to_what_the_log_records(tmp_path):
     for chunk in range(3):
         cache.write_chunk(chunk, torch.ones(2, 2, 3))
     cache.mark_complete()
-    assert identity_problem(ActivationCache.open(url), state).startswith("not this run's")
+    assert identity_problem(ActivationCache.open(url).spec, state).startswith("not this run's")
     mine = ActivationCache.create(url, spec)  # the writer of this run: nothing of theirs is kept
     assert mine.missing_chunks() == [0, 1, 2]
     for chunk in range(3):
         mine.write_chunk(chunk, torch.zeros(2, 2, 3))
     mine.mark_complete()
-    assert identity_problem(ActivationCache.open(url), state) == ""
+    assert identity_problem(ActivationCache.open(url).spec, state) == ""
     older = str(tmp_path / "older.zarr")
     cache = ActivationCache.create(older, CacheSpec(**{**spec.__dict__, "identity": ""}))
     for chunk in range(3):
         cache.write_chunk(chunk, torch.zeros(2, 2, 3))
     cache.mark_complete()
-    assert identity_problem(ActivationCache.open(older), state) == OLDER_RELEASE
+    assert identity_problem(ActivationCache.open(older).spec, state) == OLDER_RELEASE
     with pytest.raises(CacheError, match="identity must be a sha256"):
         CacheSpec(**{**spec.__dict__, "identity": "../x"})
