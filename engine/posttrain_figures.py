@@ -10,8 +10,8 @@
   that reference) on held-out preference pairs, the figures its steps record on their training pairs.
 
 G, T and the new-token limit are the run's first grpo stage's (GrpoSettings' defaults when it has none),
-the same at every boundary, and every draw is keyed by (seed, "eval", step 0, prompt, sample, position),
-so each boundary answers the same questions with the same randomness and the rows compare. A run with
+the same at every boundary, and every draw is keyed by (seed, "rollout", "eval", 0, row, sample,
+position) (docs/sampling.md), so each boundary answers the same questions with the same randomness and the rows compare. A run with
 only pretrain stages records none of this. The prompts are the first training.eval_samples validation
 rows, never trained on; the judge is rewind.engine.task_rows.exact_match_reward, as a grpo stage's.
 """
