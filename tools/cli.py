@@ -68,12 +68,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if problem := undecodable_argument(sys.argv[1:] if argv is None else argv):
+        _say(f"rewind: {problem}")
+        return 2
     args = build_parser().parse_args(argv)
     with warnings.catch_warnings():
         # rewind's warnings (a torn tail cut off, a stale lock broken) are news for the user: one line
         # each, not Python's file:line report with a source excerpt.
         warnings.showwarning = _show_warning
         return _run(args)
+
+
+def undecodable_argument(argv: list[str]) -> str:
+    """The line refusing the first argument that is not UTF-8 ("" when all are). Python hands over the
+    bytes of such an argument as lone surrogates (surrogateescape), which nothing downstream can encode:
+    a log record, a JSON line, a printed name, a path made from it. Refused here, once, before anything
+    runs, so no command records a RunStarted it then cannot go on from."""
+    for i, arg in enumerate(argv):
+        if not _surrogates(arg):
+            continue
+        shown = _shown(arg)
+        option, eq, _ = arg.partition("=")
+        if arg.startswith("--") and eq and not _surrogates(option):
+            where = f"{option} {shown[len(option) + 1 :]}"
+        elif i > 0 and argv[i - 1].startswith("-") and "=" not in argv[i - 1]:
+            where = f"{argv[i - 1]} {shown}"
+        else:
+            where = shown
+        return f"{where}: not UTF-8 text; rewind takes its arguments, paths included, as UTF-8"
+    return ""
+
+
+def _surrogates(text: str) -> bool:
+    return any("\ud800" <= char <= "\udfff" for char in text)
+
+
+def _shown(arg: str) -> str:
+    """`arg` printable: its bytes as \\xNN where surrogateescape made them, any other surrogate as \\uNNNN."""
+    if all(not "\ud800" <= char <= "\udfff" or "\udc80" <= char <= "\udcff" for char in arg):
+        return arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return arg.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
