@@ -10,7 +10,6 @@ million-step run takes seconds and a bounded amount of memory.
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,24 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def read_timeline(run_dir: str, *, with_plot: bool = False) -> Any:
     """The run's `Timeline` (tools.timeline_scan): its log read once, after a first pass for the
     superseded ranges (see stores.runs.superseded_ranges), and folded on the way; never held."""
-    from rewind.states.events import StepCommitted
     from rewind.tools.streamlog import marked_records
     from rewind.tools.timeline_scan import Timeline
 
     records = marked_records(run_dir)
     timeline = Timeline(run_dir, with_plot=with_plot)
-    # stage -> [sum, count] of the finite KL its effective steps logged with a record's beta of 0: a grpo
-    # stage's estimate, weighed by grpo.kl_beta, which the scan's per-stage mean (beta > 0) leaves out.
-    timeline.own_kl = own_kl = {}
 
     def events() -> Any:
         for seq, event, superseded in records:
             timeline.add(seq, event, superseded)
-            kept = not superseded and isinstance(event, StepCommitted)
-            if kept and event.beta == 0 and math.isfinite(event.kl):
-                tally = own_kl.setdefault(event.stage, [0.0, 0])
-                tally[0] += event.kl
-                tally[1] += 1
             yield event
 
     return timeline.finish(fold_events(run_dir, events()))
@@ -68,8 +58,8 @@ def kl_columns(timeline, stage: int, kl_mean: float | None) -> dict:
     term = kl_term(stages[stage]) if stage < len(stages) else None
     if term is None or term.setting == "beta":
         return {"kl_mean": kl_mean}
-    total, count = getattr(timeline, "own_kl", {}).get(stage, (0.0, 0))
-    grpo_kl = total / count if count and term.penalty > 0 else None
+    steps = timeline.stage_steps(stage)
+    grpo_kl = steps.own_kl_sum / steps.num_own_kl if steps.num_own_kl and term.penalty > 0 else None
     return {"kl_mean": grpo_kl if term.setting == "grpo.kl_beta" else None, "kl": term._asdict()}
 
 

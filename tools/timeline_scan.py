@@ -70,6 +70,10 @@ class StageSteps:
         self.loss_min: float | None = None
         self.kl_sum = 0.0  # the finite KL terms of the steps that had one (beta > 0)
         self.num_kl = 0
+        # The finite KL the steps logged with a beta of 0: a grpo stage's estimate, weighed by its own
+        # grpo.kl_beta (rewind.tools.kl_terms), which the mean above leaves out.
+        self.own_kl_sum = 0.0
+        self.num_own_kl = 0
         # The window is a fraction of the stage's length, known only at its end, and at most
         # LOSS_WINDOW_MAX: keeping that many finite losses from each end is enough.
         self.head: list[float] = []
@@ -90,6 +94,9 @@ class StageSteps:
         if e.beta > 0 and math.isfinite(e.kl):
             self.kl_sum += e.kl
             self.num_kl += 1
+        elif e.beta == 0 and math.isfinite(e.kl):
+            self.own_kl_sum += e.kl
+            self.num_own_kl += 1
 
     def losses(self) -> dict:
         window = loss_window(self.num_finite)
