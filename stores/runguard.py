@@ -29,8 +29,9 @@ from rewind.states.admission import CACHE_DIR, ROLLOUTS_DIR
 from rewind.stores.confine import NotConfined
 from rewind.stores.fsio import Location
 
-# The directories a run writes, and what rewind keeps in each (the names are the stores' own, checked by
-# tests/stores/test_confined_writes.py; rewind.stores cannot import the engine's, nor the stores' here).
+# The directories a run writes, and what rewind keeps in each. Named here, not imported: the lock, which
+# every writer takes, would import every store (and the stores cannot import the engine's DATA_DIR);
+# tests/stores/test_confined_writes.py holds the names to the stores' and the engine's own.
 RUN_DIRECTORIES = {
     "events": "where rewind keeps the run's event log",
     "checkpoints": "where rewind keeps the run's checkpoints",
