@@ -25,7 +25,10 @@ Checks, reporting every problem with its exact location:
    exactly the fold of the log up to its record, under the config then in force; a damaged or wrong
    one is named (it is never used over the log, and deleting it is safe);
 8. with --data: every file of every dataset the run recorded, re-hashed whole against its record
-   (RunStarted/ConfigChanged .data), and the prepared token files against their manifests.
+   (RunStarted/ConfigChanged .data), and the prepared token files against their manifests;
+9. nothing in the run directory would lead a writer out of it or onto what is no file (rewind.stores
+   .runguard, the check `rewind train`/`resume` make when they take the lock): a link out of the run,
+   a FIFO or device, a file where rewind keeps a directory (checkpoints/orphaned a file).
 Exit 0 when clean, 1 otherwise.
 """
 
@@ -63,12 +66,16 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
     from rewind.stores.checkpoints import CHECKPOINTS_DIR, CheckpointStore
     from rewind.stores.eventlog import EventLog, verify_log
     from rewind.stores.folding import commit_problem
+    from rewind.stores.fsio import filesystem
     from rewind.stores.orphans import LogEnd, lost_record_problems
+    from rewind.stores.runguard import write_problems
     from rewind.stores.temporaries import is_temporary, stale
     from rewind.stores.trust import RecordChecker
 
     problems: list[str] = []
     notes: list[str] = []
+    # Before the log's checks, which may end the report early: a writer is refused for these whatever the log.
+    problems += [f"run directory: {line}" for line in write_problems(filesystem(run_dir))]
     report = verify_log(run_dir)
     problems += [f"log: {p.segment} offset {p.offset}: {p.message}" for p in report.problems]
     if report.torn_tail is not None:  # what a crash mid-commit leaves: expected, not damage

@@ -303,3 +303,17 @@ def test_export_tensorboard_through_a_link_out_is_refused_and_nothing_is_written
     assert code == 1 and out == "", err
     assert err.count("\n") == 1 and err.startswith(f"rewind: {target} leads outside the run directory"), err
     assert tree_state(run) == before and tree_state(outside) == before_outside
+
+
+@pytest.mark.parametrize("name", ["tb", "snapshots", "checkpoints/orphaned"])
+def test_verify_names_what_would_lead_a_writer_out_of_the_run(run, tmp_path, name):
+    """The two links out a clean verify used to pass over (tb/, snapshots/), and checkpoints/orphaned a file."""
+    target = run / name
+    if name == "checkpoints/orphaned":
+        target.write_text("my notes")
+        expect = f"PROBLEM run directory: {target} is a file, where rewind keeps checkpoints no record names"
+    else:
+        shutil.copytree(target, tmp_path / "outside")
+        shutil.rmtree(target)
+        target.symlink_to(tmp_path / "outside")
+        expect = f"PROBLEM run directory: {target} leads outside the run directory"

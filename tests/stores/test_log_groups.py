@@ -39,6 +39,7 @@ from rewind.stores.eventlog import (
     segment_name,
     verify_log,
 )
+from rewind.stores.runguard import NotWritable
 from tests.stores.samples import sample_events
 
 
@@ -201,7 +202,9 @@ def test_a_segment_that_is_no_regular_file_of_the_run_is_one_error_and_nothing_r
         os.symlink(outside, path)
     with pytest.raises(UnreadableSegmentError, match="nothing read"):
         read_events(local_run)
-    with pytest.raises(UnreadableSegmentError):
+    # A writer looks over the run before it reads its log (rewind.stores.runguard): a FIFO or a link out
+    # refuses it there, a directory when the log is read.
+    with pytest.raises(UnreadableSegmentError if kind == "directory" else NotWritable):
         EventLog.open(local_run, "w")
     assert any("nothing read" in p.message for p in verify_log(local_run).problems)
 

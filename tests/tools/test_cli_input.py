@@ -232,7 +232,7 @@ def test_export_on_a_full_disk_fails_and_leaves_nothing(rewind_cli, straight, tm
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(fsio, "write_all", full)
-    refused(rewind_cli("export", straight, "--to", target), 1, str(target), "No space left on device")
+    refused(rewind_cli("export", straight, "--to", target, "--overwrite"), 1, str(target), "No space left")
     assert target.read_bytes() == b"the previous export"  # untouched: the new file never replaced it
     assert [p.name for p in target.parent.iterdir()] == ["model.safetensors"]  # no temporary file left
 
@@ -242,7 +242,7 @@ def test_export_replaces_a_previous_file_whole(rewind_cli, straight, tmp_path):
 
     target = tmp_path / "model.safetensors"
     target.write_bytes(b"the previous export")
-    code, out, err = rewind_cli("export", straight, "--to", target)
+    code, out, err = rewind_cli("export", straight, "--to", target, "--overwrite")
     assert code == 0, err
     assert "wrote" in out and load_file(target)
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]

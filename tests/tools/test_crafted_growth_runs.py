@@ -81,19 +81,21 @@ def test_a_forged_cache_path_is_refused_by_resume_and_verify(runs, run, how):
     assert tree_state(run) == before  # nor anything written
 
 
-def test_a_cache_linked_out_of_the_run_is_never_read_and_verify_names_it(runs, run):
+def test_a_cache_linked_out_of_the_run_is_never_read_nor_written_through_and_verify_names_it(runs, run):
     """The record names the run's own cache, but the cache is a link to the other run's (a valid cache
-    of the same shape): training recomputes the trunk instead (the same bits), and verify says why."""
+    of the same shape): verify says why, and training is refused in one line before it reads or writes
+    anything (rewind.stores.runguard: a writer writes only inside its run), the link left for a person."""
     own_cache = run / _cache_record(run).path
     shutil.rmtree(own_cache)
     own_cache.symlink_to(_other_cache(runs), target_is_directory=True)
+    before = tree_state(run)
     with opened_paths() as seen:
         code, out, err = run_cli("verify", run)
         assert code == 1 and "leads outside the run directory" in out, out + err
-        code, out, err = run_cli(*grown_args(run, "--max-steps", "2"))  # steps 15 and 16 read the cache
-    assert code == 0, err
+        code, out, err = run_cli(*grown_args(run, "--max-steps", "2"))
+    assert code == 1 and err.count("\n") == 1 and f"{own_cache} leads outside the run directory" in err, err
     assert not _files_under(runs[1], seen)
-    assert own_cache.is_symlink()  # left for a person to look at, not written through
+    assert tree_state(run) == before  # the link left for a person to look at, nothing written
 
 
 def test_a_fork_falls_back_past_checkpoints_whose_frozen_stacks_are_gone(runs, run, tmp_path):

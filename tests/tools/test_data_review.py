@@ -119,6 +119,7 @@ def test_verify_data_rehashes_the_pretrained_weights(tmp_path):
     child.write_text(child.read_text().replace("[data.corpus]", '[pretrained]\npath = "../w.safetensors"\n[data.corpus]'))
     train_ok(child, tmp_path / "b" / "run")
     assert run_cli("verify", tmp_path / "b" / "run", "--data")[0] == 0
-    assert run_cli("export", tmp_path / "b" / "run", "--to", tmp_path / "w.safetensors")[0] == 0  # other weights now
+    other = ("--to", tmp_path / "w.safetensors", "--overwrite")
+    assert run_cli("export", tmp_path / "b" / "run", *other)[0] == 0  # other weights now
     code, out, _ = run_cli("verify", tmp_path / "b" / "run", "--data")
     assert code == 1 and "data: pretrained:" in out
