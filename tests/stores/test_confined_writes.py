@@ -317,3 +317,5 @@ def test_verify_names_what_would_lead_a_writer_out_of_the_run(run, tmp_path, nam
         shutil.rmtree(target)
         target.symlink_to(tmp_path / "outside")
         expect = f"PROBLEM run directory: {target} leads outside the run directory"
+    code, out, _ = run_cli("verify", run)
+    assert code == 1 and expect in out, out
