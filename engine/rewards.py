@@ -23,10 +23,17 @@ says so in one line then, not after the stages before it have trained.
 rewind.engine.userdata.DataHome.base_dir), then in the working directory, as `module.py` or a package
 directory `module/`, and last on the Python path (an installed module). A command without a config file
 (`rewind resume`, `rewind replay`, `rewind fork` without --config) looks in the working directory.
-It runs with your permissions, as any code you ask a trainer to run. Its identity goes on record with every
-rollout batch (RolloutsRecorded.reward_code: the sha256 of the module's file, and its __version__ when it
-has one): a resume inside the stage under another version of the code is refused, as a changed dataset
-is, because the rewards on record would no longer be what the code computes.
+It runs with your permissions, as any code you ask a trainer to run, but as a guest: each call gets its own
+copies of the arguments (one function sorting `completions` in place cannot misalign the next one's), the
+working directory it may change is restored after its import and after every call (a run's relative paths
+stay the run's), and a SystemExit it raises is one line naming it, not the end of the run (KeyboardInterrupt
+still stops it). A reward is None or a real number (numbers.Real, so numpy's scalars and fractions too, but
+never a bool) that converts to a finite float within float32's range; what is quoted of anything else, or
+of an exception, is cut at QUOTE_LIMIT characters, on one line.
+Its identity goes on record with every rollout batch (RolloutsRecorded.reward_code: the sha256 of the
+module's file, and its __version__ when it has one): a resume inside the stage under another version of
+the code is refused, as a changed dataset is, because the rewards on record would no longer be what the
+code computes.
 """
 
 from __future__ import annotations
@@ -35,8 +42,11 @@ import hashlib
 import importlib
 import importlib.util
 import math
+import numbers
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -60,6 +70,9 @@ BUILTIN_IDENTITY = "builtin"
 # The trial before anything is recorded: rows of each dataset, and a completion no answer looks like.
 TRIAL_ROWS = 2
 TRIAL_GARBAGE = "?? x9 \ufffd"
+# At most this much of a value or an exception's message is quoted in a line (a function can return or
+# raise megabytes).
+QUOTE_LIMIT = 200
 # Modules this process imported from a file it found beside a config or in the working directory: the
 # file, and the sha256 of its bytes then.
 _FOUND: dict[str, tuple[Path, bytes]] = {}
@@ -100,10 +113,11 @@ def _module(name: str, beside: str | None) -> ModuleType:
     places = _places(beside)
     found = next((source for place in places if (source := _source(place, top)) is not None), None)
     try:
-        if found is not None:
-            _import_from(top, found)
-        return importlib.import_module(module_name)
-    except Exception as exc:  # its own import errors included: said in one line, not a traceback
+        with _guest():
+            if found is not None:
+                _import_from(top, found)
+            return importlib.import_module(module_name)
+    except (Exception, SystemExit) as exc:  # its own import errors included: said in one line, not a traceback
         if found is None and isinstance(exc, ModuleNotFoundError) and exc.name == top:
             where = " or ".join(
                 f"{'beside the config' if beside and i == 0 else 'in the working directory'} ({place})"
@@ -113,7 +127,7 @@ def _module(name: str, beside: str | None) -> ModuleType:
                 f"reward function {name}: cannot import {module_name}: no {top}.py nor {top}/ {where}, "
                 "and no installed module of that name"
             ) from None
-        what = str(exc) if isinstance(exc, RewardError) else f"{type(exc).__name__}: {exc}"
+        what = str(exc) if isinstance(exc, RewardError) else _failure(exc)
         at = f" ({found})" if found is not None else ""
         raise RewardError(f"reward function {name}: cannot import {module_name}{at}: {what}") from None
 
@@ -243,28 +257,88 @@ def score(
     row_fields: dict[str, list[str]],
     beside: str | None = None,
 ) -> torch.Tensor:
-    """(F, N) float32 rewards of the N completions by each function (NaN where it gave None)."""
+    """(F, N) float32 rewards of the N completions by each function (NaN where it gave None). Each call
+    gets copies of the lists and runs as a guest (`_guest`)."""
     rows = []
     for name in names:
         function = load_reward(name, beside)
         try:
-            values = function(prompts, completions, completion_ids, **row_fields)
-        except Exception as exc:  # the function's own failure: said in one line, naming it
-            raise RewardError(f"reward function {name} failed: {type(exc).__name__}: {exc}") from None
-        if not isinstance(values, list | tuple) or len(values) != len(completions):
-            raise RewardError(
-                f"reward function {name}: returned {type(values).__name__} of "
-                f"{len(values) if isinstance(values, list | tuple) else '?'} values for {len(completions)} completions"
-            )
-        row = []
-        for value in values:
-            if value is None:
-                row.append(math.nan)
-            elif isinstance(value, int | float) and not isinstance(value, bool) and abs(value) <= FLOAT32_MAX:
-                row.append(float(value))  # (NaN fails the comparison: refused too)
-            else:
-                raise RewardError(
-                    f"reward function {name}: returned {value!r}, not a finite number (float32: |r| <= 3.4e38) or None"
-                )
-        rows.append(row)
+            with _guest():
+                values = function(
+                    list(prompts), list(completions), [list(ids) for ids in completion_ids],
+                    **{field: list(values) for field, values in row_fields.items()},
+                )  # fmt: skip
+                rows.append(_rewards(name, values, len(completions)))  # user code may run here too (its types)
+        except RewardError:
+            raise
+        except (Exception, SystemExit) as exc:  # the function's own failure: said in one line, naming it
+            raise RewardError(f"reward function {name} failed: {_failure(exc)}") from None
     return torch.tensor(rows, dtype=torch.float32)
+
+
+def _rewards(name: str, values: object, count: int) -> list[float]:
+    """The `count` rewards `values` holds as floats (None: NaN), or RewardError. Its items are what is read,
+    one by one: what a list's len() says is not asked."""
+    if not isinstance(values, list | tuple):
+        raise RewardError(f"reward function {name}: returned {type(values).__name__} of ? values for {count} completions")
+    items = []
+    try:
+        for value in values:
+            items.append(value)
+            if len(items) > count:
+                break
+    except Exception as exc:
+        raise RewardError(f"reward function {name}: returned {type(values).__name__} that does not read: {_failure(exc)}") from None
+    if len(items) != count:
+        many = f"more than {count}" if len(items) > count else str(len(items))
+        raise RewardError(f"reward function {name}: returned {type(values).__name__} of {many} values for {count} completions")
+    return [_reward(name, value) for value in items]
+
+
+def _reward(name: str, value: object) -> float:
+    if value is None:
+        return math.nan
+    number = math.nan
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        with suppress(ArithmeticError, ValueError, TypeError):  # 10**5000 overflows: refused below
+            number = float(value)
+    if math.isfinite(number) and abs(number) <= FLOAT32_MAX:
+        return number
+    raise RewardError(
+        f"reward function {name}: returned {_quoted(value)}, not a finite number (a real number such as an int, a float "
+        "or a numpy scalar, not a bool, with |r| <= 3.4e38: float32) or None"
+    )
+
+
+@contextmanager
+def _guest() -> Iterator[None]:
+    """Run user code (a reward module's import, a call): the working directory it may change is restored
+    after it."""
+    here = os.getcwd()
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
+def _failure(exc: BaseException) -> str:
+    said = f"{type(exc).__name__}: {_text(exc, str)}"
+    return said + " (sys.exit: a reward function returns its rewards, it cannot end the run)" if isinstance(exc, SystemExit) else said
+
+
+def _quoted(value: object) -> str:
+    if isinstance(value, int) and value.bit_length() > 64:  # one past 4300 digits has no repr
+        return f"an int of about {math.floor(value.bit_length() * math.log10(2)) + 1} digits"
+    return _text(value, repr)
+
+
+def _text(value: object, show: Callable[[object], str]) -> str:
+    """`show(value)` on one line and cut at QUOTE_LIMIT characters (and what fails to show, said so)."""
+    try:
+        text = show(value)
+    except Exception as exc:
+        text = f"<a {type(value).__name__} that cannot be shown: {type(exc).__name__}>"
+    if not isinstance(text, str):
+        text = f"<a {type(value).__name__}>"
+    cut = text[: QUOTE_LIMIT + 1].replace("\r", "\\r").replace("\n", "\\n")
+    return cut[:QUOTE_LIMIT] + "..." if len(cut) > QUOTE_LIMIT else cut
