@@ -32,6 +32,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from rewind.engine.assemble import assemble, enter_site
@@ -41,6 +42,7 @@ from rewind.engine.grpo_rollouts import sample_rollouts
 from rewind.engine.loop import execute_step
 from rewind.engine.parts import Parts, RunError
 from rewind.engine.placement import PlacementError, adopt_threads
+from rewind.engine.rewards import changed_reward_code
 from rewind.engine.rundata import DATA_ERRORS, DataChanged, home_of
 from rewind.engine.tensors import model_tensors
 from rewind.states.compare import FieldDifference, first_difference
@@ -203,8 +205,18 @@ def replay(
                 progress(logged.step)
             continue
         if isinstance(logged, RolloutsRecorded) and rtol == 0:
+            # Scored by other code, a batch differs from its record by its file name at best: say why.
+            if changed := changed_reward_code(logged.reward_code, parts.datasets.home.base_dir):
+                raise ReplayError(
+                    f"{changed}; replay scores the batch of step {logged.step} again with the code here, which cannot "
+                    "reproduce the run: restore that code to replay it",
+                    1,
+                )
             # Sampled again from the same weights and keys: the same tokens make the same file name.
             resampled = sample_rollouts(parts, state, logged.stage, keep=False)
+            if resampled.reward_code.keys() == logged.reward_code.keys():
+                # The same code (checked above), as the record wrote it (one made before imports were covered)
+                resampled = msgspec.structs.replace(resampled, reward_code=logged.reward_code)
             report.num_rollouts += 1
             difference = first_difference(logged, resampled)
             if difference is not None:

@@ -31,9 +31,9 @@ still stops it). A reward is None or a real number (numbers.Real, so numpy's sca
 never a bool) that converts to a finite float within float32's range; what is quoted of anything else, or
 of an exception, is cut at QUOTE_LIMIT characters, on one line.
 Its identity goes on record with every rollout batch (RolloutsRecorded.reward_code: the sha256 of the
-module's file, and its __version__ when it has one): a resume inside the stage under another version of
-the code is refused, as a changed dataset is, because the rewards on record would no longer be what the
-code computes.
+module's file, of every module of yours it imports, and its __version__ when it has one; exactly what is
+covered: rewind.engine.reward_code): a resume inside the stage under other code is refused, as a changed
+dataset is, because the rewards on record would no longer be what the code computes.
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ import numbers
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
+from rewind.engine.reward_code import code_change, forget, module_identity, watching
 from rewind.engine.rows import encode_text
 from rewind.engine.task_rows import exact_match_rewards
 
@@ -113,7 +114,7 @@ def _module(name: str, beside: str | None) -> ModuleType:
     places = _places(beside)
     found = next((source for place in places if (source := _source(place, top)) is not None), None)
     try:
-        with _guest():
+        with _guest(module_name):
             if found is not None:
                 _import_from(top, found)
             return importlib.import_module(module_name)
@@ -147,6 +148,7 @@ def _import_from(top: str, source: Path) -> None:
         )
     for key in [k for k in sys.modules if k == top or k.startswith(top + ".")]:
         del sys.modules[key]
+        forget(key)
     package = source.name == "__init__.py"
     spec = importlib.util.spec_from_file_location(
         top, source, submodule_search_locations=[str(source.parent)] if package else None
@@ -173,33 +175,45 @@ def _file_of(module: ModuleType) -> Path | None:
 
 
 def reward_identity(name: str, beside: str | None = None) -> str:
-    """What `name`'s code is, for the record: "builtin", or "sha256:<the module file's hex>" (+ ";version=V")."""
+    """What `name`'s code is, for the record: "builtin", or its module's (rewind.engine.reward_code:
+    "sha256:<the module file's hex>", then ";imports=..." and ";version=V" where it has them)."""
     if name in BUILTIN:
         return BUILTIN_IDENTITY
     load_reward(name, beside)  # imported, so the module is in sys.modules
-    module = sys.modules[name.partition(":")[0]]
-    source = getattr(module, "__file__", None)
-    if not source or not Path(source).is_file():
+    module_name = name.partition(":")[0]
+    source = getattr(sys.modules[module_name], "__file__", None)
+    if not isinstance(source, str) or not Path(source).is_file():
         raise RewardError(f"reward function {name}: its module has no file to identify it by")
-    identity = "sha256:" + hashlib.sha256(Path(source).read_bytes()).hexdigest()
-    version = getattr(module, "__version__", None)
-    return identity + (f";version={version}" if isinstance(version, str) else "")
+    return module_identity(module_name)
 
 
 def reward_identities(names: Sequence[str], beside: str | None = None) -> dict[str, str]:
     return {name: reward_identity(name, beside) for name in names}
 
 
-def reward_code_changes(recorded: dict[str, str], beside: str | None = None) -> str:
-    """Why the reward functions a stage's last batch was scored by are not the code here now ("" if they
-    are): a resume inside the stage would compute other rewards than the record's."""
+def reward_code_changes(
+    recorded: dict[str, str], beside: str | None = None, *, run_dir: str | None = None, fork_at: int | None = None
+) -> str:
+    """Why the reward functions a stage's held batch was scored by are not the code here now ("" if they
+    are), and the way forward: a resume inside the stage would score with other code than the record's.
+    `run_dir` and `fork_at` (the step the stage began at) make the fork's command exact."""
+    changed = changed_reward_code(recorded, beside)
+    if not changed:
+        return ""
+    run, step = run_dir or "RUN", "N" if fork_at is None else str(fork_at)
+    where = "" if fork_at is not None else f", N the step its grpo stage began at (`rewind log {run} --type StageEntered`)"
+    return (
+        f"{changed}; restore that code to go on, or go on under the new code in a fork from before the stage's "
+        f"first rollout batch: `rewind fork {run} --at-step {step} NEW_RUN`{where}"
+    )
+
+
+def changed_reward_code(recorded: dict[str, str], beside: str | None = None) -> str:
+    """The first of the functions `recorded` identifies whose code here is other code ("" if none is),
+    and what of it changed (the content of its module's file or of a module it imports, its version)."""
     for name, was in sorted(recorded.items()):
-        now = reward_identity(name, beside)
-        if now != was:
-            return (
-                f"reward function {name} changed since the run scored with it ({was} -> {now}); restore its "
-                "code, or fork the run to go on under the new one"
-            )
+        if what := code_change(name.partition(":")[0], was, reward_identity(name, beside)):
+            return f"reward function {name} changed since the run scored with it: {what}"
     return ""
 
 
@@ -210,6 +224,8 @@ def score_groups(
     completion_ids: list[list[int]],
     decode: Decoder,
     beside: str | None = None,
+    *,
+    trial: bool = False,
 ) -> torch.Tensor:
     """(F, N) rewards of N completions, N / len(prompts) of each prompt in order (its group), called as
     the module doc says: the prompt and the answer of completion n's row repeated into lists aligned with
@@ -218,7 +234,7 @@ def score_groups(
     row = [n // group for n in range(len(completion_ids))]
     return score(
         names, [prompts[i] for i in row], [decode(ids) for ids in completion_ids], completion_ids,
-        {"answer": [answers[i] for i in row]}, beside,
+        {"answer": [answers[i] for i in row]}, beside, trial=trial,
     )  # fmt: skip
 
 
@@ -226,7 +242,7 @@ def try_rewards(stage: Stage, examples: ExampleSources, beside: str | None = Non
     """Import a grpo stage's reward functions and call them once as a rollout does (the module doc), on
     the first TRIAL_ROWS train rows of each of its datasets, each with three made-up completions: its
     answer, "" and TRIAL_GARBAGE. RewardError (one line, naming the function and what it did) on the
-    first that fails."""
+    first that fails. What the imports and the calls import is noted: the identities cover it."""
     names = [reward.function for reward in stage.grpo_settings.rewards]
     reward_identities(names, beside)  # each one imports and has a file to identify it by
     tokenizer = examples.home.tokenizer
@@ -241,7 +257,7 @@ def try_rewards(stage: Stage, examples: ExampleSources, beside: str | None = Non
             list(encode_text(text, encode)) for answer in answers for text in (answer, "", TRIAL_GARBAGE)
         ]
         try:
-            score_groups(names, [row.text for row in rows], answers, made_up, tokenizer.decode, beside)
+            score_groups(names, [row.text for row in rows], answers, made_up, tokenizer.decode, beside, trial=True)
         except RewardError as exc:
             raise RewardError(
                 f"{exc} (tried before the run records anything, on {len(rows)} rows of {sampling.name!r} with 3 made-up "
@@ -256,14 +272,16 @@ def score(
     completion_ids: list[list[int]],
     row_fields: dict[str, list[str]],
     beside: str | None = None,
+    *,
+    trial: bool = False,
 ) -> torch.Tensor:
     """(F, N) float32 rewards of the N completions by each function (NaN where it gave None). Each call
-    gets copies of the lists and runs as a guest (`_guest`)."""
+    gets copies of the lists and runs as a guest (`_guest`); `trial`: what it imports is noted."""
     rows = []
     for name in names:
         function = load_reward(name, beside)
         try:
-            with _guest():
+            with _guest(name.partition(":")[0] if trial and name not in BUILTIN else None):
                 values = function(
                     list(prompts), list(completions), [list(ids) for ids in completion_ids],
                     **{field: list(values) for field, values in row_fields.items()},
@@ -311,12 +329,13 @@ def _reward(name: str, value: object) -> float:
 
 
 @contextmanager
-def _guest() -> Iterator[None]:
+def _guest(owner: str | None) -> Iterator[None]:
     """Run user code (a reward module's import, a call): the working directory it may change is restored
-    after it."""
+    after it, and while `owner` is imported or tried, what it imports is noted (reward_code.watching)."""
     here = os.getcwd()
     try:
-        yield
+        with watching(owner) if owner is not None else nullcontext():
+            yield
     finally:
         os.chdir(here)
 
