@@ -19,6 +19,9 @@ that scores running text):
 (f) for a run with post-training stages, their steps' own figures: a grpo stage's mean reward and KL
     to the reference, a dpo stage's implicit-reward accuracy and margin.
 
+A figure that cannot be drawn (infinite, or beyond +-DRAWABLE: a forged record, a loss that overflowed)
+is left out, as a NaN is, and the figure names the series that lost some (`Undrawn`).
+
 Every panel carries the stage context (boundaries, fade windows, reference refreshes) and the run's
 markers (stack appends, resumes, checkpoints, non-finite losses). It draws from a `Timeline`
 (tools.timeline_scan), whose long series were reduced to bounded buckets while the log streamed past
@@ -28,7 +31,9 @@ the raw loss), so a million steps plot in seconds and in little memory.
 
 from __future__ import annotations
 
+import copy
 import io
+import math
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +58,7 @@ from rewind.tools.plots import (
     stage_colour,
 )
 from rewind.tools.state_cmd import status_text
-from rewind.tools.timeline_buckets import StepColumns, runs_of
+from rewind.tools.timeline_buckets import StepBuckets, StepColumns, runs_of
 from rewind.tools.timeline_scan import Timeline
 
 RESUME_COLOUR = "#222222"
@@ -67,6 +72,56 @@ LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.085, 1.0), "fontsize": 8, "f
 # A loss panel whose values span more than this ratio gets a log axis, so validation losses of tasks not
 # trained yet do not squash the training curve.
 LOG_SCALE_RATIO = 2.5
+# matplotlib's limits, margins and ticks compute with the span of what is drawn, which overflows float64
+# for values near 1e308 (a traceback inside savefig); every figure beyond this magnitude is left out.
+DRAWABLE = 1e300
+LOSSES = ("first_loss", "loss_min", "loss_max")  # a bucket's loss columns besides its sum
+
+
+class Undrawn:
+    """Called on a series (and its name), returns it as float64 with every value that cannot be drawn
+    (infinite, or beyond +-DRAWABLE) made NaN, a gap as a NaN already is, and remembers the name for
+    the figure's note."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, None] = {}  # (ordered, once each)
+
+    def __call__(self, values, name: str) -> np.ndarray:
+        array = np.array(values, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            bad = np.abs(array) > DRAWABLE  # (NaN compares False: a gap, not news)
+        if bad.any():
+            array[bad] = np.nan
+            self.names[name] = None
+        return array
+
+    def points(self, xs_ys: tuple[list, list], name: str) -> tuple[list, np.ndarray]:
+        return xs_ys[0], self(xs_ys[1], name)
+
+    def note(self, fig) -> None:
+        if self.names:
+            fig.text(
+                0.01, 0.0, f"not drawn, infinite or beyond ±1e{math.log10(DRAWABLE):.0f}: some values of "
+                f"{', '.join(self.names)} (rewind log RUN --json has every figure)", fontsize=8, color="#C00000",
+            )  # fmt: skip
+
+
+def drawable_steps(buckets: StepBuckets, tokens_per_step: int, cuts: list[int], undrawn: Undrawn) -> StepColumns:
+    """The columns of `buckets` with every figure that cannot be drawn left out: a gap where it stood,
+    and out of the smoothed loss and KL (whose running sums it would make infinite, or 0 ever after)."""
+    clean = copy.copy(buckets)
+    for name, shown in [("lr", "learning rate"), ("beta", "KL weight"), *((n, "task loss") for n in LOSSES)]:
+        setattr(clean, name, undrawn(getattr(buckets, name), shown))
+    clean.last_beta = float(undrawn([buckets.last_beta], "KL weight")[0])
+    for total, count, shown in (("loss_sum", "loss_count", "task loss"), ("kl_sum", "kl_count", "KL")):
+        sums = undrawn(getattr(buckets, total), shown)
+        setattr(clean, count, np.where(np.isnan(sums), 0, getattr(buckets, count)))
+        setattr(clean, total, np.nan_to_num(sums, nan=0.0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        steps = StepColumns(clean, tokens_per_step, cuts=cuts)
+    for name, shown in (("smooth", "task loss"), ("kl", "KL")):  # (sums of several huge figures)
+        setattr(steps, name, undrawn(getattr(steps, name), shown))
+    return steps
 
 
 def _stage_label(timeline: Timeline, stage: int) -> str:
@@ -75,7 +130,7 @@ def _stage_label(timeline: Timeline, stage: int) -> str:
     return f"stage {stage}: {names}"
 
 
-def _draw_loss(ax, timeline: Timeline, steps: StepColumns, styles: dict) -> None:
+def _draw_loss(ax, timeline: Timeline, steps: StepColumns, styles: dict, undrawn: Undrawn) -> None:
     if steps.num_steps:
         x = steps.tokens
         for stage, a, b in runs_of(steps.stage):
@@ -101,14 +156,14 @@ def _draw_loss(ax, timeline: Timeline, steps: StepColumns, styles: dict) -> None
                 gid="smoothed",
             )
     if timeline.superseded_points.num_points:
-        xs, ys = timeline.superseded_points.points()
+        xs, ys = undrawn.points(timeline.superseded_points.points(), "task loss")
         ax.plot(xs, ys, **SUPERSEDED, zorder=3, label="superseded, recomputed after resume")
     for name in [n for n in styles if n in timeline.validation_points]:
-        xs, ys = timeline.validation_points[name].points()
+        xs, ys = undrawn.points(timeline.validation_points[name].points(), "validation loss")
         colour, marker = styles[name]
         ax.plot(xs, ys, color=colour, marker=marker, markersize=4, linewidth=0.8, label=f"validation: {name}")
     low_y, high_y = ax.dataLim.intervaly
-    if steps.num_steps and low_y > 0 and high_y / low_y > LOG_SCALE_RATIO:
+    if steps.num_steps and 0 < low_y < high_y and high_y / low_y > LOG_SCALE_RATIO:
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
         ax.yaxis.set_major_formatter(ScalarFormatter())
@@ -144,6 +199,8 @@ def _draw_bits_per_byte(ax, points: dict, styles: dict) -> None:
     _draw_points(ax, points, styles, markersize=7)
     for name in [n for n in styles if n in points]:  # the headline figure: the last one written out
         xs, ys = points[name]
+        if not np.isfinite(ys[-1]):
+            continue
         ax.annotate(
             f"{ys[-1]:.3f}",
             (xs[-1], ys[-1]),
@@ -155,18 +212,20 @@ def _draw_bits_per_byte(ax, points: dict, styles: dict) -> None:
             color=styles[name][0],
         )
     low, high = ax.dataLim.intervaly
-    margin = max((high - low) * 0.15, 0.05)
-    ax.set_ylim(max(low - margin, 0.0), high + margin)
+    if low <= high:  # (nothing drawn: no limits to set)
+        margin = max((high - low) * 0.15, 0.05)
+        ax.set_ylim(max(low - margin, 0.0), high + margin)
     ax.set_ylabel("bits per byte, held-out\n(start, stage ends)")
 
 
-def _draw_evaluations(ax, timeline: Timeline, styles: dict) -> None:
-    points = evaluation_points(timeline.effective_of(Evaluated), "scores")
+def _draw_evaluations(ax, timeline: Timeline, styles: dict, undrawn: Undrawn) -> None:
+    measured = evaluation_points(timeline.effective_of(Evaluated), "scores")
+    points = {name: undrawn.points(xy, "accuracy") for name, xy in measured.items()}
     _draw_points(ax, points, styles, markersize=6)
     if not points:
         why = "no evaluation tasks configured" if not timeline.config.training.evaluations else "none yet"
         ax.text(0.5, 0.5, f"boundary evaluations: {why}", transform=ax.transAxes, ha="center", color="0.4")
-    best = max((y for _, ys in points.values() for y in ys), default=0.0)
+    best = max((y for _, ys in points.values() for y in ys if np.isfinite(y)), default=0.0)
     ax.set_ylim(0, best * 1.15 if best > 0 else 1.0)  # headroom for the markers of the best score
     ax.set_ylabel("answer-token accuracy\n(start, stage ends)")
 
@@ -185,7 +244,7 @@ class KlWeights(RunKl):
         return np.where(self.is_own[stages], self.penalty[stages], recorded) if len(stages) else recorded
 
 
-def _draw_lr_beta(ax, timeline: Timeline, steps: StepColumns) -> list:
+def _draw_lr_beta(ax, timeline: Timeline, steps: StepColumns, undrawn: Undrawn) -> list:
     """LR and the KL penalty's weight as trained; the planned rest of the run dashed. Returns the twin axis."""
     schedule, state = timeline.schedule, timeline.state
     weights = KlWeights(timeline.config.stages)
@@ -195,26 +254,26 @@ def _draw_lr_beta(ax, timeline: Timeline, steps: StepColumns) -> list:
         x = np.append(steps.start, steps.last_tokens)
         beta = np.append(steps.beta, steps.last_beta)
         stages = np.append(steps.stage, steps.stage[-1:])  # (the last bucket's stage: the last step's)
-        label, weight = weights.weight_name(), weights.of(stages, beta)
+        label, weight = weights.weight_name(), undrawn(weights.of(stages, beta), "KL weight")
         twin.step(x, weight, where="post", color=BETA_COLOUR, linewidth=1.3, label=label, gid="kl weight")
     if not state.finished and state.step < schedule.num_steps:
         rest = np.unique(np.linspace(state.step, schedule.num_steps - 1, MAX_POINTS).astype(np.int64))
         x = rest * schedule.tokens_per_step
-        planned_lr = [schedule.lr(int(k)) for k in rest]
+        planned_lr = undrawn([schedule.lr(int(k)) for k in rest], "learning rate")
         ax.plot(x, planned_lr, color="black", **PLANNED, label="planned (not trained yet)")
         primary = np.array([schedule.primary(int(k)) for k in rest], dtype=np.int64)
-        planned = weights.of(primary, np.array([schedule.beta(int(k)) for k in rest]))
+        planned = undrawn(weights.of(primary, np.array([schedule.beta(int(k)) for k in rest])), "KL weight")
         twin.step(x, planned, where="post", color=BETA_COLOUR, **PLANNED)
     ax.set_ylabel("learning rate")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.2g}"))
     twin.set_ylabel(weights.weight_name().replace(": ", "\n"), color=BETA_COLOUR)
-    top = max(float(weights.penalty.max(initial=0.0)), *schedule.betas, 1e-3)
+    top = min(max(float(weights.penalty.max(initial=0.0)), *schedule.betas, 1e-3), DRAWABLE)
     twin.set_ylim(bottom=0, top=top * 1.3)
     twin.tick_params(axis="y", colors=BETA_COLOUR)
     return twin
 
 
-def _draw_kl(ax, timeline: Timeline, steps: StepColumns) -> None:
+def _draw_kl(ax, timeline: Timeline, steps: StepColumns, undrawn: Undrawn) -> None:
     ax.set_ylabel("KL to reference\nper token")
     weights = KlWeights(timeline.config.stages)
     if not weights.has_penalty:
@@ -223,7 +282,8 @@ def _draw_kl(ax, timeline: Timeline, steps: StepColumns) -> None:
     x = steps.tokens
     # A dpo step computes no KL (its record says 0): blank there, not a KL of 0.
     kl = np.where(weights.is_dpo[steps.stage], np.nan, steps.kl) if steps.num_steps else steps.kl
-    weighted = kl * weights.of(steps.stage, steps.beta)
+    with np.errstate(over="ignore"):
+        weighted = undrawn(kl * weights.of(steps.stage, steps.beta), "weight x KL")
     estimate = "; grpo: its estimate" if (weights.is_grpo & (weights.penalty > 0)).any() else ""
     for i, (_, a, b) in enumerate(runs_of(steps.segment)):  # smoothed within a segment, as the loss is
         first = i == 0
@@ -248,13 +308,12 @@ POSTTRAINING_METRICS = {
 }
 
 
-def _draw_posttraining(ax, timeline: Timeline) -> None:
+def _draw_posttraining(ax, timeline: Timeline, undrawn: Undrawn) -> None:
     """(f) Each post-training step's own figures: a grpo stage's mean reward (and KL to the reference),
     a dpo stage's implicit-reward accuracy and margin."""
     for name, label in POSTTRAINING_METRICS.items():
         if name in timeline.metric_points:
-            xs, ys = timeline.metric_points[name].points()
-            ax.plot(xs, ys, linewidth=1.0, label=label)
+            ax.plot(*undrawn.points(timeline.metric_points[name].points(), label), linewidth=1.0, label=label)
     ax.set_ylabel("post-training", fontsize=9)
 
 
@@ -334,8 +393,12 @@ def timeline_figure(timeline: Timeline):
     tps = schedule.tokens_per_step
     refreshes = timeline.effective_of(ReferenceRefreshed)  # all that draw_stage_context looks at
     growths = timeline.effective_of(StackAppended)
-    steps = StepColumns(timeline.steps, tps, cuts=[e.tokens for e in [*growths, *refreshes]])
-    bits = evaluation_points(timeline.effective_of(Evaluated), "bits_per_byte")
+    undrawn = Undrawn()
+    steps = drawable_steps(timeline.steps, tps, [e.tokens for e in [*growths, *refreshes]], undrawn)
+    bits = {
+        name: undrawn.points(xy, "bits per byte")
+        for name, xy in evaluation_points(timeline.effective_of(Evaluated), "bits_per_byte").items()
+    }
     names = [s.name for stage in config.stages for s in stage.datasets] + [*config.training.evaluations]
     names += list(timeline.validation_points)
     names += [n for e in timeline.evaluations for n in e.scores] + list(bits)
@@ -356,15 +419,15 @@ def timeline_figure(timeline: Timeline):
     for name, ax in by_name.items():
         ax.set_label(name)
     ax_loss, ax_eval, ax_lr, ax_kl, ax_mix = (by_name[n] for n in ("loss", "accuracy", "lr", "kl", "mixture"))
-    _draw_loss(ax_loss, timeline, steps, styles)
+    _draw_loss(ax_loss, timeline, steps, styles, undrawn)
     if bits:
         _draw_bits_per_byte(by_name["bits per byte"], bits, styles)
-    _draw_evaluations(ax_eval, timeline, styles)
-    twin = _draw_lr_beta(ax_lr, timeline, steps)
-    _draw_kl(ax_kl, timeline, steps)
+    _draw_evaluations(ax_eval, timeline, styles, undrawn)
+    twin = _draw_lr_beta(ax_lr, timeline, steps, undrawn)
+    _draw_kl(ax_kl, timeline, steps, undrawn)
     _draw_mixture(ax_mix, steps, styles)
     if posttraining:
-        _draw_posttraining(by_name["post-training"], timeline)
+        _draw_posttraining(by_name["post-training"], timeline, undrawn)
     total = schedule.num_steps * tps
     for i, ax in enumerate(axes):
         draw_stage_context(ax, schedule, refreshes, label=i == 0)
@@ -395,6 +458,7 @@ def timeline_figure(timeline: Timeline):
         f"{num_resumes} resume{'s' if num_resumes != 1 else ''}",
         fontsize=11,
     )
+    undrawn.note(fig)
     return fig
 
 
