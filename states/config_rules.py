@@ -13,7 +13,7 @@ from __future__ import annotations
 from rewind.states.check_data import data_problems
 from rewind.states.check_growth import growth_problems
 from rewind.states.check_stages import MAX_TOKENS, stage_problems
-from rewind.states.check_strategy import strategy_problems
+from rewind.states.check_strategy import FLOAT32_MAX, strategy_problems
 from rewind.states.check_types import non_finite_floats, show_int, unrecordable_ints
 from rewind.states.config import Config
 
@@ -94,6 +94,21 @@ def optimization_problems(config: Config) -> list[str]:
     add = problems.append
     if opt.lr <= 0:
         add(f"optimization.lr: must be positive, got {opt.lr}")
+    # The optimizer updates float32 weights with the step's LR (lr x its stage's lr_scale): past float32's
+    # largest number torch refuses it, a traceback at the first step after RunStarted.
+    for name in ("lr", "rewarm_lr"):
+        if getattr(opt, name) > FLOAT32_MAX:
+            add(
+                f"optimization.{name}: must be at most 3.4e38 (the optimizer updates float32 weights with it), "
+                f"got {getattr(opt, name)}"
+            )
+    peak = max(opt.lr, opt.rewarm_lr if opt.schedule == "cosine_rewarm" else 0.0)
+    for i, stage in enumerate(config.stages):
+        if peak <= FLOAT32_MAX < peak * stage.lr_scale:
+            add(
+                f"stages[{i}].lr_scale: the learning rate {peak:g} x lr_scale {stage.lr_scale:g} must be at most "
+                "3.4e38 (the optimizer updates float32 weights with it)"
+            )
     for name in ("warmup_pct", "constant_pct", "decay_pct"):
         if not 0.0 <= getattr(opt, name) <= 1.0:
             add(f"optimization.{name}: must be in [0, 1], got {getattr(opt, name)}")

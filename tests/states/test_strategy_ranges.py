@@ -104,6 +104,26 @@ def test_a_refused_setting_records_nothing(tmp_path, rewind_cli):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_learning_rate_a_step_takes_is_a_float32_number(tmp_path, rewind_cli):
+    """lr = 1e308, or lr_scale = 1e308 on a stage, passed the check and raised inside torch's optimizer
+    at the first step, after RunStarted."""
+    assert problems(TINY.replace("lr = 3e-3", "lr = 1e308")) == [
+        "optimization.lr: must be at most 3.4e38 (the optimizer updates float32 weights with it), got 1e+308"
+    ]
+    scaled = TINY.replace(
+        "beta = 0.2\nrefresh_reference = true", "beta = 0.2\nrefresh_reference = true\nlr_scale = 1e300"
+    )
+    assert problems(scaled) == [
+        "stages[1].lr_scale: the learning rate 0.003 x lr_scale 1e+300 must be at most 3.4e38 (the optimizer "
+        "updates float32 weights with it)"
+    ]
+    config = tmp_path / "run.toml"
+    config.write_text(scaled)
+    code, _, err = rewind_cli("train", config, "--run-dir", tmp_path / "run", "--no-progress")
+    assert code == 2 and "stages[1].lr_scale: the learning rate" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 # --- the property: what the check accepts, the stage's math holds ---------------------------------------
 
 
