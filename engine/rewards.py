@@ -341,12 +341,15 @@ def _guest(owner: str | None) -> Iterator[None]:
 
 
 def _failure(exc: BaseException) -> str:
-    said = f"{type(exc).__name__}: {_text(exc, str)}"
-    return said + " (sys.exit: a reward function returns its rewards, it cannot end the run)" if isinstance(exc, SystemExit) else said
+    message = _text(exc, str)
+    said = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    if isinstance(exc, SystemExit):
+        return f"{said} (sys.exit: a reward function returns its rewards, it cannot end the run)"
+    return said
 
 
 def _quoted(value: object) -> str:
-    if isinstance(value, int) and value.bit_length() > 64:  # one past 4300 digits has no repr
+    if isinstance(value, int) and value.bit_length() > 64:  # (refused ones are past 2**128; 4300 digits have no repr)
         return f"an int of about {math.floor(value.bit_length() * math.log10(2)) + 1} digits"
     return _text(value, repr)
 
