@@ -102,6 +102,10 @@ def assemble(
     if held is not None and config.stages[state.stage].strategy == "grpo":
         if not rollouts_due(state, parts.schedule, state.step):
             window_rows(parts, state)  # the batch the next steps read: checked now, before a resume records anything
-        if held.stage == state.stage and (changed := reward_code_changes(held.reward_code, home.base_dir)):
+        if held.stage == state.stage and (
+            changed := reward_code_changes(
+                held.reward_code, home.base_dir, run_dir=run_dir, fork_at=parts.schedule.stage_entry_step(held.stage)
+            )
+        ):
             raise RunError(f"{run_dir}: {changed}", 1)
     return Assembled(parts, state.pretrained)

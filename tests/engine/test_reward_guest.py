@@ -30,7 +30,7 @@ from rewind.engine.rewards import (
 )
 from rewind.engine.userdata import DataHome
 from rewind.states.config_reading import loads_config
-from rewind.states.events import RolloutsRecorded
+from rewind.states.events import RolloutsRecorded, StageEntered
 from rewind.stores.runs import read_seq_events
 from tests.conftest import REPO
 from tests.engine.test_loop import one_line, run_cli
@@ -176,6 +176,8 @@ def test_a_resume_under_a_changed_helper_is_refused_saying_what_changed_and_what
     assert code == 1 and f"reward function {name}:f changed since the run scored with it" in line, err
     assert f"the content of the modules it imports changed: {helper} ({helper_file}, changed)" in line, line
     assert "restore that code" in line and "rewind fork" in line, line
+    entered = [e.step for _, e in before if isinstance(e, StageEntered) and e.stage == 1]
+    assert f"--at-step {entered[0]} NEW_RUN`" in line, line  # the step its grpo stage began at, exactly
     assert read_seq_events(run) == before
     helper_file.write_text("def reward(text):\n    return len(text) / 10\n")
     code, _, err = run_cli("train", tmp_path / "post.toml", "--run-dir", run, "--no-progress", "--max-steps", "1")

@@ -44,8 +44,9 @@ def module_text() -> str:
 
 
 def stage_text() -> str:
-    (text,) = [b for b in blocks("toml") if "my_rewards:" in b]
-    return text
+    """The stage the worked example shows (the first block naming the module; "Your own data" has its own
+    test: tests/docs/test_own_data_example.py)."""
+    return next(b for b in blocks("toml") if "my_rewards:" in b)
 
 
 def arrivals() -> dict[str, object]:
