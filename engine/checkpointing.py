@@ -13,7 +13,9 @@ is checkpointed, straight or after any number of resumes. Older runs keep writin
 
 Writing is durable before the caller may announce it: the store writes under a temporary name, syncs,
 renames; only then does the engine append the CheckpointCommitted this module returns, and the journal
-commits that record on the spot (rewind.engine.journal).
+commits that record on the spot (rewind.engine.journal). The record also carries the digest of the
+control state it follows (rewind.stores.snapshots.state_digest): what lets a resume start from the
+snapshot of that state.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from rewind.stores.checkpoints import (
     CheckpointError,
     group_file,
 )
+from rewind.stores.snapshots import state_digest
 from rewind.stores.trunks import TrunkStore, serialize
 
 
@@ -88,6 +91,7 @@ def write_checkpoint(parts: Parts, state: State, reason: CheckpointReason, log_s
         manifest_sha256=written.manifest_sha256,
         files=written.files,
         reason=reason,
+        state_sha256=state_digest(state, parts.config),  # vouches for the snapshot of `state` (loop.checkpoint)
     )
     return shared_event(committed)  # type: ignore[return-value]
 

@@ -61,7 +61,7 @@ from rewind.states.plan import (
     step_lr,
 )
 from rewind.states.state import CheckpointReason, State
-from rewind.stores.folding import save_snapshot
+from rewind.stores.folding import save_vouched_snapshot
 
 
 @dataclass
@@ -166,9 +166,11 @@ def checkpoint(run: Run, state: State, reason: CheckpointReason) -> State:
     run.journal.commit()  # everything before the checkpoint is durable before its files exist (journal)
     check_same_state(state)  # a sharded run's ranks still agree on what the checkpoint belongs to
     committed = write_checkpoint(run.parts, state, reason, log_seq=run.journal.durable_seq())
+    before = state
     state = record(run, state, committed)
-    if is_writer():  # the record is committed (journal); cache the fold up to it, so opening the run costs its tail
-        save_snapshot(run.parts.run_dir, state, committed, run.parts.config)
+    if is_writer():  # the record is committed (journal) and vouches for the fold before it: cache that, so
+        # that a resume costs the tail (it starts only from a snapshot a record vouches for)
+        save_vouched_snapshot(run.journal.log, run.parts.run_dir, before, run.parts.config)
     return state
 
 

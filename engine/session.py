@@ -266,7 +266,7 @@ def _plan_resume(
     config: Config, run_dir: str, log: EventLog, *, fork: bool, threads: int, note: Callable[[str], None],
     base_dir: str | None = None,
 ) -> _Opening:
-    # From the newest snapshot that agrees with the log and with its checkpoint's manifest.
+    # From the newest snapshot a CheckpointCommitted vouches for (its digest), the whole log without one.
     store = CheckpointStore(run_dir)
     folded = fold_log(log, run_dir, store)
     current, logged_config = folded.state, folded.config

@@ -212,6 +212,9 @@ class CheckpointCommitted(Event, frozen=True, kw_only=True, tag="CheckpointCommi
     manifest_sha256: str
     files: dict[str, str] = {}  # file name -> sha256 of its bytes
     reason: CheckpointReason = "interval"
+    # What the log vouches a state snapshot by (rewind.stores.snapshots.state_digest): the sha256 of the
+    # folded state and the config in force just before this record. "" in logs from before it.
+    state_sha256: str = ""
 
 
 class CheckpointDeleted(Event, frozen=True, kw_only=True, tag="CheckpointDeleted"):

@@ -1,18 +1,21 @@
-"""Opening a run's log: its folded state and the config in force.
+"""Opening a run's log: its folded state and the config in force, in time proportional to its tail.
 
-For readers (`rewind state`, `log`, `timeline`, what they print is never recorded), `fold_log` starts
-from the newest state snapshot (rewind.stores.snapshots) that agrees with the log (the record at its
-seq exists, with the event type, step and bytes it claims) and folds only the records after it, in
-time proportional to the tail; with none, it folds the whole log. The result is the same either way
-for a snapshot the engine wrote.
+`fold_log` starts from the newest state snapshot (rewind.stores.snapshots) that agrees with the log
+(the record at its seq exists, with the event type, step and bytes it claims) and folds only the
+records after it; with none, it folds the whole log. The result is the same either way for a snapshot
+the engine wrote.
 
-A resume (`store` given: it holds the run's checkpoints) records and trains on what it folds, so it
-trusts no snapshot: a checksum is all that protects one, and the log vouches for none of the state it
-holds. It folds the whole log, checks every snapshot it passes against the fold (the check `rewind
-verify` makes: snapshots.snapshot_problem) and warns in one line about those that disagree
-(SnapshotsIgnored); the snapshot it writes after its RunResumed is the fold's own. It also refuses,
-before anything is recorded, what the fold accepts but no run writes (`commit_problem`: a checkpoint
-committed twice), which verify names too.
+For readers (`rewind state`, `log`, `timeline`: what they print is never recorded) agreeing is enough.
+A resume (`store` given, or `vouched`) records and trains on what it folds, and a checksum is all that
+protects a snapshot file, so it starts only from one the log vouches for: the record after it is a
+CheckpointCommitted that carries the digest of its state and config (snapshots.vouched_by). It
+compares every snapshot it passes on the way with its fold (the check `rewind verify` makes:
+snapshots.snapshot_problem) and warns in one line about those that disagree (SnapshotsIgnored): a
+forged snapshot is never started from and changes nothing it trains. With none vouched for (a run
+written before digests, or every snapshot lost), it folds the whole log; the snapshot it writes
+after its RunResumed serves readers, its next checkpoint's a resume. It also refuses, before anything
+is recorded, what the fold accepts but no run writes (`commit_problem`: a checkpoint committed twice),
+which verify names too.
 
 Every record folded here is first admitted (rewind.states.admission, through rewind.stores.trust: a
 config carried in the log gets the checks a config file gets), and so is a snapshot's state before it is used: a log is untrusted input.
@@ -20,6 +23,7 @@ config carried in the log gets the checks a config file gets), and so is a snaps
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -61,12 +65,12 @@ def _agrees(log: EventLog, snapshot: snapshots.Snapshot) -> Iterator[Record] | N
     return records
 
 
-def fold_log(log: EventLog, run_dir: str, store: CheckpointStore | None = None) -> FoldedLog:
-    """`store` given (a resume, which passes the run's checkpoint store): the whole log, no snapshot
-    trusted (see the module's docstring)."""
+def fold_log(log: EventLog, run_dir: str, store: CheckpointStore | None = None, *, vouched: bool = False) -> FoldedLog:
+    """`store` given (a resume passes the run's checkpoint store) or `vouched`: only from a snapshot the
+    log vouches for (see the module's docstring)."""
     end_seq = log.next_seq - 1
-    if store is not None:
-        return _fold_whole(log, run_dir, end_seq)
+    if store is not None or vouched:
+        return _fold_for_resume(log, run_dir, end_seq)
     for snapshot in snapshots.candidates(run_dir, end_seq):
         if state_problem(snapshot.state, snapshot.config):
             continue  # the full fold below names the record that carries the problem
@@ -102,24 +106,42 @@ def commit_problem(state: State, event: Event) -> str:
 
 
 class SnapshotsIgnored(UserWarning):
-    """A resume found snapshots that are not the fold of the log: it folded the log instead."""
+    """A resume passed snapshots that are not the fold of the log: it never starts from one."""
 
     def __init__(self, run_dir: str, problems: list[str]):
         named = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         super().__init__(
-            f"{run_dir}: {named} (not used: a resume always folds the log whole; "
+            f"{run_dir}: {named} (not used: a resume starts only from a snapshot the log vouches for; "
             f"`rewind verify {run_dir}` lists every such snapshot)"
         )
         self.problems = problems
 
 
-def _fold_whole(log: EventLog, run_dir: str, end_seq: int) -> FoldedLog:
-    """The fold of every record, each snapshot up to `end_seq` compared with it on the way."""
-    cached = set(snapshots.list_seqs(run_dir))
-    checker, state, config = RecordChecker(), State(), None
+def _vouched_start(log: EventLog, run_dir: str, end_seq: int) -> tuple[snapshots.Snapshot, Iterator[Record]] | None:
+    """The newest snapshot that agrees with the log and that the record after it vouches for, with the
+    records from that one on; None if there is none."""
+    for snapshot in snapshots.candidates(run_dir, end_seq - 1):  # a snapshot at the end has no voucher
+        if state_problem(snapshot.state, snapshot.config):
+            continue
+        records = _agrees(log, snapshot)
+        after = next(records, None) if records is not None else None
+        if after is not None and after.seq == snapshot.seq + 1 and snapshots.vouched_by(snapshot, after.event):
+            return snapshot, itertools.chain([after], records)  # type: ignore[arg-type]
+    return None
+
+
+def _fold_for_resume(log: EventLog, run_dir: str, end_seq: int) -> FoldedLog:
+    """The fold from the newest vouched snapshot (from the start without one), each snapshot after it
+    compared with the fold on the way."""
+    start = _vouched_start(log, run_dir, end_seq)
+    state, config, first = State(), None, -1
+    if start is not None:
+        state, config, first = start[0].state, start[0].config, start[0].seq
+    cached = {seq for seq in snapshots.list_seqs(run_dir) if seq > first}
+    checker = RecordChecker(config)
     records: list[SeqEvent] = []
     problems: list[str] = []
-    for record in log.records():
+    for record in start[1] if start is not None else log.records():
         seq, event = record.seq, record.event
         checker.check(seq, event)  # UntrustedRecord, before the fold could act on what it carries
         if problem := commit_problem(state, event):
@@ -136,6 +158,8 @@ def _fold_whole(log: EventLog, run_dir: str, end_seq: int) -> FoldedLog:
                 problems.append(problem)
     if problems:
         warnings.warn(SnapshotsIgnored(run_dir, problems), stacklevel=3)
+    if start is not None:
+        return FoldedLog(state, _config_after(start[0].config, records), records, end_seq, first)
     config = config_in_force(records) if records and isinstance(records[0][1], RunStarted) else Config()
     return FoldedLog(state, config, records, records[-1][0] if records else -1, -1)
 
@@ -186,3 +210,12 @@ def _config_after(config: Config, tail: Sequence[SeqEvent]) -> Config:
 def save_snapshot(run_dir: str, state: State, event, config: Config) -> None:
     """Cache `state`, the fold up to the record just applied (seq state.next_seq - 1, holding `event`)."""
     snapshots.write(run_dir, snapshots.make(state.next_seq - 1, event, state, config))
+
+
+def save_vouched_snapshot(log: EventLog, run_dir: str, state: State, config: Config) -> None:
+    """Cache `state`, the fold up to the record before the CheckpointCommitted just committed, which
+    carries its digest (snapshots.vouched_by). That record is read back from the log, where it is durable."""
+    seq = state.next_seq - 1
+    record = next(log.records(start_seq=seq, stop_seq=seq + 1, check=False), None)
+    if record is not None and record.seq == seq:
+        snapshots.write(run_dir, snapshots.make(seq, record.event, state, config))

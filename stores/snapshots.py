@@ -1,26 +1,28 @@
 """Snapshots of the folded state beside the log: a cache that makes opening a run cost its tail.
 
 Folding a 1M-step log takes seconds; a resume needs only the state at its restore point and what came
-after. So whenever a checkpoint's record is committed, and after each resume, the writer also stores
-the folded state as of that record (and the config in force then) in `RUN/snapshots/<seq:012d>.state`:
-msgpack, a format version, and a CRC32C over the rest. Opening a run folds only the records after the
-newest snapshot that checks out.
+after. So whenever a checkpoint's record is committed, the writer also stores the folded state as of
+the record just before it (and the config in force then), and after each resume the state as of its
+records, in `RUN/snapshots/<seq:012d>.state`: msgpack, a format version, and a CRC32C over the rest.
+Opening a run folds only the records after the newest snapshot that checks out.
 
 A snapshot is never trusted over the log: one that is missing, damaged, of another format or shape of
 state (a schema fingerprint), from a different history (the record at its seq is not the one it was
 taken at, byte for byte) or past the log's end is ignored, and the run is folded from the start instead.
 Renaming a field of the state therefore never strands a run: old snapshots just stop being used.
 
-Only readers start from one (`rewind state`, `log`, `timeline`: what they print is never recorded). A
-resume, which records and trains on what it folds, never does: a snapshot is protected by a checksum
-alone, which whoever edits it recomputes, and nothing in the log vouches for the state it holds (the
-reference, the held rollout batch, the cursors ...), so the only check that cannot be fooled is the
-fold itself. A resume therefore folds the whole log, compares every snapshot it passes with the fold
-(`snapshot_problem`, the check `rewind verify` makes) and says in one warning line which ones disagree:
-a damaged or forged snapshot costs a resume nothing, not even time, and never changes what it trains.
-The price is a resume that folds its whole log (what `rewind bench resume` calls cold) where it folded
-the tail. Refusing instead would stop a run over a file whose loss costs nothing. Writes are atomic (temporary file, rename) but not synced: losing a snapshot
-costs a reader one full fold, nothing else.
+A checksum alone protects the file, and whoever edits it recomputes that. So a resume, which records
+and trains on what it folds (the reference, the held rollout batch, the cursors ...), starts only from
+a snapshot the log vouches for: at a checkpoint the writer records in the CheckpointCommitted the
+digest of the state folded up to the record before it and of the config in force then
+(`state_digest`), and writes the snapshot of exactly that state, at the seq before the checkpoint's
+(`vouched_by`: the record after the snapshot's is a CheckpointCommitted carrying its digest). A
+snapshot whose digest is not the record's (forged, damaged into another valid state) is never started
+from; a run written before digests folds its log whole once, and its next checkpoint vouches for one.
+Readers (`rewind state`, `log`, `timeline`: what they print is never recorded) start from any snapshot
+that agrees with the log. `rewind verify` folds the whole log and checks every snapshot, and every
+digest a record carries, against it (`snapshot_problem`, `digest_problem`). Writes are atomic
+(temporary file, rename) but not synced: losing a snapshot costs one longer fold, nothing else.
 """
 
 from __future__ import annotations
@@ -220,6 +222,31 @@ _CANONICAL = msgspec.msgpack.Encoder(order="deterministic")
 def _bits(value: Any) -> bytes:
     """Equal for equal values, a NaN (a skipped step's loss) included, whatever order a dict was built in."""
     return _CANONICAL.encode(value)
+
+
+def state_digest(state: State, config: Config | None) -> str:
+    """What a CheckpointCommitted records of the state folded up to the record before it and the config
+    in force then: the sha256 of their canonical encoding, taken after a round trip through the wire
+    types, so that the writer's live values (an int where a float is declared) and a decoded
+    snapshot's give the same digest for the same state."""
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode((state, config)), type=tuple[State, Config | None])
+    return hashlib.sha256(_bits(wire)).hexdigest()
+
+
+def vouched_by(snapshot: Snapshot, after: Any) -> bool:
+    """Does `after`, the log's record just after the snapshot's, vouch for it (a CheckpointCommitted
+    that carries the digest of its state and config)?"""
+    digest = getattr(after, "state_sha256", "")
+    return bool(digest) and digest == state_digest(snapshot.state, snapshot.config)
+
+
+def digest_problem(seq: int, event: Any, state: State, config: Config | None) -> str:
+    """Why record `seq`'s state digest is not that of `state` and `config`, the fold up to the record
+    before it ("" if it is, or if the record carries none)."""
+    digest = getattr(event, "state_sha256", "")
+    if not digest or digest == state_digest(state, config):
+        return ""
+    return f"record {seq} ({type(event).__struct_config__.tag}): its state digest is not the fold of the log before it"
 
 
 def candidates(run_dir: str, end_seq: int) -> list[Snapshot]:

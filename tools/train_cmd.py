@@ -77,11 +77,16 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_resume(args: argparse.Namespace) -> int:
-    from rewind.stores.folding import fold_log
+    import warnings
+
+    from rewind.stores.folding import SnapshotsIgnored, fold_log
     from rewind.tools.runlog import open_log
 
-    with open_log(args.run_dir) as (log, _):  # the config in force, from the tail after a snapshot
-        config = fold_log(log, args.run_dir).config
+    # The config in force, folded as the resume itself folds (from a snapshot the log vouches for: one
+    # forged to hold another config is not read); the resume that follows says which ones disagree.
+    with open_log(args.run_dir) as (log, _), warnings.catch_warnings():
+        warnings.simplefilter("ignore", SnapshotsIgnored)
+        config = fold_log(log, args.run_dir, vouched=True).config
     return _train(
         config, args.run_dir, fork=False, max_steps=args.max_steps, progress=not args.no_progress, threads=args.threads
     )

@@ -23,7 +23,9 @@ Checks, reporting every problem with its exact location:
    killed write left (rewind.stores.temporaries) are a note;
 7. every state snapshot beside the log (`snapshots/`, a cache that lets resume fold only the tail) is
    exactly the fold of the log up to its record, under the config then in force; a damaged or wrong
-   one is named (it is never used over the log, and deleting it is safe);
+   one is named (it is never used over the log, and deleting it is safe); and the state digest each
+   CheckpointCommitted carries, which vouches for the snapshot a resume starts from, is that of the
+   fold before it;
 8. with --data: every file of every dataset the run recorded, re-hashed whole against its record
    (RunStarted/ConfigChanged .data), and the prepared token files against their manifests;
 9. nothing in the run directory would lead a writer out of it or onto what is no file (rewind.stores
@@ -112,6 +114,8 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
             max_step, end_seq = max(max_step, record.event.step), record.seq
             if problem := commit_problem(state, record.event):
                 problems.append(f"record: {where}: {problem}")
+            if problem := snapshots.digest_problem(record.seq, record.event, state, config):
+                problems.append(f"record: {where}: {problem}; a resume starts from no snapshot it vouches for")
             try:
                 state = apply(state, record.event)
             except IllegalTransition as exc:

@@ -118,7 +118,8 @@ def test_verify_names_a_restore_point_whose_reference_is_gone(tmp_path, monkeypa
 
 def test_a_resume_does_not_train_from_a_forged_snapshot(tmp_path):
     """Found in review: a snapshot with its cursors changed (CRC recomputed) was used by a resume, which
-    then drew other data. A resume folds the whole log and says which snapshot disagrees with it."""
+    then drew other data. A resume starts only from a snapshot whose digest a checkpoint's record
+    carries, and says which snapshot disagrees with the log."""
     import warnings
 
     from rewind.states.events import StepCommitted
@@ -144,6 +145,61 @@ def test_a_resume_does_not_train_from_a_forged_snapshot(tmp_path):
 
     assert steps(stopped)[8].cursors == steps(straight)[8].cursors
     assert msgspec.msgpack.encode(steps(stopped)[8]) == msgspec.msgpack.encode(steps(straight)[8])
+
+
+def test_a_resume_folds_only_the_tail_after_the_snapshot_its_last_checkpoint_vouches_for(tmp_path, monkeypatch):
+    """A checkpoint's record carries the digest of the state folded up to the record before it, and the
+    engine caches that state: a resume starts there (the log's tail, not the whole log) and goes on
+    exactly as the straight run did; `rewind verify` finds every digest and snapshot right."""
+    from rewind.engine import session
+    from rewind.states.events import CheckpointCommitted, StepCommitted
+    from rewind.stores import snapshots
+
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run_cli(*train_args(straight, "--max-steps", "8"))[0] == 0
+    assert run_cli(*train_args(stopped, "--max-steps", "6"))[0] == 0
+    records = read_seq_events(stopped)
+    last = max(seq for seq, e in records if isinstance(e, CheckpointCommitted))
+    assert records[last][1].state_sha256 and last - 1 in snapshots.list_seqs(str(stopped))
+    folds, fold_log = [], session.fold_log
+    monkeypatch.setattr(session, "fold_log", lambda *args: folds.append(fold_log(*args)) or folds[-1])
+    code, _, err = run_cli("resume", stopped, "--no-progress", "--max-steps", "2")
+    assert code == 0, err
+    assert folds[0].snapshot_seq == last - 1 and [seq for seq, _ in folds[0].tail] == list(range(last, len(records)))
+
+    def steps(run):
+        return {e.step: msgspec.msgpack.encode(e) for _, e in read_seq_events(run) if isinstance(e, StepCommitted)}
+
+    assert steps(stopped) == steps(straight)
+    code, out, _ = run_cli("verify", stopped)
+    assert code == 0 and "PROBLEM" not in out, out
+
+
+def test_rewind_resume_takes_its_config_from_no_snapshot_the_log_does_not_vouch_for(tmp_path):
+    """Found in review: `rewind resume` read the config in force from the newest snapshot unchecked, so a
+    snapshot forged to hold another config (its checksum recomputed) changed what the resume did (here:
+    another seed, so a refusal). It folds as the resume does: only a vouched snapshot is read."""
+    import warnings
+
+    from rewind.stores import snapshots
+    from rewind.stores.folding import SnapshotsIgnored
+
+    run = tmp_path / "run"
+    assert run_cli(*train_args(run, "--max-steps", "6"))[0] == 0
+    for seq in snapshots.list_seqs(str(run)):
+        snapshot = snapshots.read(str(run), seq)
+        other = msgspec.structs.replace(snapshot.config, run=msgspec.structs.replace(snapshot.config.run, seed=99))
+        (run / "snapshots" / f"{seq:012d}.state").write_bytes(snapshots.encode(msgspec.structs.replace(snapshot, config=other)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", SnapshotsIgnored)
+        code, _, err = run_cli("resume", run, "--no-progress", "--max-steps", "1")
+    assert code == 0, err
+    said = [line for line in err.splitlines() if "SnapshotsIgnored" in line or "differs from the fold" in line]
+    assert len(said) == 1, err  # said once, by the resume
+    from rewind.states.events import ConfigChanged, RunResumed
+
+    events = [e for _, e in read_seq_events(run)]
+    assert any(isinstance(e, RunResumed) for e in events) and not any(isinstance(e, ConfigChanged) for e in events)
 
 
 def test_a_fork_in_place_trains_with_its_new_optimizer_settings_and_never_opens_the_old_data(tmp_path):

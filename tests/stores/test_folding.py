@@ -142,3 +142,99 @@ def test_a_snapshot_of_another_shape_of_state_is_not_used(tmp_path):
     other = msgspec.structs.replace(newest, event_sha256="0" * 64)
     (run / "snapshots" / f"{seqs[-1]:012d}.state").write_bytes(snapshots.encode(other))
     assert _open(run).snapshot_seq != seqs[-1] and _open(run).state == fold(events)
+
+
+def _with_digests(events) -> list:
+    """The log the engine writes today: each CheckpointCommitted carries the digest of the fold before
+    it and the config in force then (what engine.checkpointing records)."""
+    written: list = []
+    for event in events:
+        if isinstance(event, CheckpointCommitted):
+            before, config = fold(written), config_in_force(list(enumerate(written)))
+            event = msgspec.structs.replace(event, state_sha256=snapshots.state_digest(before, config))
+        written.append(event)
+    return written
+
+
+def _vouched_snapshots(run_dir, events) -> list[int]:
+    """What the engine does at each checkpoint: cache the fold up to the record before it, the state
+    the checkpoint's record vouches for. Returns the seqs written."""
+    seqs = []
+    for seq, event in enumerate(events):
+        if isinstance(event, CheckpointCommitted) and seq > 0:
+            pairs = list(enumerate(events[:seq]))
+            state = fold(events[:seq])
+            snapshots.write(str(run_dir), snapshots.make(seq - 1, events[seq - 1], state, config_in_force(pairs)))
+            seqs.append(seq - 1)
+    return seqs
+
+
+class _Counting(EventLog):
+    """A log that keeps the first seq of every read of its records."""
+
+    starts: list[int]
+
+    def records(self, start_seq=0, stop_seq=None, *, check=True):
+        self.starts.append(start_seq)
+        return super().records(start_seq, stop_seq, check=check)
+
+
+def _open_for_resume(run_dir):
+    with EventLog.open(run_dir) as log:
+        log.__class__, log.starts = _Counting, []
+        return fold_log(log, str(run_dir), vouched=True), log.starts
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(engine_logs(CONFIG, max_crashes=3))
+def test_a_resume_folds_only_the_tail_after_a_snapshot_the_log_vouches_for(tmp_path_factory, events):
+    run = tmp_path_factory.mktemp("run")
+    events = _with_digests(events)
+    _write(run, events)
+    seqs = _vouched_snapshots(run, events)
+    opened, starts = _open_for_resume(run)
+    assert opened.state == fold(events) and opened.config == CONFIG
+    assert opened.snapshot_seq == (seqs[-1] if seqs else -1)
+    assert len(opened.tail) == len(events) - 1 - opened.snapshot_seq
+    assert starts == ([seqs[-1]] if seqs else [0])  # the log read once, from the snapshot on
+
+
+def test_a_log_from_before_digests_is_folded_whole_by_a_resume(tmp_path):
+    """Its snapshots agree with the log, but no record vouches for one: a resume folds everything,
+    without a warning (they are not wrong), and a reader still starts from the newest."""
+    run, events, seqs = _prepared(tmp_path)
+    opened, starts = _open_for_resume(run)
+    assert opened.state == fold(events) and opened.snapshot_seq == -1 and starts[-1] == 0
+    assert len(opened.tail) == len(events)
+    assert _open(run).snapshot_seq == seqs[-1]
+
+
+def test_a_snapshot_that_is_not_the_state_its_record_vouches_for_is_not_started_from(tmp_path):
+    import pytest
+
+    from rewind.stores.folding import SnapshotsIgnored
+
+    events = _with_digests(simulate_run(CONFIG, crash_after=[7]))
+    run = tmp_path / "run"
+    _write(run, events)
+    seqs = _vouched_snapshots(run, events)
+    newest = snapshots.read(str(run), seqs[-1])
+    cursors = {name: count + 1 for name, count in newest.state.cursors.items()}
+    forged = msgspec.structs.replace(newest, state=msgspec.structs.replace(newest.state, cursors=cursors))
+    (run / "snapshots" / f"{seqs[-1]:012d}.state").write_bytes(snapshots.encode(forged))
+    assert _open(run).state != fold(events)  # a reader is fooled (it records nothing) ...
+    with pytest.warns(SnapshotsIgnored, match=f"snapshot {seqs[-1]:012d}: differs from the fold"):
+        opened, starts = _open_for_resume(run)
+    assert opened.state == fold(events) and opened.snapshot_seq == seqs[-2]  # ... a resume is not
+    assert starts == [seqs[-1], seqs[-2]]
+
+
+def test_the_digest_is_the_same_for_live_and_decoded_values():
+    """The writer digests its live state, a resume a decoded snapshot: an int where a float is declared
+    (or a tuple for a list) must not make them differ."""
+    events = simulate_run(CONFIG)
+    live = msgspec.structs.replace(fold(events), last_loss=2)  # a float field holding an int
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(live), type=type(live))
+    assert isinstance(decoded.last_loss, float) and msgspec.msgpack.encode(live) != msgspec.msgpack.encode(decoded)
+    assert snapshots.state_digest(live, CONFIG) == snapshots.state_digest(decoded, CONFIG)
+    assert snapshots.state_digest(live, CONFIG) != snapshots.state_digest(fold(events), CONFIG)
