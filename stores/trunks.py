@@ -15,13 +15,12 @@ detectable by its hash).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
 from typing import TYPE_CHECKING
 
-from rewind.stores import confine
+from rewind.stores import confine, temporaries
 from rewind.stores.checkpoints import CheckpointCorrupt, CheckpointError, CheckpointStore
 from rewind.stores.fsio import filesystem, fsync_dir
 from rewind.stores.manifest import checked_tensors
@@ -77,11 +76,9 @@ class TrunkStore:
             self._location.makedirs()
         self._location.join(f"{digest}{SUFFIX}").write_atomic(data)
         if self._is_local:
-            # What a killed writer left (only the run's lock holder writes here, so none is in flight).
-            for name in os.listdir(self.root):
-                if ".tmp-" in name:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(self.root, name))
+            # What a killed writer left (only the run's lock holder writes here, so none is in flight):
+            # rewind's own temporaries by their exact names, never a file of someone else's.
+            temporaries.remove(self._run_root, (TRUNKS_DIR,))
 
     def load(self, digest: str) -> dict[str, torch.Tensor]:
         """The tensors of trunk file `digest`, after checking its bytes hash to its name."""
