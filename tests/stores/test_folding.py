@@ -238,3 +238,19 @@ def test_the_digest_is_the_same_for_live_and_decoded_values():
     assert isinstance(decoded.last_loss, float) and msgspec.msgpack.encode(live) != msgspec.msgpack.encode(decoded)
     assert snapshots.state_digest(live, CONFIG) == snapshots.state_digest(decoded, CONFIG)
     assert snapshots.state_digest(live, CONFIG) != snapshots.state_digest(fold(events), CONFIG)
+
+
+def test_verify_checks_every_state_digest_against_the_fold(tmp_path, rewind_cli):
+    events = _with_digests(simulate_run(CONFIG, crash_after=[7]))
+    run = tmp_path / "run"
+    _write(run, events)
+    _vouched_snapshots(run, events)
+    _, out, _ = rewind_cli("verify", run)
+    assert "digest" not in out and "PROBLEM snapshot" not in out, out
+    # A log whose record vouches for another state (a snapshot forged to match it, say): named.
+    seq = max(s for s, e in enumerate(events) if isinstance(e, CheckpointCommitted))
+    lying = [msgspec.structs.replace(e, state_sha256="0" * 64) if s == seq else e for s, e in enumerate(events)]
+    other = tmp_path / "other"
+    _write(other, lying)
+    code, out, _ = rewind_cli("verify", other)
+    assert code == 1 and f"record {seq} (CheckpointCommitted): its state digest is not the fold of the log before it" in out
