@@ -1,13 +1,15 @@
 """`rewind bench resume`: what opening a run costs before any tensor loads, at 10k and 1M steps.
 
 Two synthetic runs are written through the stores API (`rewind.stores.synthetic`), the large one with
-1,000 resumes. For each, resume's bookkeeping is timed: take the writer's lock and recover the log,
-fold it (from the newest state snapshot that agrees with the log), and find the restore point. The
-snapshots are those a real run leaves at its checkpoints, the newest 1,000 steps before the log's
-end, so what is left to fold is those steps; `cold` is the same open with no snapshot at all (a run written by rewind 0.1, or with its
-snapshots deleted), which folds everything once. `tail_ratio` = warm t(1M) / t(10k): a resume that
-costs its tail, not its log, keeps it near 1. The readers' figures (`rewind state --at-step`, `rewind
-log --steps` in the middle of the large run) are printed beside them.
+1,000 resumes. For each, resume's bookkeeping is timed as a resume does it: take the writer's lock and
+recover the log, fold it (from the newest state snapshot the log vouches for: `fold_log(..., vouched=
+True)`), and find the restore point. The log and snapshots are those today's engine leaves: each
+CheckpointCommitted carries the digest of the state before it, and the snapshot of that state is
+written at every checkpoint up to 1,000 steps before the log's end, so what is left to fold is those
+steps. `cold` is the same open of the run as written with no digest and no snapshot (a run written
+before digests, or with its snapshots deleted), which folds everything once. `tail_ratio` = warm
+t(1M) / t(10k): a resume that costs its tail, not its log, keeps it near 1. The readers' figures
+(`rewind state --at-step`, `rewind log --steps` in the middle of the large run) are printed beside them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+
+import msgspec
 
 from rewind.states.events import CheckpointCommitted, ConfigChanged, RunStarted
 from rewind.states.fold import apply
@@ -30,28 +34,38 @@ from rewind.stores.synthetic import write_synthetic_run
 def _open_and_fold(run_dir: str) -> tuple[float, int]:
     started = time.perf_counter()
     with EventLog.open(run_dir, "w", check="tail") as log:  # as resume opens it
-        folded = fold_log(log, run_dir)
+        folded = fold_log(log, run_dir, vouched=True)  # and folds it (engine.session._plan_resume)
         point_of(folded.state)
     return time.perf_counter() - started, len(folded.tail)
 
 
 TAIL_STEPS = 1_000  # steps since the snapshot: a crash between two checkpoints 1,000 steps apart
+_COMMIT_EVERY = 1_000  # records
 
 
-def _snapshots_as_the_engine_leaves_them(run_dir: str) -> None:
-    """One fold over the log, writing a snapshot at every checkpoint up to TAIL_STEPS before the end
-    (the store thins the older ones to one per band), as a run that crashed just before its next
-    checkpoint leaves them: resuming has a real tail to fold."""
-    with EventLog.open(run_dir) as log:
-        records = [(r.seq, r.event) for r in log.records()]
-    end_step = records[-1][1].step
-    state, config = State(), None
-    for seq, event in records:
-        state = apply(state, event)
-        if isinstance(event, RunStarted | ConfigChanged):
-            config = event.config
-        if isinstance(event, CheckpointCommitted) and event.step <= end_step - TAIL_STEPS:
-            snapshots.write(run_dir, snapshots.make(seq, event, state, config))
+def _as_the_engine_writes_it(source: str, run_dir: str) -> None:
+    """Copy the synthetic log of `source` into `run_dir` as today's engine writes it: each
+    CheckpointCommitted carrying the digest of the fold before it, and at every checkpoint up to
+    TAIL_STEPS before the end the snapshot of that state (the store thins the older ones to one per
+    band), as a run that crashed just before its next checkpoint leaves them: resuming has a real
+    tail to fold."""
+    with EventLog.open(source) as log:
+        events = [r.event for r in log.records()]
+    end_step = events[-1].step
+    state, config, previous = State(), None, None
+    with EventLog.open(run_dir, "w") as log:
+        for seq, event in enumerate(events):
+            if isinstance(event, CheckpointCommitted):
+                event = msgspec.structs.replace(event, state_sha256=snapshots.state_digest(state, config))
+                if event.step <= end_step - TAIL_STEPS:
+                    snapshots.write(run_dir, snapshots.make(seq - 1, previous, state, config))
+            log.append(event)
+            if seq % _COMMIT_EVERY == _COMMIT_EVERY - 1:
+                log.commit()
+            state, previous = apply(state, event), event
+            if isinstance(event, RunStarted | ConfigChanged):
+                config = event.config
+        log.commit()
 
 
 def _reader_figures(run_dir: str, repeats: int) -> dict:
@@ -71,10 +85,11 @@ def _reader_figures(run_dir: str, repeats: int) -> dict:
 
 
 def _measure(root: Path, name: str, num_steps: int, num_resumes: int, repeats: int) -> dict:
-    run_dir = str(root / name)
-    written = write_synthetic_run(run_dir, num_steps, num_resumes=num_resumes)
-    cold, _ = _open_and_fold(run_dir)
-    _snapshots_as_the_engine_leaves_them(run_dir)
+    source, run_dir = str(root / f"{name}-before-digests"), str(root / name)
+    written = write_synthetic_run(source, num_steps, num_resumes=num_resumes)
+    cold, _ = _open_and_fold(source)
+    _as_the_engine_writes_it(source, run_dir)
+    shutil.rmtree(source, ignore_errors=True)
     warm = [_open_and_fold(run_dir) for _ in range(repeats)]
     return {
         **_reader_figures(run_dir, repeats),
