@@ -215,6 +215,8 @@ def save_snapshot(run_dir: str, state: State, event, config: Config) -> None:
 def save_vouched_snapshot(log: EventLog, run_dir: str, state: State, config: Config) -> None:
     """Cache `state`, the fold up to the record before the CheckpointCommitted just committed, which
     carries its digest (snapshots.vouched_by). That record is read back from the log, where it is durable."""
+    if not snapshots.kept_for(run_dir):
+        return
     seq = state.next_seq - 1
     record = next(log.records(start_seq=seq, stop_seq=seq + 1, check=False), None)
     if record is not None and record.seq == seq:
