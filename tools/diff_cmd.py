@@ -11,7 +11,6 @@ bitwise between runs that recorded different devices or numbers of processes, a 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import struct
 from collections.abc import Iterable, Iterator
@@ -29,6 +28,7 @@ from rewind.states.diffing import (
 )
 from rewind.states.events import ForkOrigin, RunResumed, RunStarted
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.jsonout import NON_FINITE_HELP, print_json
 from rewind.tools.replay_cmd import TOLERANCE_ADVICE, describe_sites
 
 
@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="floats equal within relative tolerance R (default: bitwise)",
     )
     p.add_argument(
-        "--json", action="store_true", help="one JSON object: relation, configs, divergence, metrics"
+        "--json", action="store_true", help=f"one JSON object: relation, configs, divergence, metrics ({NON_FINITE_HELP})"
     )
     p.add_argument(
         "--plot",
@@ -101,18 +101,15 @@ def run(args: argparse.Namespace) -> int:
             side: [{"device": device, "world_size": size} for device, size in sites]
             for side, sites in (("a", sites_a), ("b", sites_b))
         }
-        print(
-            json.dumps(
-                {
-                    "run_a": args.run_a,
-                    "run_b": args.run_b,
-                    **msgspec.to_builtins(report),
-                    "computed_on": computed_on,
-                    "hint": hint or None,
-                    **extra,
-                },
-                indent=1,
-            )
+        print_json(
+            {
+                "run_a": args.run_a,
+                "run_b": args.run_b,
+                **msgspec.to_builtins(report),
+                "computed_on": computed_on,
+                "hint": hint or None,
+                **extra,
+            }
         )
     else:
         lines = render(report, args.run_a, args.run_b)

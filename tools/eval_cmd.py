@@ -12,10 +12,10 @@ it. Nothing is written: not the log, not the metrics.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.jsonout import NON_FINITE_HELP, print_json
 from rewind.tools.sample_cmd import CheckpointModel, add_checkpoint_option, model_at, refuse_masked
 
 
@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--samples", type=int, metavar="K", help="validation rows to score (default: training.eval_samples)"
     )
-    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--json", action="store_true", help=f"one JSON object ({NON_FINITE_HELP})")
     p.set_defaults(run=run)
 
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "accuracy": _finite(accuracy),
     }
     if args.json:
-        print(json.dumps(result))
+        print_json(result, indent=None)
         return 0
     print(
         f"{args.dataset} at step {loaded.step} (checkpoint {loaded.checkpoint}): {result['samples']} validation "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import math
 import time
 from collections.abc import Iterable
@@ -19,6 +18,7 @@ from collections.abc import Iterable
 from rewind.states.config import Config
 from rewind.states.events import EVENT_TYPES, ConfigChanged, Event, RunStarted, StepCommitted, event_to_dict
 from rewind.tools.errors import UsageError
+from rewind.tools.jsonout import NON_FINITE_HELP, print_json
 from rewind.tools.kl_terms import kl_term
 
 FOLLOW_POLL_S = 0.2  # how often --follow looks for new records once caught up
@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "separated by commas (--type StepCommitted,RunResumed)",
     )
     p.add_argument("--steps", metavar="A:B", help="only events with A <= step <= B (either side may be empty)")
-    p.add_argument("--json", action="store_true", help="a JSON list of {type, seq, step, ...fields}")
+    p.add_argument("--json", action="store_true", help=f"a JSON list of {{type, seq, step, ...fields}} ({NON_FINITE_HELP})")
     p.add_argument(
         "--follow",
         action="store_true",
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         args.run_dir, types, low, high, effective=args.effective, configs=not args.json
     )
     if args.json:
-        print(json.dumps([record_dict(s, e) for s, e in selected], indent=1, default=str))
+        print_json([record_dict(s, e) for s, e in selected], default=str)
         return 0
     print(f"{'seq':>7} {'step':>8} {'tokens':>12}  {'type':<20} fields")
     for seq, event in selected:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 
 from rewind.states.diffing import promises_bits
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.jsonout import NON_FINITE_HELP, print_json
 
 COMPARED = "stage, lr, beta, loss, kl, grad norm, rows, cursors, skipped, metrics"
 # What a run computed on a GPU or by several processes can be expected to match within (docs/distributed.md).
@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from-checkpoint", metavar="C", help="a checkpoint name or step (default: the earliest start)")
     p.add_argument("--to-step", type=int, metavar="N", help="last step to re-execute (default: the last logged)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for floats (default 0: bit for bit)")
-    p.add_argument("--json", action="store_true", help="the report as one JSON object")
+    p.add_argument("--json", action="store_true", help=f"the report as one JSON object ({NON_FINITE_HELP})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         leave_process_group()
     if args.json:
-        print(json.dumps(as_dict(report, args.rtol), indent=1, default=repr))
+        print_json(as_dict(report, args.rtol), default=repr)
     else:
         print(describe(report, args.run_dir, args.rtol))
     return 0 if report.mismatch is None else 1

@@ -14,12 +14,12 @@ still has one. Nothing is written to the run.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.jsonout import print_json
 from rewind.tools.runlog import load_records
 
 DEFAULT_MAX_TOKENS = 64
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     completion = tokenizer.decode(tokens)
     if args.json:
-        print(json.dumps({
+        print_json({
             "prompt": args.prompt,
             "completion": completion,
             "tokens": tokens,
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             "max_tokens": max_tokens,
             "end_token": end,  # None: it runs to max_tokens (--no-stop, or a model without an end)
             "stopped": "max_tokens" if len(tokens) == max_tokens else "eos",
-        }))
+        }, indent=None)
     else:
         print(completion)
     return 0

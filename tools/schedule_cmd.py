@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from rewind.states.plan import plan
 from rewind.states.schedule import Ramp, Schedule
 from rewind.tools.configfile import add_set_option, load_config, read_config_text
 from rewind.tools.errors import UsageError
+from rewind.tools.jsonout import print_json
 from rewind.tools.kl_terms import has_own_kl, kl_term
 
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.at is not None:
         _print_at(schedule, _parse_positions(args.at), args.json)
     elif args.json and not args.check:
-        print(json.dumps(schedule_view(schedule, events, args.config), indent=1))
+        print_json(schedule_view(schedule, events, args.config))
     elif not args.check:
         print(render_timeline(schedule, events, args.config))
     if args.plot:
@@ -94,7 +94,7 @@ def _print_at(schedule: Schedule, positions: list[int], as_json: bool) -> None:
             raise UsageError(f"--at {p}: token position outside the run [0, {end})")
     rows = [describe_step(schedule, p // schedule.tokens_per_step) for p in positions]
     if as_json:
-        print(json.dumps(rows, indent=1))
+        print_json(rows)
         return
     for p, r in zip(positions, rows, strict=True):
         weights = " ".join(f"{w:.3f}" for w in r["weights"])
@@ -340,7 +340,7 @@ def _check(schedule: Schedule, as_json: bool, written: frozenset[str]) -> None:
     """Print the warnings; they are advice, so they never change the exit status."""
     warnings = schedule_warnings(schedule.config, schedule, written)
     if as_json:
-        print(json.dumps({"warnings": warnings}, indent=1))
+        print_json({"warnings": warnings})
         return
     for w in warnings:
         print(f"warning: {w}")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import time
 
 from rewind.tools.errors import UsageError
+from rewind.tools.jsonout import NON_FINITE_HELP, print_json
 
 TARGETS = (
     "schedule", "log", "overhead", "resume", "cache", "data", "kernels", "mfu", "gpu", "threads", "startup", "rollout"
@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "to its first step over `import torch`; rollout: the batched cached sampler against transformers' generate",
     )
     p.add_argument("target", choices=TARGETS)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help=f"print one JSON object ({NON_FINITE_HELP})")
     p.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
     gpu = p.add_argument_group("bench gpu: every CUDA claim checked in one call (docs/distributed.md)")
     gpu.add_argument("--out", metavar="DIR", help="a new directory for gpu.json, summary.txt and each part's output")
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     else:  # argparse's choices make this unreachable
         raise UsageError(f"unknown bench target {args.target!r}")
     if args.json:
-        print(json.dumps(result, indent=1))
+        print_json(result)
     else:
         for key, value in result.items():
             print(f"{key:>28}: {value:.4g}" if isinstance(value, float) else f"{key:>28}: {value}")
