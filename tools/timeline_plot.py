@@ -20,7 +20,7 @@ that scores running text):
     to the reference, a dpo stage's implicit-reward accuracy and margin.
 
 A figure that cannot be drawn (infinite, or beyond +-DRAWABLE: a forged record, a loss that overflowed)
-is left out, as a NaN is, and the figure names the series that lost some (`Undrawn`).
+is left out, as a NaN is, and the figure names the series that lost some (rewind.tools.drawable).
 
 Every panel carries the stage context (boundaries, fade windows, reference refreshes) and the run's
 markers (stack appends, resumes, checkpoints, non-finite losses). It draws from a `Timeline`
@@ -31,9 +31,7 @@ the raw loss), so a million steps plot in seconds and in little memory.
 
 from __future__ import annotations
 
-import copy
 import io
-import math
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +45,7 @@ from rewind.states.events import (
     RunStopped,
     StackAppended,
 )
+from rewind.tools.drawable import DRAWABLE, Undrawn, drawable_steps
 from rewind.tools.kl_terms import RunKl
 from rewind.tools.outfile import write_file_atomically
 from rewind.tools.plots import (
@@ -58,7 +57,7 @@ from rewind.tools.plots import (
     stage_colour,
 )
 from rewind.tools.state_cmd import status_text
-from rewind.tools.timeline_buckets import StepBuckets, StepColumns, runs_of
+from rewind.tools.timeline_buckets import StepColumns, runs_of
 from rewind.tools.timeline_scan import Timeline
 
 RESUME_COLOUR = "#222222"
@@ -72,58 +71,6 @@ LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.085, 1.0), "fontsize": 8, "f
 # A loss panel whose values span more than this ratio gets a log axis, so validation losses of tasks not
 # trained yet do not squash the training curve.
 LOG_SCALE_RATIO = 2.5
-# matplotlib's limits, margins and ticks compute with the span of what is drawn, which overflows float64
-# for values near 1e308 (a traceback inside savefig); every figure beyond this magnitude is left out.
-DRAWABLE = 1e300
-LOSSES = ("first_loss", "loss_min", "loss_max")  # a bucket's loss columns besides its sum
-
-
-class Undrawn:
-    """Called on a series (and its name), returns it as float64 with every value that cannot be drawn
-    (infinite, or beyond +-DRAWABLE) made NaN, a gap as a NaN already is, and remembers the name for
-    the figure's note."""
-
-    def __init__(self) -> None:
-        self.names: dict[str, None] = {}  # (ordered, once each)
-
-    def __call__(self, values, name: str) -> np.ndarray:
-        array = np.array(values, dtype=np.float64)
-        with np.errstate(invalid="ignore"):
-            bad = np.abs(array) > DRAWABLE  # (NaN compares False: a gap, not news)
-        if bad.any():
-            array[bad] = np.nan
-            self.names[name] = None
-        return array
-
-    def points(self, xs_ys: tuple[list, list], name: str) -> tuple[list, np.ndarray]:
-        return xs_ys[0], self(xs_ys[1], name)
-
-    def note(self, fig) -> None:
-        if self.names:
-            fig.text(
-                0.01, 0.0, f"not drawn, infinite or beyond ±1e{math.log10(DRAWABLE):.0f}: some values of "
-                f"{', '.join(self.names)} (rewind log RUN --json has every figure)", fontsize=8, color="#C00000",
-            )  # fmt: skip
-
-
-def drawable_steps(buckets: StepBuckets, tokens_per_step: int, cuts: list[int], undrawn: Undrawn) -> StepColumns:
-    """The columns of `buckets` with every figure that cannot be drawn left out: a gap where it stood,
-    and out of the smoothed loss and KL (whose running sums it would make infinite, or 0 ever after)."""
-    clean = copy.copy(buckets)
-    for name, shown in [("lr", "learning rate"), ("beta", "KL weight"), *((n, "task loss") for n in LOSSES)]:
-        setattr(clean, name, undrawn(getattr(buckets, name), shown))
-    clean.last_beta = float(undrawn([buckets.last_beta], "KL weight")[0])
-    for total, count, shown in (("loss_sum", "loss_count", "task loss"), ("kl_sum", "kl_count", "KL")):
-        sums = undrawn(getattr(buckets, total), shown)
-        setattr(clean, count, np.where(np.isnan(sums), 0, getattr(buckets, count)))
-        setattr(clean, total, np.nan_to_num(sums, nan=0.0))
-    with np.errstate(over="ignore", invalid="ignore"):
-        steps = StepColumns(clean, tokens_per_step, cuts=cuts)
-    for name, shown in (("smooth", "task loss"), ("kl", "KL")):  # (sums of several huge figures)
-        setattr(steps, name, undrawn(getattr(steps, name), shown))
-    return steps
-
-
 def _stage_label(timeline: Timeline, stage: int) -> str:
     stages = timeline.config.stages
     names = " + ".join(s.name for s in stages[stage].datasets) if stage < len(stages) else ""

@@ -1,7 +1,7 @@
 """`rewind timeline --plot` on figures no axis can hold (issue 33, point 11): a loss, LR, KL, validation
 loss, score or post-training figure of 1e308 (a forged record; the span of such values overflows inside
 matplotlib's savefig) or an infinite one is left out of the picture, as a NaN is, out of the smoothed
-curves too, and the figure names the series that lost some (rewind.tools.timeline_plot.Undrawn)."""
+curves too, and the figure names the series that lost some (rewind.tools.drawable.Undrawn)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from rewind.states.config_reading import loads_config
 from rewind.states.events import Evaluated, StepCommitted, Validated
 from rewind.states.strategies import simulate_run
-from rewind.tools.timeline_plot import DRAWABLE
+from rewind.tools.drawable import DRAWABLE
 from tests.tools.stream_synthetic import LONG_CONFIG, write_run
 from tests.tools.test_timeline_plot import POSTTRAIN, TINY, figures, panels, written_timeline  # noqa: F401
 
