@@ -23,14 +23,13 @@ import torch
 
 from rewind.engine.example_sources import mixture_rows
 from rewind.engine.generation import sample_completions
-from rewind.engine.grpo_losses import group_advantages, reward_figures, weighted_rewards
 from rewind.engine.grpo_step import rank_slices, slice_logprobs
 from rewind.engine.layout import evaluating
 from rewind.engine.parts import Parts
 from rewind.engine.placement import placement_for
 from rewind.engine.ranks import gathered_rows, is_writer
 from rewind.engine.rewards import reward_identities, score_groups
-from rewind.engine.rolloutreader import off_rows, training_rows
+from rewind.engine.rolloutreader import off_rows, reward_outcome, training_rows
 from rewind.engine.row_batches import prompt_tokens
 from rewind.states.config import Config
 from rewind.states.events import RolloutsRecorded
@@ -61,9 +60,7 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
     ids = [[t for t in c.tokens if t != examples.end_id] for c in completions]
     texts = [row.text for row in prompt_rows]
     scores = score_groups(functions, texts, answers, ids, home.tokenizer.decode, home.base_dir)
-    rewards = weighted_rewards(scores, [r.weight for r in settings.rewards])
-    mean_reward, unscored = reward_figures(rewards)
-    advantages = group_advantages(rewards.view(-1, group), scale_rewards=settings.scale_rewards).reshape(-1)
+    advantages, mean_reward, unscored = reward_outcome(scores, settings)  # what a reader checks, the same way
     width = settings.max_new_tokens
     tensors = {
         "prompt_sources": torch.tensor(sources, dtype=torch.int64),
@@ -75,7 +72,7 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
         "finished": torch.tensor([c.finish_reason == "eos" for c in completions], dtype=torch.int8),
         "sample_logprobs": _padded([c.log_probs for c in completions], width, 0.0, torch.float32),
         "rewards": scores,
-        "advantages": advantages.float(),
+        "advantages": advantages,
     }
     # The old policy's log-probs (and the reference's) on the rows the updates compute on, kept in the
     # completions' coordinates.

@@ -37,7 +37,7 @@ def window_rows(parts: Parts, state: State) -> TrainingRows:
     """The training rows of the rollout batch the state's grpo window updates on (read once per window)."""
     config, examples = parts.config, parts.datasets.examples
     return parts.rollout_reader.rows(
-        parts.run_dir, state, end_id=examples.end_id, pad_id=examples.pad_id,
+        parts.run_dir, state, config, end_id=examples.end_id, pad_id=examples.pad_id,
         block_size=config.architecture.block_size,
         drop_truncated=config.stages[state.stage].grpo_settings.mask_truncated_completions,
     )  # fmt: skip

@@ -102,7 +102,7 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
     at_checkpoint: dict[str, dict] = {}
     cached = {seq: snapshots.read(run_dir, seq) for seq in snapshots.list_seqs(run_dir)}
     checker, max_step, end_seq = RecordChecker(), 0, -1
-    rollouts: dict[str, tuple[str, str]] = {}  # sha256 -> (where first recorded, path)
+    rollouts: dict[str, tuple] = {}  # sha256 -> (where first recorded, the record, the config then in force)
     caches: dict[str, State] = {}  # activation cache path -> the state that records it
     elsewhere: list[int] = []  # snapshots of another release: unused, replaced at the next checkpoint
     with EventLog.open(run_dir) as log:
@@ -131,7 +131,7 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
                 if not found:
                     caches[record.event.path] = state  # what the last record naming it says it holds
             if isinstance(record.event, RolloutsRecorded):
-                rollouts.setdefault(record.event.sha256, (where, record.event.path))
+                rollouts.setdefault(record.event.sha256, (where, record.event, config))
             if record.seq in cached:
                 snapshot = cached.pop(record.seq)
                 if snapshot is None and snapshots.written_elsewhere(run_dir, record.seq):
@@ -221,17 +221,17 @@ def _trunk_problems(run_dir: str, trunks: dict, checked: dict[str, str]) -> list
     return found
 
 
-def _rollout_problems(run_dir: str, rollouts: dict[str, tuple[str, str]]) -> list[str]:
+def _rollout_problems(run_dir: str, rollouts: dict[str, tuple]) -> list[str]:
     """Every rollout file the log names (a grpo stage's batches, kept for the record and read by the steps
-    of their window): present, its bytes hashing to its name, a batch in rewind's format."""
-    from rewind.stores.rollouts import RolloutError, read_rollouts
+    of their window): present, its bytes hashing to its name, a batch in rewind's format that follows the
+    rules a run's batches follow (rewind.engine.rolloutreader.rollout_problems: the check a resume makes)."""
+    from rewind.engine.rolloutreader import batch_problem, run_end_id
 
+    end_id = run_end_id(run_dir)
     found = []
-    for sha256, (where, path) in rollouts.items():
-        try:
-            read_rollouts(run_dir, path, sha256)
-        except RolloutError as exc:
-            found.append(f"record: {where}: {exc}")
+    for where, record, config in rollouts.values():
+        if problem := batch_problem(run_dir, record, config, end_id):
+            found.append(f"record: {where}: {problem}")
     return found
 
 
