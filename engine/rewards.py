@@ -281,7 +281,8 @@ def score(
     for name in names:
         function = load_reward(name, beside)
         try:
-            with _guest(name.partition(":")[0] if trial and name not in BUILTIN else None):
+            owner = name.partition(":")[0] if name not in BUILTIN else None
+            with _guest(owner if trial else None, _home_of(owner)):
                 values = function(
                     list(prompts), list(completions), [list(ids) for ids in completion_ids],
                     **{field: list(values) for field, values in row_fields.items()},
@@ -329,15 +330,33 @@ def _reward(name: str, value: object) -> float:
 
 
 @contextmanager
-def _guest(owner: str | None) -> Iterator[None]:
+def _guest(owner: str | None, home: str | None = None) -> Iterator[None]:
     """Run user code (a reward module's import, a call): the working directory it may change is restored
-    after it, and while `owner` is imported or tried, what it imports is noted (reward_code.watching)."""
+    after it, and while `owner` is imported or tried, what it imports is noted (reward_code.watching).
+    `home`, a reward module's directory, is on the Python path during a call, as while it was imported:
+    an import inside the function finds the module's neighbours then too."""
     here = os.getcwd()
+    if home is not None:
+        sys.path.insert(0, home)
     try:
         with watching(owner) if owner is not None else nullcontext():
             yield
     finally:
         os.chdir(here)
+        if home is not None and home in sys.path:
+            sys.path.remove(home)
+
+
+def _home_of(module_name: str | None) -> str | None:
+    """The directory a reward module was found in (a package's parent), or None (a built-in, or a module
+    rewind did not find beside a config or in the working directory: an installed one)."""
+    top = None if module_name is None else module_name.partition(".")[0]
+    if top is None or top not in _FOUND or top not in sys.modules:
+        return None
+    source = _file_of(sys.modules[top])
+    if source is None:
+        return None
+    return str(source.parent.parent if source.name == "__init__.py" else source.parent)
 
 
 def _failure(exc: BaseException) -> str:

@@ -467,3 +467,19 @@ def test_real_numbers_are_rewards_bools_and_others_are_not(returns):
     ]:
         with pytest.raises(RewardError, match=re.escape(f"reward function {returns}:{function}: returned {shown}, not a finite number")):
             scored(f"{returns}:{function}", 4)
+
+
+def test_a_function_that_imports_a_neighbour_only_on_a_later_call_finds_it(tmp_path, request):
+    """An import inside the function, on its third call only (after the trial): the module's directory is on
+    the Python path during every call, as while the module was imported, and off it between calls."""
+    name, helper = unique(request, "lazy"), unique(request, "lazyhelper")
+    (tmp_path / f"{helper}.py").write_text("def reward(text):\n    return 0.5\n")
+    (tmp_path / f"{name}.py").write_text(
+        "calls = 0\n\ndef f(prompts, completions, completion_ids, **fields):\n    global calls\n    calls += 1\n"
+        f"    if calls < 3:\n        return [0.0] * len(completions)\n    import {helper}\n"
+        f"    return [{helper}.reward(c) for c in completions]\n"
+    )
+    for _ in range(3):
+        scores = score([f"{name}:f"], ["p"], ["a"], [[1]], {"answer": ["a"]}, beside=str(tmp_path))
+    assert scores.tolist() == [[0.5]]
+    assert str(tmp_path) not in sys.path
