@@ -123,6 +123,10 @@ def describe(seq: int, event: Event, config: Config | None = None) -> str:
     if name == "CheckpointCommitted":
         data.pop("files")
         data["manifest_sha256"] = data["manifest_sha256"][:12]
+        if data.get("state_sha256"):  # the digest that vouches for a snapshot (none before this release)
+            data["state_sha256"] = data["state_sha256"][:12]
+        else:
+            data.pop("state_sha256", None)
     if name == "ConfigChanged":
         data.pop("config")
     if name == "StepCommitted" and not data.get("metrics"):
