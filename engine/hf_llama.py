@@ -29,6 +29,7 @@ import torch
 
 from rewind.engine.model import INIT_STD, NORM_EPS
 from rewind.states.config import ArchitectureSection
+from rewind.states.model_size import mlp_width
 from rewind.states.state import ModelLayout
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -69,7 +70,7 @@ class Unmapped(Exception):
 
 
 def d_ff_of(arch: ArchitectureSection) -> int:
-    return arch.d_ff or 4 * arch.d_model
+    return mlp_width(arch)
 
 
 def causal_lm_config(

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from rewind.engine.attention_inputs import KeysValues, KVCache, check_cached, rope_and_mask
 from rewind.engine.rng import derive_seed, torch_generator
 from rewind.states.config import ArchitectureSection
+from rewind.states.model_size import mlp_width
 
 # What the fused loss computes in place of the head: f(final hidden states, head weight).
 HeadFunction = Callable[[torch.Tensor, torch.Tensor], Any]
@@ -129,7 +130,7 @@ class MLP(nn.Module):
 
     def __init__(self, arch: ArchitectureSection):
         super().__init__()
-        d_ff = arch.d_ff or 4 * arch.d_model
+        d_ff = mlp_width(arch)
         self.gated = arch.mlp == "swiglu"
         self.fc = nn.Linear(arch.d_model, 2 * d_ff if self.gated else d_ff, bias=False)
         self.proj = nn.Linear(d_ff, arch.d_model, bias=False)

@@ -35,6 +35,7 @@ from rewind.engine.pretrained_checks import export_shapes, layout_problem, numbe
 from rewind.engine.pretrained_files import PretrainedError
 from rewind.engine.pretrained_llama import CONFIG_NAME, llama_directory
 from rewind.states.config import ArchitectureSection, Config, ObjectiveSection
+from rewind.states.model_size import mlp_width
 from rewind.states.state import ModelLayout
 from rewind.stores.untrusted import decode_json
 
@@ -90,7 +91,7 @@ def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     """Every tensor of a fresh one-stack plain model of `config` and its shape (rewind.engine.model's
     GPT, computed without building it: a large model is not allocated twice)."""
     arch = config.architecture
-    d, d_ff = arch.d_model, hf_llama.d_ff_of(arch)
+    d, d_ff = arch.d_model, mlp_width(arch)
     vocab = model_vocab_size(config.objective, arch.vocab_size)
     norm = {"weight": (d,), "bias": (d,)} if arch.norm == "layernorm" else {"weight": (d,)}
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
@@ -177,8 +178,9 @@ def rewind_mismatch(theirs: dict, objective: ObjectiveSection, config: Config, w
     ours = msgspec.to_builtins(arch)
     defaults = msgspec.to_builtins(ArchitectureSection())
     theirs = {**defaults, **theirs}
-    theirs["d_ff"] = theirs["d_ff"] or 4 * theirs["d_model"]
-    ours["d_ff"] = hf_llama.d_ff_of(arch)
+    # The export's values as it wrote them (a struct's constructor checks no types): the same rule as ours.
+    theirs["d_ff"] = mlp_width(ArchitectureSection(d_model=theirs["d_model"], d_ff=theirs["d_ff"]))
+    ours["d_ff"] = mlp_width(arch)
     for key in (*_SHAPE_FIELDS, "d_ff"):
         a, b = number(theirs[key]), number(ours[key])
         if a != b:

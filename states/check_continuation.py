@@ -13,6 +13,7 @@ from typing import get_args
 from rewind.states.config import Config, ObjectiveKind, ObjectiveSection
 from rewind.states.entry import tokenizer_problem
 from rewind.states.history import RestorePoint
+from rewind.states.model_size import mlp_width
 
 
 def change_problem(old: Config, new: Config, point: RestorePoint) -> str:
@@ -76,7 +77,7 @@ def weight_shaping(config: Config) -> dict:
         "vocab_size": a.vocab_size,
         "num_layers": a.num_layers,
         "d_model": a.d_model,
-        "d_ff": a.d_ff or 4 * a.d_model,
+        "d_ff": mlp_width(a),
         "norm": a.norm,
         "mlp": a.mlp,
     }

@@ -17,23 +17,25 @@ starts; a resume computes with the recorded count, so this rule decides for new 
 
 from __future__ import annotations
 
+import msgspec
+
 from rewind.states.config import Config
+from rewind.states.model_size import flops_per_token, matmul_parameters
 
 # Model FLOPs of one micro-batch's forward and backward worth one more CPU thread.
 STEP_FLOPS_PER_THREAD = 2e9
 
 
 def micro_batch_flops(config: Config) -> int:
-    """PaLM's model FLOPs (6 N + 12 L d T per token) of one micro-batch of the largest model the config's
-    growth reaches: its matmul weights (attention, MLP, output head), not its embeddings."""
+    """PaLM's model FLOPs (rewind.states.model_size.flops_per_token) of one micro-batch of the largest
+    model the config's growth reaches: its matmul weights (attention, MLP, output head), not its
+    embeddings."""
     arch = config.architecture
-    d, d_ff = arch.d_model, arch.d_ff or 4 * arch.d_model
     layers = arch.num_layers + sum(step.num_blocks for step in config.growth)
-    mlp = (3 if arch.mlp == "swiglu" else 2) * d * d_ff
-    matmul = layers * (4 * d * d + mlp) + d * arch.vocab_size
+    grown = msgspec.structs.replace(arch, num_layers=layers)
     rows = config.training.per_device_batch_size
     tokens = (rows if rows > 0 else config.training.batch_size) * arch.block_size
-    return tokens * (6 * matmul + 12 * layers * d * arch.block_size)
+    return tokens * flops_per_token(grown, matmul_parameters(grown))
 
 
 def threads_worth(config: Config, cores: int) -> int:

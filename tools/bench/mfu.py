@@ -9,8 +9,9 @@ weights and moments in fp32, on random tokens: a few warm-up steps (allocator, c
 steps timed between torch.cuda.synchronize() calls. What is timed is the model and the optimizer alone:
 rewind's bookkeeping around a step is `rewind bench overhead`'s business.
 
-Model FLOPs per token, PaLM's appendix B: 6 N + 12 L d T, N the parameters that multiply (every one but
-the embedding table's, which is a lookup; the head is counted), L layers, d = d_model, T = block_size: 6 N
+Model FLOPs per token, PaLM's appendix B (rewind.states.model_size.flops_per_token): 6 N + 12 L d T, N
+the parameters that multiply (every one but the embedding table's, which is a lookup; the head is counted;
+here counted on the model, so the norms' gains are in), L layers, d = d_model, T = block_size: 6 N
 for the forward and backward matmuls, 12 L d T for attention's scores and weighted sums, counted whole
 although the causal mask makes half of them zeros (the convention that makes MFUs comparable). No
 recomputation is counted: activation checkpointing would cost time but add no model FLOPs. MFU is the
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from rewind.engine.model import GPT
 from rewind.engine.rng import torch_generator
 from rewind.states.config import ArchitectureSection
+from rewind.states.model_size import flops_per_token, mlp_width
 
 MFU_GOAL = 0.45
 SEED = 3
@@ -66,11 +68,6 @@ def non_embedding_parameters(model: GPT) -> int:
     """The parameters that take part in matmuls: all but the embedding tables (the head is counted)."""
     embeddings = model.embed.weight.numel() + (model.time_embed.weight.numel() if model.time_embed is not None else 0)
     return model.num_parameters() - embeddings
-
-
-def flops_per_token(arch: ArchitectureSection, num_matmul_parameters: int) -> int:
-    """PaLM's model FLOPs per token (appendix B): 6 N + 12 L d T."""
-    return 6 * num_matmul_parameters + 12 * arch.num_layers * arch.d_model * arch.block_size
 
 
 def run_mfu_bench(quick: bool = False) -> dict:
@@ -115,7 +112,7 @@ def run_mfu_bench(quick: bool = False) -> dict:
         "num_parameters": model.num_parameters(),
         "num_non_embedding_parameters": num_matmul,
         "architecture": f"d_model {arch.d_model}, {arch.num_layers} layers, {arch.num_heads} heads, {arch.mlp} "
-        f"(d_ff {arch.d_ff or 4 * arch.d_model}), vocab {arch.vocab_size}",
+        f"(d_ff {mlp_width(arch)}), vocab {arch.vocab_size}",
         "batch_size": batch_size,
         "block_size": arch.block_size,
         "num_warmup_steps": num_warmup,
