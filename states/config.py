@@ -167,7 +167,9 @@ class Stage(Struct):
     # included, so an sft, dpo or grpo stage's counts its rows (examples, pairs, completions) x block_size.
     tokens: int = 0
     datasets: list[Sampling] = []  # its mixture, as [{ name = "sort", rate = 1.0 }, ...] (rates sum to 1)
-    beta: float | None = None  # its KL weight; not set in any stage: no KL (not set beside others: 0.0)
+    # Its KL weight; not set in any stage: no KL (not set beside others: 0.0). 0 or left out in a dpo or grpo
+    # stage: their own settings tie them to the reference (dpo.beta, grpo.kl_beta).
+    beta: float | None = None
     refresh_reference: bool = False  # entering it makes the current weights the KL reference
     reset_optimizer: bool = False  # entering it clears the Adam moments (an OptimizerReset event)
     overlap: float | None = None  # its fade into the next stage (not the last); not set: training.fade's
@@ -343,8 +345,11 @@ class Config(Struct):
     growth: list[GrowthStep] = []  # stacks joining the model, one [[growth]] each, in order (docs/growth.md)
     lora: LoraSection = LoraSection()  # LoRA adapters' ranks and targets (docs/growth.md)
     objective: ObjectiveSection = ObjectiveSection()  # what the model learns to predict
-    tokenizer: TokenizerSection = TokenizerSection()  # (docs/data.md)
-    pretrained: PretrainedSection = PretrainedSection()  # (docs/data.md, docs/export.md)
+    # How text becomes token ids: a tokenizer.json, one trained at the start, or UTF-8 bytes (docs/data.md)
+    tokenizer: TokenizerSection = TokenizerSection()
+    # Weights a new run starts from instead of random ones: a transformers Llama directory or a rewind export
+    # (docs/data.md, docs/export.md)
+    pretrained: PretrainedSection = PretrainedSection()
     compute: ComputeSection = ComputeSection()  # the device and precision (docs/distributed.md)
 
     @property

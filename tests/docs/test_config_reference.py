@@ -82,6 +82,26 @@ def test_every_field_has_a_meaning():
     assert missing_meanings() == [], "fields without a comment in states/config.py (their meaning)"
 
 
+def words_outside_parentheses(meaning: str) -> list[str]:
+    outside = meaning
+    while (inner := re.sub(r"\([^()]*\)", " ", outside)) != outside:
+        outside = inner
+    return re.findall(r"[A-Za-z]{2,}", outside)
+
+
+def test_every_meaning_says_something_besides_a_link():
+    """A meaning that is only a pointer in parentheses, "(docs/data.md)", tells the reader nothing there."""
+    bare = {key: m for key, m in field_meanings().items() if len(words_outside_parentheses(m)) < 2}
+    assert bare == {}, "fields whose comment in states/config.py is only a parenthesis or a link"
+    assert words_outside_parentheses("(docs/data.md, docs/export.md)") == []
+    assert words_outside_parentheses("attention heads (they divide d_model)") == ["attention", "heads"]
+
+
+def test_a_stage_s_beta_says_dpo_and_grpo_stages_leave_it_at_0():
+    meaning = field_meanings()[("Stage", "beta")]
+    assert "dpo" in meaning and "grpo" in meaning and "dpo.beta" in meaning and "grpo.kl_beta" in meaning
+
+
 def test_a_field_without_a_comment_is_named():
     meanings = field_meanings()
     del meanings[("TrainingSection", "eval_samples")], meanings[("GrpoSettings", "kl_beta")]
