@@ -299,7 +299,9 @@ def _rewards(name: str, values: object, count: int) -> list[float]:
     """The `count` rewards `values` holds as floats (None: NaN), or RewardError. Its items are what is read,
     one by one: what a list's len() says is not asked."""
     if not isinstance(values, list | tuple):
-        raise RewardError(f"reward function {name}: returned {type(values).__name__} of ? values for {count} completions")
+        raise RewardError(
+            f"reward function {name}: returned {_a(values)}, not a list or tuple of {_many(count, 'reward')}"
+        )
     items = []
     try:
         for value in values:
@@ -307,10 +309,12 @@ def _rewards(name: str, values: object, count: int) -> list[float]:
             if len(items) > count:
                 break
     except Exception as exc:
-        raise RewardError(f"reward function {name}: returned {type(values).__name__} that does not read: {_failure(exc)}") from None
+        raise RewardError(f"reward function {name}: returned {_a(values)} that does not read: {_failure(exc)}") from None
     if len(items) != count:
-        many = f"more than {count}" if len(items) > count else str(len(items))
-        raise RewardError(f"reward function {name}: returned {type(values).__name__} of {many} values for {count} completions")
+        many = f"more than {_many(count, 'reward')}" if len(items) > count else _many(len(items), "reward")
+        raise RewardError(
+            f"reward function {name}: returned {_a(values)} of {many} for {_many(count, 'completion')}"
+        )
     return [_reward(name, value) for value in items]
 
 
@@ -357,6 +361,18 @@ def _home_of(module_name: str | None) -> str | None:
     if source is None:
         return None
     return str(source.parent.parent if source.name == "__init__.py" else source.parent)
+
+
+def _a(value: object) -> str:
+    """What a function returned, as a message names it: 'None', 'a list', 'an int'."""
+    if value is None:
+        return "None"
+    kind = type(value).__name__
+    return f"{'an' if kind.lower().startswith(tuple('aeiou')) else 'a'} {kind}"
+
+
+def _many(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _failure(exc: BaseException) -> str:

@@ -433,8 +433,8 @@ def returns(tmp_path, request, monkeypatch) -> str:
 # What each of RETURNS' functions that returns no reward is said as (the test's name, and so its
 # module's, is the function's: never the text looked for).
 SAID = {
-    "lying": "returned Lying of 1 values for 2 completions",
-    "posing": "returned Posing that does not read: TypeError: 'Posing' object is not iterable",
+    "lying": "returned a Lying of 1 reward for 2 completions",
+    "posing": "returned a Posing that does not read: TypeError: 'Posing' object is not iterable",
     "enormous": "returned an int of about 5001 digits, not a finite number",
     "long_repr": "returned 'xxxxxxxx",
     "long_error": "failed: ValueError: first line\\nyyyy",

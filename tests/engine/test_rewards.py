@@ -40,6 +40,18 @@ def short(prompts, completions, completion_ids, **fields):
 
 def every_other(prompts, completions, completion_ids, **fields):
     return [None if n % 2 else 1.0 for n in range(len(completions))]
+
+
+def mapping(prompts, completions, completion_ids, **fields):
+    return {text: 1.0 for text in completions}
+
+
+def lazy(prompts, completions, completion_ids, **fields):
+    return (1.0 for _ in completions)
+
+
+def long(prompts, completions, completion_ids, **fields):
+    return [1.0] * (len(completions) + 1)
 '''
 
 
@@ -64,10 +76,13 @@ def test_rewards_are_scored_per_function_with_none_as_nan(module):
     ("function", "said"),
     [
         ("broken", "returned nan, not a finite number ("),
-        ("short", "returned list of 1 values for 2 completions"),
+        ("short", "returned a list of 1 reward for 2 completions"),
+        ("long", "returned a list of more than 2 rewards for 2 completions"),
+        ("mapping", "returned a dict, not a list or tuple of 2 rewards"),
+        ("lazy", "returned a generator, not a list or tuple of 2 rewards"),
         ("missing", "has no function 'missing'"),
     ],
-    ids=["nan", "short", "missing"],  # not the expected text: the module's name is made of the test's id
+    ids=["nan", "short", "too_many", "keyed", "generated", "missing"],  # not the expected text: the module's name is made of the test's id
 )
 def test_a_reward_that_is_no_reward_is_one_line(module, function, said):
     with pytest.raises(RewardError, match=re.escape(said)):
@@ -192,8 +207,8 @@ UNFIT = {
     "strict": ("return [float(text == answer.strip()) for text in completions]", "failed: AttributeError: 'list'"),
     # breaks on a completion that is no number, as early samples are
     "numeric": ("return [float(text) for text in completions]", "failed: ValueError: could not convert"),
-    "per_prompt": ("return [1.0 for _ in set(prompts)]", "returned list of 2 values for 6 completions"),
-    "nothing": ("pass", "returned NoneType of ? values for 6 completions"),
+    "per_prompt": ("return [1.0 for _ in set(prompts)]", "returned a list of 2 rewards for 6 completions"),
+    "nothing": ("pass", "returned None, not a list or tuple of 6 rewards"),
     "text": ("return ['1'] * len(completions)", "returned '1', not a finite number"),
 }
 
