@@ -44,6 +44,18 @@ def has_own_kl(stage: Stage) -> bool:
     return kl_term(stage).setting != "beta"
 
 
+def kl_kinds(stages: list[Stage], kind: str) -> str:
+    """What the KL terms of these stages are, as `rewind schedule`'s KL line heads them: 'beta: token_kl'
+    (optimization.kl.kind, which beta weighs), 'grpo.kl_estimator: k3' where only grpo stages add a KL term
+    (the kind does not apply to them), both where both do; the kind alone where no stage adds one."""
+    terms = [kl_term(stage) for stage in stages]
+    said = [f"beta: {kind}"] if any(t.setting == "beta" and t.penalty > 0 for t in terms) else []
+    grpo = [s for s, t in zip(stages, terms, strict=True) if t.setting == "grpo.kl_beta" and t.penalty > 0]
+    if estimators := [stage.grpo_settings.kl_estimator for stage in grpo]:
+        said.append(f"grpo.kl_estimator: {', '.join(dict.fromkeys(estimators))}")
+    return "; ".join(said) or f"beta: {kind}"
+
+
 class RunKl:
     """The KL terms of a run's stages together, as the timeline's panels draw them."""
 
@@ -60,6 +72,20 @@ class RunKl:
 
     def weight_name(self) -> str:
         return "KL weight: beta, grpo.kl_beta" if any(self.grpo) else "KL weight beta"
+
+    def loss_meaning(self) -> str:
+        """What a step's recorded loss is in these stages, for the loss panels' label: its stage's own. A
+        pretrain or sft stage's is the cross-entropy without the beta x KL it trains with (drawn apart); a
+        dpo stage's the DPO loss (its sft term left out); a grpo stage's the clipped policy loss with its
+        kl_beta x KL term in (it can be negative)."""
+        if not (any(self.dpo) or any(self.grpo)):
+            return "cross-entropy, without KL"
+        said = ["cross-entropy (no KL)"] if not all(self.own) else []
+        said += ["DPO"] if any(self.dpo) else []
+        if any(self.grpo):
+            kl = any(weight > 0 for weight, grpo in zip(self.penalties, self.grpo, strict=True) if grpo)
+            said.append("GRPO policy + KL" if kl else "GRPO policy")
+        return f"each stage's own:\n{', '.join(said)}"
 
     def no_penalty_text(self) -> str:
         """For a run without a KL penalty, precisely: which settings are 0, and that a dpo stage's loss

@@ -20,6 +20,7 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter
 
 from rewind.states.events import Evaluated, ReferenceRefreshed, StackAppended
+from rewind.tools.kl_terms import RunKl
 from rewind.tools.outfile import write_file_atomically
 from rewind.tools.plots import dataset_styles, draw_stage_context, format_tokens, pyplot
 from rewind.tools.timeline_buckets import StepColumns, runs_of
@@ -234,7 +235,8 @@ def comparison_figure(a: Timeline, b: Timeline, child: str = ""):
         ax.grid(axis="y", color="0.92", linewidth=0.8)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(**LEGEND)
-    ax_loss.set_ylabel("task loss, smoothed\ncross-entropy, without KL")
+    stages = [*a.config.stages, *b.config.stages]
+    ax_loss.set_ylabel(f"task loss, smoothed\n{RunKl(stages).loss_meaning()}")
     ax_eval.set_ylabel("answer-token accuracy\n(start, stage ends)")
     ax_eval.set_ylim(bottom=0)
     ax_lr.set_ylabel("learning rate")

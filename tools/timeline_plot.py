@@ -1,10 +1,12 @@
 """`rewind timeline --plot`: the one picture of a run. Five panels over training tokens (six for a run
 that scores running text):
 
-(a) the task loss (cross-entropy on the batch's target tokens; the objective a step minimises adds
-    beta x KL, drawn in (d)): raw per-step loss faint, a smoothed line bold in the colour of each
-    step's primary stage (averaged within a stage and between growths only: a jump at a boundary
-    stays a jump), validation losses per dataset, and the steps a resume superseded in grey;
+(a) the task loss, each step's stage's own (cross-entropy on the batch's target tokens, whose objective
+    adds beta x KL, drawn in (d); a dpo stage's DPO loss; a grpo stage's policy loss, its kl_beta x KL
+    term included: rewind.tools.kl_terms.RunKl.loss_meaning): raw per-step loss faint, a smoothed line
+    bold in the colour of each step's primary stage (averaged within a stage and between growths only: a
+    jump at a boundary stays a jump), validation losses per dataset, and the steps a resume superseded in
+    grey;
 (+) bits per byte of each held-out text, before training and at each stage end, where the run
     scores running text (its headline figure);
 (b) answer-token accuracy per evaluation task, before training (the baseline) and at each stage end
@@ -116,7 +118,7 @@ def _draw_loss(ax, timeline: Timeline, steps: StepColumns, styles: dict, undrawn
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter("")
     log = " (log)" if ax.get_yscale() == "log" else ""
-    ax.set_ylabel(f"task loss{log}\ncross-entropy, without KL")
+    ax.set_ylabel(f"task loss{log}\n{RunKl(timeline.config.stages).loss_meaning()}")
     if steps.num_steps == 0:
         ax.text(0.5, 0.5, "no steps committed yet", transform=ax.transAxes, ha="center", color="0.4")
 

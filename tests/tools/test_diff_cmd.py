@@ -283,6 +283,9 @@ def test_diff_plot_weighs_a_grpo_stages_kl_by_its_kl_beta_and_leaves_dpo_steps_b
     b = written_timeline(POSTTRAIN, lambda k, stage: 1.0, no_text, kl_of=lambda k, stage: 0.5 * stage)
     fig = timeline_compare.comparison_figure(a, b)
     try:
+        (loss_panel,) = [ax for ax in fig.axes if ax.get_label() == "loss"]
+        said = "task loss, smoothed\neach stage's own:\ncross-entropy (no KL), DPO, GRPO policy + KL"
+        assert loss_panel.get_ylabel() == said  # a grpo stage's loss has its KL term in
         (kl_panel,) = [ax for ax in fig.axes if ax.get_label() == "kl"]
         lines = {line.get_label(): line for line in kl_panel.get_lines()}
         schedule, tps = a.schedule, a.schedule.tokens_per_step

@@ -197,6 +197,26 @@ def test_the_kl_panels_draw_a_grpo_stages_kl_penalty_and_leave_a_dpo_stage_blank
 @pytest.mark.parametrize(
     ("config", "overrides", "said"),
     [
+        (TINY, [], "task loss\ncross-entropy, without KL"),  # as pretraining runs' figures always said
+        (POSTTRAIN, [], "task loss\neach stage's own:\ncross-entropy (no KL), DPO, GRPO policy + KL"),
+        (
+            POSTTRAIN,
+            ["stages[3].grpo.kl_beta=0"],
+            "task loss\neach stage's own:\ncross-entropy (no KL), DPO, GRPO policy",
+        ),
+    ],
+    ids=["pretraining", "posttraining", "grpo_without_kl"],
+)
+def test_the_loss_panel_says_which_loss_each_stage_records(figures, config, overrides, said):
+    """A grpo stage's recorded loss is its clipped policy loss with kl_beta x KL in (it can be negative), a
+    dpo stage's the DPO loss: not a cross-entropy without KL, as a pretraining run's is."""
+    timeline = written_timeline(config, lambda k, stage: 1.0, no_text, overrides=overrides)
+    assert panels(figures(timeline))["loss"].get_ylabel() == said
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "said"),
+    [
         (TINY, ["stages[1].beta=0", "stages[2].beta=0"], "no KL penalty in this run (every beta is 0)"),
         (
             POSTTRAIN,
