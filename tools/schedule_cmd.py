@@ -14,7 +14,7 @@ from rewind.states.schedule import Ramp, Schedule
 from rewind.tools.configfile import add_set_option, load_config, read_config_text
 from rewind.tools.errors import UsageError
 from rewind.tools.jsonout import print_json
-from rewind.tools.kl_terms import has_own_kl, kl_term
+from rewind.tools.kl_terms import has_own_kl, kl_kinds, kl_term
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -263,7 +263,7 @@ def kl_line(schedule: Schedule, kl: dict) -> str:
     if not any(has_own_kl(stage) for stage in stages):
         return f"KL ({kl['kind']}): betas {kl['betas']}, {refreshed}"
     terms = ", ".join(f"stage {i} {kl_term(stage).text()}" for i, stage in enumerate(stages))
-    return f"KL (beta: {kl['kind']}): {terms}; {refreshed}"
+    return f"KL ({kl_kinds(stages, kl['kind'])}): {terms}; {refreshed}"
 
 
 def stage_block(row: dict, curve: str) -> list[str]:

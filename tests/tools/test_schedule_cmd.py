@@ -74,6 +74,7 @@ POSTTRAIN = EXAMPLES / "posttrain.toml"
         (TINY, ("--set", "training.fade.overlap=0", "--set", "optimization.schedule=wsds")),
         (POSTTRAIN, ()),
         (POSTTRAIN, ("--set", "stages[3].grpo.kl_beta=0", "--set", "stages[1].beta=0.1")),
+        (POSTTRAIN, ("--set", "stages[1].beta=0.1")),
     ],
 )
 def test_json_carries_everything_the_text_view_shows(rewind_cli, config, overrides):
@@ -131,7 +132,18 @@ def test_json_carries_everything_the_text_view_shows(rewind_cli, config, overrid
     if all(s["setting"] == "beta" for s in kl["stages"]):
         assert last == f"KL ({kl['kind']}): betas {kl['betas']}, {refresh}"
     else:  # a stage of its own tie to the reference: every stage's is said, not a list of betas
-        assert last.startswith(f"KL (beta: {kl['kind']}): ") and last.endswith(f"; {refresh}")
+        # What the KL terms are: optimization.kl.kind where a beta adds one, a grpo stage's own estimator
+        # where it adds one (the kind does not apply there).
+        betas = any(s["setting"] == "beta" and s["penalty"] for s in kl["stages"])
+        kinds = [f"beta: {kl['kind']}"] if betas else []
+        grpo = [
+            s["settings"]["kl_estimator"]
+            for s in view["stages"]
+            if s["kl"]["setting"] == "grpo.kl_beta" and s["kl"]["penalty"]
+        ]
+        kinds += [f"grpo.kl_estimator: {', '.join(dict.fromkeys(grpo))}"] if grpo else []
+        said = "; ".join(kinds) or f"beta: {kl['kind']}"
+        assert last.startswith(f"KL ({said}): ") and last.endswith(f"; {refresh}")
         for i, s in enumerate(kl["stages"]):
             assert f"stage {i} {s['setting']} {s['value']:g}" in last
     # And the events, one line each in the same order; a StageEntered names the stage's tie to the reference.
@@ -167,8 +179,8 @@ def test_the_post_training_example_says_each_stages_tie_to_the_reference_and_its
     assert "kl_beta 0.02, kl_estimator k3," in text and "rewards [exact_match x 1]" in text
     assert "betas" not in text
     assert text.splitlines()[-1] == (
-        "KL (beta: token_kl): stage 0 beta 0, stage 1 beta 0, stage 2 dpo.beta 0.1 (its loss; no KL penalty "
-        "added), stage 3 grpo.kl_beta 0.02; reference refreshed on entering [2, 3]"
+        "KL (grpo.kl_estimator: k3): stage 0 beta 0, stage 1 beta 0, stage 2 dpo.beta 0.1 (its loss; no KL "
+        "penalty added), stage 3 grpo.kl_beta 0.02; reference refreshed on entering [2, 3]"
     )
     code, out, err = rewind_cli("schedule", POSTTRAIN, "--json")
     stages = json.loads(out)["stages"]
