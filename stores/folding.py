@@ -17,6 +17,19 @@ after its RunResumed serves readers, its next checkpoint's a resume. It also ref
 is recorded, what the fold accepts but no run writes (`commit_problem`: a checkpoint committed twice),
 which verify names too.
 
+Whoever forges a snapshot can also put its digest into the record after it (and recompute the frame's
+CRC), so a vouched snapshot is cross-checked with what the log does not carry: every checkpoint
+committed in the tail that is still on disk records in its manifest the control state it was taken in
+and the KL reference's digest (engine.checkpointing: meta `control`, `reference_sha256`), which must
+be the fold's at its record (`manifest_problem`, the check verify makes for every live checkpoint).
+On a disagreement the snapshot is dropped, not the run: the log is folded whole, as with no snapshot,
+and checked against the same manifests again. If the whole fold agrees, the snapshot (and its record's
+digest) was the forgery: the resume goes on from the log with one warning line naming it. If it
+disagrees too, the log and the checkpoint do not belong together and the resume is refused in one
+line, nothing recorded (`rewind verify RUN` names the records at fault). Going on rather than refusing
+outright costs nothing a run needs: the whole fold is what a run without snapshots always does.
+What no manifest records is not cross-checked this way (see rewind.stores.snapshots).
+
 Every record folded here is first admitted (rewind.states.admission, through rewind.stores.trust: a
 config carried in the log gets the checks a config file gets), and so is a snapshot's state before it is used: a log is untrusted input.
 """
@@ -33,9 +46,9 @@ from rewind.states.config import Config
 from rewind.states.events import CheckpointCommitted, ConfigChanged, Event, RunStarted, event_tag
 from rewind.states.fold import IllegalTransition, apply, fold
 from rewind.states.history import SeqEvent, config_in_force, effective, is_superseded, skip_ranges
-from rewind.states.state import State
+from rewind.states.state import State, control_summary
 from rewind.stores import snapshots
-from rewind.stores.checkpoints import CheckpointStore
+from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog, Record
 from rewind.stores.trust import RecordChecker, UntrustedRecord
 
@@ -70,7 +83,7 @@ def fold_log(log: EventLog, run_dir: str, store: CheckpointStore | None = None, 
     log vouches for (see the module's docstring)."""
     end_seq = log.next_seq - 1
     if store is not None or vouched:
-        return _fold_for_resume(log, run_dir, end_seq)
+        return _fold_for_resume(log, run_dir, end_seq, CheckpointStore(run_dir) if store is None else store)
     for snapshot in snapshots.candidates(run_dir, end_seq):
         if state_problem(snapshot.state, snapshot.config):
             continue  # the full fold below names the record that carries the problem
@@ -111,8 +124,8 @@ class SnapshotsIgnored(UserWarning):
     def __init__(self, run_dir: str, problems: list[str]):
         named = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         super().__init__(
-            f"{run_dir}: {named} (not used: a resume starts only from a snapshot the log vouches for; "
-            f"`rewind verify {run_dir}` lists every such snapshot)"
+            f"{run_dir}: {named} (not used: a resume starts only from a snapshot the log vouches for and the "
+            f"checkpoints after it agree with; `rewind verify {run_dir}` lists every such snapshot)"
         )
         self.problems = problems
 
@@ -130,10 +143,41 @@ def _vouched_start(log: EventLog, run_dir: str, end_seq: int) -> tuple[snapshots
     return None
 
 
-def _fold_for_resume(log: EventLog, run_dir: str, end_seq: int) -> FoldedLog:
-    """The fold from the newest vouched snapshot (from the start without one), each snapshot after it
-    compared with the fold on the way."""
+def _fold_for_resume(log: EventLog, run_dir: str, end_seq: int, store: CheckpointStore) -> FoldedLog:
+    """The fold from the newest vouched snapshot, cross-checked with the manifests of the checkpoints
+    committed after it; from the start without one, or when they disagree (see the module's docstring)."""
     start = _vouched_start(log, run_dir, end_seq)
+    folded, commits, problems = _fold_from(log, run_dir, end_seq, start)
+    disagreeing = _manifest_disagreements(store, commits, folded.state)
+    if start is not None and disagreeing:
+        snapshot, (seq, name, fields) = start[0], disagreeing[0]
+        folded, commits, problems = _fold_from(log, run_dir, end_seq, None)
+        again = {name for _, name, _ in disagreeing}
+        if still := _manifest_disagreements(store, [c for c in commits if c[1].checkpoint in again], folded.state):
+            seq, name, fields = still[0]
+            raise UntrustedRecord(seq, next(e for s, e, *_ in commits if s == seq), _disagreement(run_dir, name, fields))
+        problems = [p for p in problems if not p.startswith(f"snapshot {snapshot.seq:012d}:")]
+        problems.insert(
+            0,
+            f"snapshot {snapshot.seq:012d}: record {snapshot.seq + 1} vouches for it, but checkpoint {name}'s "
+            f"manifest disagrees with the fold from it on {fields} (the log was folded whole instead; delete it: "
+            "it is a cache)",
+        )
+    if problems:
+        warnings.warn(SnapshotsIgnored(run_dir, problems), stacklevel=3)
+    return folded
+
+
+# A CheckpointCommitted folded in a resume's tail: (seq, the record, the reference's digest before it
+# as the writer computed it, the control state after it as its manifest records it).
+_Commit = tuple[int, CheckpointCommitted, tuple[str, str], dict]
+
+
+def _fold_from(
+    log: EventLog, run_dir: str, end_seq: int, start: tuple[snapshots.Snapshot, Iterator[Record]] | None
+) -> tuple[FoldedLog, list[_Commit], list[str]]:
+    """The fold from `start` (from the log's start if None), each snapshot after it compared with the
+    fold on the way (the problems found), and the checkpoints committed on the way."""
     state, config, first = State(), None, -1
     if start is not None:
         state, config, first = start[0].state, start[0].config, start[0].seq
@@ -141,13 +185,16 @@ def _fold_for_resume(log: EventLog, run_dir: str, end_seq: int) -> FoldedLog:
     checker = RecordChecker(config)
     records: list[SeqEvent] = []
     problems: list[str] = []
+    commits: list[_Commit] = []
     for record in start[1] if start is not None else log.records():
         seq, event = record.seq, record.event
         checker.check(seq, event)  # UntrustedRecord, before the fold could act on what it carries
         if problem := commit_problem(state, event):
             raise UntrustedRecord(seq, event, problem)
         records.append((seq, event))
-        state = apply(state, event)
+        before, state = state, apply(state, event)
+        if isinstance(event, CheckpointCommitted):
+            commits.append((seq, event, reference_digests(before), control_summary(state)))
         if isinstance(event, RunStarted | ConfigChanged):
             config = event.config
         if seq in cached:
@@ -156,12 +203,62 @@ def _fold_for_resume(log: EventLog, run_dir: str, end_seq: int) -> FoldedLog:
                 continue  # another release's: unused, and replaced at the next checkpoint
             if problem := snapshots.snapshot_problem(seq, snapshot, event, state, config):
                 problems.append(problem)
-    if problems:
-        warnings.warn(SnapshotsIgnored(run_dir, problems), stacklevel=3)
     if start is not None:
-        return FoldedLog(state, _config_after(start[0].config, records), records, end_seq, first)
-    config = config_in_force(records) if records and isinstance(records[0][1], RunStarted) else Config()
-    return FoldedLog(state, config, records, records[-1][0] if records else -1, -1)
+        folded = FoldedLog(state, _config_after(start[0].config, records), records, end_seq, first)
+    else:
+        config = config_in_force(records) if records and isinstance(records[0][1], RunStarted) else Config()
+        folded = FoldedLog(state, config, records, records[-1][0] if records else -1, -1)
+    return folded, commits, problems
+
+
+def reference_digests(state: State) -> tuple[str, str]:
+    """What a checkpoint taken in `state` records of its KL reference: (the manifest sha256 its
+    CheckpointCommitted recorded, as manifest format 2's `reference_sha256` holds it; the checkpoint's
+    name, as format 1's `reference`). "" for none; "?" where the reference is not live (no writer
+    takes a checkpoint then: engine.checkpointing.reference_digest refuses)."""
+    if state.reference is None:
+        return "", ""
+    held = next((c for c in state.live_checkpoints if c.checkpoint == state.reference.checkpoint), None)
+    return (held.manifest_sha256 if held is not None else "?"), state.reference.checkpoint
+
+
+def manifest_problem(meta: dict, references: tuple[str, str], control: dict) -> list[str]:
+    """What a checkpoint's manifest `meta` records otherwise than the fold at its record: the fields of
+    the control state (`control`: control_summary of the state after its CheckpointCommitted) and
+    "reference" (`references`: reference_digests of the state before it). Fields a manifest does not
+    hold (an older release's) are not compared."""
+    recorded = meta.get("control")
+    differ = [k for k in control if recorded.get(k) != control[k]] if isinstance(recorded, dict) else []
+    key, expected = ("reference_sha256", references[0]) if "reference_sha256" in meta else ("reference", references[1])
+    if key in meta and meta[key] != expected:
+        differ.append("reference")
+    return differ
+
+
+def _manifest_disagreements(store: CheckpointStore, commits: list[_Commit], state: State) -> list[tuple[int, str, str]]:
+    """(seq, checkpoint, the fields that differ) for each checkpoint of `commits` still live in `state`
+    whose manifest disagrees with the fold. One whose manifest cannot be read is not compared: the
+    resume that loads it says so, and verify names it."""
+    live = {c.checkpoint for c in state.live_checkpoints}
+    found = []
+    for seq, event, references, control in commits:
+        if event.checkpoint not in live:
+            continue
+        try:
+            meta = store.load_manifest(event.checkpoint).meta
+        except CheckpointError:
+            continue
+        if differ := manifest_problem(meta, references, control):
+            found.append((seq, event.checkpoint, ", ".join(differ)))
+    return found
+
+
+def _disagreement(run_dir: str, name: str, fields: str) -> str:
+    return (
+        f"checkpoint {name}'s manifest disagrees with the log on {fields}, folded whole or from a snapshot: "
+        f"the log or the checkpoint was edited; nothing was changed (`rewind verify {run_dir}` names the "
+        "records and snapshots at fault)"
+    )
 
 
 def _checked(records: Iterable[SeqEvent], checker: RecordChecker) -> list[SeqEvent]:

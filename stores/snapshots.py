@@ -19,6 +19,15 @@ digest of the state folded up to the record before it and of the config in force
 (`vouched_by`: the record after the snapshot's is a CheckpointCommitted carrying its digest). A
 snapshot whose digest is not the record's (forged, damaged into another valid state) is never started
 from; a run written before digests folds its log whole once, and its next checkpoint vouches for one.
+Whoever can edit the snapshot can edit that record too (and recompute its frame's CRC), so a resume
+also cross-checks the fold from a vouched snapshot with the manifests of the checkpoints committed
+after it, which record the control state (step, tokens, stage, cursors, config hash) and the KL
+reference's digest, and folds the log whole when one disagrees (rewind.stores.folding). What no
+manifest records is not covered by that cross-check: a held rollout batch (State.rollouts) forged with
+the digest consistently, its file copied in from another window of the run, is trained on. `rewind
+verify` names such a record and snapshot (the digest is not the fold), and deleting RUN/snapshots/
+makes a resume fold the log whole. Recording the batch's sha256 in the manifest would close it, at the
+price of new names for every new grpo run's checkpoints.
 Readers (`rewind state`, `log`, `timeline`: what they print is never recorded) start from any snapshot
 that agrees with the log. `rewind verify` folds the whole log and checks every snapshot, and every
 digest a record carries, against it (`snapshot_problem`, `digest_problem`). Writes are atomic

@@ -16,7 +16,8 @@ Checks, reporting every problem with its exact location:
 3. every checkpoint the log still holds live exists and matches the hashes its CheckpointCommitted
    recorded, file by file;
 4. each live checkpoint's manifest agrees with the control state folded from the log at that point
-   (step, tokens, cursors, stage, config);
+   (step, tokens, cursors, stage, config) and with its KL reference (rewind.stores.folding
+   .manifest_problem, the cross-check a resume makes of the snapshot it starts from);
 5. what a resume would load (the restore point's checkpoint and its KL reference) is live;
 6. no checkpoint on disk that the log does not name proves that the log lost acknowledged records
    (rewind.stores.orphans: which checkpoint, and the step the log should reach); the temporaries a
@@ -67,7 +68,7 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
     from rewind.stores import snapshots
     from rewind.stores.checkpoints import CHECKPOINTS_DIR, CheckpointStore
     from rewind.stores.eventlog import EventLog, verify_log
-    from rewind.stores.folding import commit_problem
+    from rewind.stores.folding import commit_problem, manifest_problem, reference_digests
     from rewind.stores.fsio import filesystem
     from rewind.stores.orphans import LogEnd, lost_record_problems
     from rewind.stores.runguard import write_problems
@@ -115,7 +116,8 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
             if problem := commit_problem(state, record.event):
                 problems.append(f"record: {where}: {problem}")
             if problem := snapshots.digest_problem(record.seq, record.event, state, config):
-                problems.append(f"record: {where}: {problem}; a resume starts from no snapshot it vouches for")
+                problems.append(f"record: {where}: {problem}; {_digest_consequence(run_dir, record.seq, record.event)}")
+            before = state
             try:
                 state = apply(state, record.event)
             except IllegalTransition as exc:
@@ -124,7 +126,7 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
             if isinstance(record.event, RunStarted | ConfigChanged):
                 config = record.event.config
             if isinstance(record.event, CheckpointCommitted):
-                at_checkpoint[record.event.checkpoint] = control_summary(state)
+                at_checkpoint[record.event.checkpoint] = (reference_digests(before), control_summary(state))
             if isinstance(record.event, ActivationsCached) and record.event.path:
                 found = _cache_problems(run_dir, record.event.path)
                 problems += [f"record: {where}: {p}" for p in found]
@@ -160,10 +162,8 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
         if trunk_problems:
             num_bad += 1
             continue
-        recorded = meta.get("control")
         expected = at_checkpoint.get(ref.checkpoint)
-        if recorded is not None and expected is not None and recorded != expected:
-            diff = [k for k in expected if recorded.get(k) != expected[k]]
+        if expected is not None and (diff := manifest_problem(meta, *expected)):
             problems.append(f"checkpoint {ref.checkpoint}: manifest disagrees with the log on {', '.join(diff)}")
             num_bad += 1
     # What a resume would load: the restore point's checkpoint and the reference it names.
@@ -233,6 +233,22 @@ def _rollout_problems(run_dir: str, rollouts: dict[str, tuple]) -> list[str]:
         if problem := batch_problem(run_dir, record, config, end_id):
             found.append(f"record: {where}: {problem}")
     return found
+
+
+def _digest_consequence(run_dir: str, seq: int, event) -> str:
+    """What a state digest that is not the fold before its record means for a resume: the snapshot it
+    vouches for, if one holds it, was forged with it; otherwise the record alone was edited."""
+    from rewind.stores import snapshots
+
+    held = snapshots.read(run_dir, seq - 1)
+    if held is None or not snapshots.vouched_by(held, event):
+        return "a resume starts from no snapshot it vouches for"
+    return (
+        f"it is that of snapshot {seq - 1:012d}, forged with it: a resume would start from that snapshot but "
+        "for its cross-check with the manifests of the checkpoints after it, which record the control state "
+        "and the KL reference (not the held rollout batch); on a disagreement it folds the log whole. "
+        f"Deleting {run_dir}/snapshots/ (a cache) makes every resume fold the log whole"
+    )
 
 
 def _cache_problems(run_dir: str, path: str) -> list[str]:

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import torch
 
-from rewind.states.events import ActivationsCached, CheckpointCommitted, RolloutsRecorded
+from rewind.states.events import ActivationsCached, CheckpointCommitted, ReferenceRefreshed, RolloutsRecorded
 from rewind.states.state import State
 from rewind.stores import snapshots
 from rewind.stores.activations import ActivationCache, CacheError, CacheSpec
@@ -28,7 +28,7 @@ from rewind.stores.runs import read_seq_events
 from rewind.stores.temporaries import TEMPORARIES
 from rewind.stores.trunks import TrunkStore, serialize
 from tests.engine.test_loop import one_line, run_cli, train_args
-from tests.tools.rundir_forgery import tree_state
+from tests.tools.rundir_forgery import rewrite_log, tree_state
 from tests.tools.small_posttrain import POSTTRAIN, SMALL
 
 # The small post-training run with a checkpoint every step and windows of two updates on one batch:
@@ -223,3 +223,90 @@ def test_an_activation_cache_is_bound_to_what_the_log_records(tmp_path):
     assert identity_problem(ActivationCache.open(older).spec, state) == OLDER_RELEASE
     with pytest.raises(CacheError, match="identity must be a sha256"):
         CacheSpec(**{**spec.__dict__, "identity": "../x"})
+
+
+def forge_with_digest(run: Path, also=lambda seq, event: event, **changes) -> int:
+    """The reviewer's forgery: the newest snapshot's state changed (forge_newest_snapshot) AND the state
+    digest of the CheckpointCommitted after it set to the forged state's, the log rewritten by the real
+    writer (framing and CRCs right; `also` changes other records). Returns the snapshot's seq."""
+    seq = forge_newest_snapshot(run, **changes)
+    forged = snapshots.read(str(run), seq)
+    digest = snapshots.state_digest(forged.state, forged.config)
+    kept = run.parent / "snapshots-kept"
+    shutil.copytree(run / "snapshots", kept)  # rewrite_log drops them: caches of the old log
+
+    def vouch(at: int, event):
+        assert at != seq + 1 or isinstance(event, CheckpointCommitted)
+        return msgspec.structs.replace(event, state_sha256=digest) if at == seq + 1 else also(at, event)
+
+    rewrite_log(run, vouch)
+    shutil.rmtree(run / "snapshots", ignore_errors=True)
+    shutil.copytree(kept, run / "snapshots")
+    assert snapshots.vouched_by(forged, read_seq_events(run)[seq + 1][1])
+    return seq
+
+
+def older_reference(run: Path):
+    """The newest snapshot's KL reference made to name another live checkpoint, older than the one in force."""
+    state = snapshots.read(str(run), snapshots.list_seqs(str(run))[-1]).state
+    older = [c.checkpoint for c in state.live_checkpoints if c.checkpoint < state.reference.checkpoint]
+    return msgspec.structs.replace(state.reference, checkpoint=older[-1])
+
+
+def test_a_snapshot_forged_with_its_digest_is_not_trained_on(runs, tmp_path):
+    """A forger who puts the forged snapshot's digest into the record after it (the frame's CRC
+    recomputed) gets past vouching; the checkpoint that record commits records the KL reference's
+    digest in its manifest, so the resume sees the fold from the snapshot disagree with it, folds the
+    log whole and says so in one line. verify names the snapshot and the record, and says what a resume
+    does with them."""
+    straight, stopped = runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    seq = forge_with_digest(run, reference=older_reference(run))
+    code, out, _ = run_cli("verify", run)
+    assert code == 1 and f"PROBLEM snapshot {seq:012d}: differs from the fold" in out, out
+    assert f"its state digest is not the fold of the log before it; it is that of snapshot {seq:012d}" in out, out
+    assert "starts from no snapshot" not in out and f"Deleting {run}/snapshots/" in out, out
+    said = resume(run)
+    assert committed(run)[-1] == committed(straight)[-1]  # bit for bit the straight run's weights
+    assert len(said) == 1 and f"snapshot {seq:012d}: record {seq + 1} vouches for it, but checkpoint " in said[0]
+    assert "manifest disagrees with the fold from it on reference (the log was folded whole" in said[0], said
+
+
+def test_deleting_the_snapshots_folds_the_log_whole(runs, tmp_path):
+    """The way forward verify gives for such a forgery: without snapshots a resume folds the log whole
+    and trains what the straight run trained, without a word about the forged digest."""
+    straight, stopped = runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    forge_with_digest(run, reference=older_reference(run))
+    shutil.rmtree(run / "snapshots")
+    assert resume(run) == []
+    assert committed(run)[-1] == committed(straight)[-1]
+
+
+def test_a_log_that_disagrees_with_its_checkpoint_is_refused_whole_or_from_a_snapshot(runs, tmp_path):
+    """The log forged too (its reference refresh names the older checkpoint the snapshot names): the
+    whole fold disagrees with the checkpoint's manifest as the snapshot's does, so the resume is refused
+    in one line, nothing recorded; verify names the checkpoint."""
+    _, stopped = runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    reference = older_reference(run)
+    refreshes = [seq for seq, e in read_seq_events(run) if isinstance(e, ReferenceRefreshed)]
+
+    def refresh_older(seq, event):
+        return msgspec.structs.replace(event, checkpoint=reference.checkpoint) if seq == refreshes[-1] else event
+
+    seq = forge_with_digest(run, also=refresh_older, reference=reference)
+    name = read_seq_events(run)[seq + 1][1].checkpoint
+    code, out, _ = run_cli("verify", run)
+    assert code == 1 and f"PROBLEM checkpoint {name}: manifest disagrees with the log on reference" in out, out
+    before = tree_state(run)
+    code, _, err = run_cli("resume", run, "--no-progress")
+    assert code == 1 and one_line(err) == (
+        f"rewind: {run}: event log record {seq + 1} (CheckpointCommitted at step 9): checkpoint {name}'s manifest "
+        "disagrees with the log on reference, folded whole or from a snapshot: the log or the checkpoint was "
+        f"edited; nothing was changed (`rewind verify {run}` names the records and snapshots at fault)"
+    )
+    assert tree_state(run) == before
