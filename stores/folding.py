@@ -246,7 +246,7 @@ def _manifest_disagreements(store: CheckpointStore, commits: list[_Commit], stat
             continue
         try:
             meta = store.load_manifest(event.checkpoint).meta
-        except CheckpointError:
+        except (CheckpointError, OSError):
             continue
         if differ := manifest_problem(meta, references, control):
             found.append((seq, event.checkpoint, ", ".join(differ)))
