@@ -28,7 +28,8 @@ are unbiased for the KL's value AND its gradient, on- and off-policy. k2 is bias
 is KL's second-order approximation; it is >= 0 per token). On-policy (ratio = 1), each sample's k3
 gradient here is d * grad(logp), the low-variance form. The KL a step logs is the same estimate:
 sum(ratio * k) over the step's masked tokens / their count (`kl_sum`; on a window's first update, ratio
-exactly 1, the plain mean of k), whatever kl_beta.
+exactly 1, the plain mean of k), whatever kl_beta. A run started before that figure
+(rewind.states.features: scored_reward_figures) logs the plain mean of k (`plain_kl_sum`), as it did.
 
 Aggregation, with m the completion mask and N the step's normaliser (`grpo_normaliser`):
 - "grpo":    sum over sequences of (sum_t L * m / n_tokens(sequence)) / N, N = the step's sequence count
@@ -72,10 +73,14 @@ def weighted_rewards(per_function: torch.Tensor, weights: torch.Tensor | Sequenc
     return torch.where(scored.any(dim=0), total, torch.nan)
 
 
-def reward_figures(rewards: torch.Tensor) -> tuple[float, int]:
+def reward_figures(rewards: torch.Tensor, *, scored_figures: bool = True) -> tuple[float, int]:
     """(mean, unscored) of a batch's (N,) weighted rewards (NaN: no function scored the completion): the
     mean over the scored completions, computed in float64, and how many were not scored. Every completion
-    unscored: (0.0, N). The figures a rollout record and every step of its window carry."""
+    unscored: (0.0, N). The figures a rollout record and every step of its window carry. `scored_figures`
+    False (a run started before rewind.states.features' scored_reward_figures): the figures it has always
+    had, the float32 mean with the unscored counted as 0, and no count (0)."""
+    if not scored_figures:
+        return float(rewards.nan_to_num().mean()), 0
     scored = ~torch.isnan(rewards)
     unscored = int((~scored).sum())
     return (float(rewards[scored].double().mean()) if bool(scored.any()) else 0.0), unscored
@@ -159,6 +164,7 @@ def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torc
 class GrpoOutput:
     loss: torch.Tensor  # () this micro-batch's share of the step's loss (divided by N), differentiable
     kl_sum: torch.Tensor  # () ratio * k summed over the masked tokens (no beta; 0 without a reference)
+    plain_kl_sum: torch.Tensor  # () k summed over them, without the ratio: what older runs log (module doc)
     clipped_low: torch.Tensor  # () masked tokens with A < 0 and ratio < 1 - epsilon_low (no gradient)
     clipped_high: torch.Tensor  # () masked tokens with A > 0 and ratio > 1 + epsilon_high (no gradient)
     num_tokens: torch.Tensor  # () masked tokens in this micro-batch
@@ -197,10 +203,11 @@ def grpo_loss(
     advantage = advantages.detach().to(ratio.dtype).unsqueeze(1)
     clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
     token_loss = -torch.minimum(ratio * advantage, clipped * advantage)
-    kl = ratio.new_zeros(())
+    kl = plain_kl = ratio.new_zeros(())
     if reference_logprobs is not None:
         estimate = kl_estimate(logprobs, reference_logprobs.detach().masked_fill(~mask, 0.0), kl_estimator)
         kl = (ratio.detach() * estimate.detach()).masked_fill(~mask, 0.0).sum()
+        plain_kl = estimate.detach().masked_fill(~mask, 0.0).sum()
         if kl_beta != 0.0:
             token_loss = token_loss + kl_beta * ratio * estimate
     elif kl_beta != 0.0:
@@ -214,7 +221,8 @@ def grpo_loss(
         clipped_low = (mask & (advantage < 0) & (ratio < 1.0 - epsilon_low)).sum()
         clipped_high = (mask & (advantage > 0) & (ratio > 1.0 + epsilon_high)).sum()
     return GrpoOutput(
-        loss=loss, kl_sum=kl, clipped_low=clipped_low, clipped_high=clipped_high, num_tokens=mask.sum()
+        loss=loss, kl_sum=kl, plain_kl_sum=plain_kl, clipped_low=clipped_low, clipped_high=clipped_high,
+        num_tokens=mask.sum(),
     )
 
 

@@ -8,7 +8,8 @@ seed, stage, step, prompt id "<dataset>:<row>", sample index and position, so a 
 samples this window again draws the same tokens). Each completion is scored by the stage's reward
 functions (rewind.engine.rewards: on its text without the end token; their code's identity goes on the
 record; the record's mean_reward is over the completions some function scored, `unscored` counts the
-others: rewind.engine.grpo_losses.reward_figures), the weighted rewards become advantages within their
+others: rewind.engine.grpo_losses.reward_figures; a run started before the feature scored_reward_figures
+records the mean with the unscored as 0, and no count), the weighted rewards become advantages within their
 group (rewind.engine.grpo_losses.group_advantages), and the training rows (prompt + completion) get
 their old-policy log-probs now, through the forward and micro-batches the updates use, without dropout
 (so the first update's ratio is exactly 1), and the reference's when the stage has a KL term.
@@ -23,6 +24,7 @@ import torch
 
 from rewind.engine.example_sources import mixture_rows
 from rewind.engine.generation import sample_completions
+from rewind.engine.grpo_losses import reward_figures, weighted_rewards
 from rewind.engine.grpo_step import rank_slices, slice_logprobs
 from rewind.engine.layout import evaluating
 from rewind.engine.parts import Parts
@@ -61,6 +63,9 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
     texts = [row.text for row in prompt_rows]
     scores = score_groups(functions, texts, answers, ids, home.tokenizer.decode, home.base_dir)
     advantages, mean_reward, unscored = reward_outcome(scores, settings)  # what a reader checks, the same way
+    if not state.behaviours.scored_reward_figures:  # a run started before them: the figures it always had
+        weights = [r.weight for r in settings.rewards]
+        mean_reward, unscored = reward_figures(weighted_rewards(scores, weights), scored_figures=False)
     width = settings.max_new_tokens
     tensors = {
         "prompt_sources": torch.tensor(sources, dtype=torch.int64),

@@ -8,11 +8,15 @@ loss is `rewind.engine.grpo_losses.grpo_loss` with its normaliser counted once o
 micro-batch, so accumulation changes no figure. Metrics on record (docs/posttraining.md, "Figures"): the
 batch's mean reward over its scored completions and the count of unscored ones, the importance-weighted
 KL estimate per completion token (with a reference), the shares of tokens the clip held at each side and
-the completion tokens per row.
+the completion tokens per row. A run started before those reward and KL figures (the feature
+scored_reward_figures, rewind.states.features) logs the ones it always has: the mean reward with the
+unscored counted as 0, no count, and the plain mean of the KL estimate (`WindowRows.scored_figures`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,14 +37,24 @@ if TYPE_CHECKING:
     from rewind.engine.parts import Parts
 
 
-def window_rows(parts: Parts, state: State) -> TrainingRows:
+@dataclass(frozen=True)
+class WindowRows(TrainingRows):
+    """A window's training rows, and which figures its run logs: `scored_figures` is the run's feature
+    scored_reward_figures (False: a run started before it; rows built elsewhere are figured as today)."""
+
+    scored_figures: bool = True
+
+
+def window_rows(parts: Parts, state: State) -> WindowRows:
     """The training rows of the rollout batch the state's grpo window updates on (read once per window)."""
     config, examples = parts.config, parts.datasets.examples
-    return parts.rollout_reader.rows(
+    rows = parts.rollout_reader.rows(
         parts.run_dir, state, config, end_id=examples.end_id, pad_id=examples.pad_id,
         block_size=config.architecture.block_size,
         drop_truncated=config.stages[state.stage].grpo_settings.mask_truncated_completions,
     )  # fmt: skip
+    held = {field.name: getattr(rows, field.name) for field in dataclasses.fields(rows)}
+    return WindowRows(**held, scored_figures=state.behaviours.scored_reward_figures)
 
 
 def rank_slices(num_rows: int, config: Config) -> list[list[slice]]:
@@ -66,8 +80,10 @@ def slice_logprobs(
 def grpo_train_step(
     model: nn.Module, optimizer: AdamW, batch: TrainingRows, *, config: Config, stage: Stage, lr: float
 ) -> StepResult:
-    """Forward/backward over micro-batches of the rollout batch's rows, clip, and (if finite) one update."""
+    """Forward/backward over micro-batches of the rollout batch's rows, clip, and (if finite) one update.
+    The figures are the run's (module doc): today's unless `batch` is a WindowRows that says otherwise."""
     settings = stage.grpo_settings
+    scored = batch.scored_figures if isinstance(batch, WindowRows) else True
     device = next(model.parameters()).device
     inputs, targets = batch.tokens[:, :-1].to(device), batch.tokens[:, 1:].to(device)
     mask, advantages = batch.mask.to(device), batch.advantages.to(device)
@@ -95,17 +111,17 @@ def grpo_train_step(
         )  # fmt: skip
         out.loss.backward()
         total += float(out.loss.detach())
-        kl += float(out.kl_sum)
+        kl += float(out.kl_sum if scored else out.plain_kl_sum)
         low, high = low + float(out.clipped_low), high + float(out.clipped_high)
         counted += float(out.num_tokens)
     model.train()
     total, kl, low, high, counted = sum_over_ranks([total, kl, low, high, counted])  # the same on every rank
     grad_norm, finite = apply_update(model, optimizer, config, lr, (total, kl))
     per_token = max(counted, 1.0)
-    reward, unscored = reward_figures(weighted_rewards(batch.rewards, [r.weight for r in settings.rewards]))
-    metrics = {
-        "reward": reward,
-        "unscored": float(unscored),
+    rewards = weighted_rewards(batch.rewards, [r.weight for r in settings.rewards])
+    reward, unscored = reward_figures(rewards, scored_figures=scored)
+    metrics = {"reward": reward, **({"unscored": float(unscored)} if scored else {})}
+    metrics |= {
         "kl": kl / per_token,
         "clipped_low": low / per_token,
         "clipped_high": high / per_token,

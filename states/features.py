@@ -31,6 +31,11 @@ class Features(msgspec.Struct, frozen=True, kw_only=True):
     # the KL reference by its content digest), so a resumed run names its checkpoints as a straight one does
     # (before: format 1, which also held the log position).
     content_named_checkpoints: bool = False
+    # A grpo batch's mean reward is over the completions some function scored, the others counted apart
+    # (RolloutsRecorded.unscored, metrics["unscored"]), and the logged KL is the importance-weighted
+    # sum(ratio * k) / tokens the loss uses (before: unscored ones counted as 0 in the mean, no count, and
+    # the plain mean of k).
+    scored_reward_figures: bool = False
 
     @classmethod
     def of(cls, names: Iterable[str]) -> Features:

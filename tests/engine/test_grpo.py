@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from rewind.engine import grpo_rollouts
 from rewind.engine.generation import sample_completions
 from rewind.engine.grpo_rollouts import logprobs_of
-from rewind.engine.grpo_step import grpo_train_step
+from rewind.engine.grpo_step import WindowRows, grpo_train_step
 from rewind.engine.layout import build_model
 from rewind.engine.rolloutreader import TrainingRows, off_rows, on_rows, training_rows
 from rewind.engine.row_batches import completion_batch
@@ -111,12 +111,15 @@ def test_a_rollout_batch_s_rows_are_its_prompts_and_completions():
     assert rows.old_logprobs[0][rows.mask[0]].tolist() == [-1.0, -2.0] and rows.old_logprobs[1].abs().sum() == 0
 
 
-def test_a_step_logs_the_mean_reward_of_its_scored_completions_and_the_kl_its_loss_uses():
+@pytest.mark.parametrize("as_rows", [TrainingRows, WindowRows])
+def test_a_step_logs_the_mean_reward_of_its_scored_completions_and_the_kl_its_loss_uses(as_rows):
     """metrics["reward"]: over the completions some function scored, the others counted in "unscored";
     kl: sum(ratio * k3) / tokens, the loss's importance-weighted estimate (the plain mean of k3 on a
-    window's first update only, where the ratio is exactly 1)."""
+    window's first update only, where the ratio is exactly 1). A window of a run started today, or rows
+    built elsewhere."""
     model = build_model(CONFIG, None)
     rows = _rows(model, seed=5)
+    rows = as_rows(**{field.name: getattr(rows, field.name) for field in dataclasses.fields(rows)})
     noise = 0.3 * torch.randn(rows.mask.shape, generator=torch.Generator().manual_seed(9))
     nan = float("nan")
     rows = dataclasses.replace(
@@ -141,6 +144,43 @@ def test_a_step_logs_the_mean_reward_of_its_scored_completions_and_the_kl_its_lo
         else:  # the weighting matters here: the plain mean is not what is logged
             assert abs(weighted - plain) > 1e-3 * plain
         assert result.metrics["reward"] == 0.75 and result.metrics["unscored"] == 4.0  # not 3 / 8
+
+
+def test_a_run_started_before_scored_figures_logs_the_figures_it_always_had():
+    """Without the feature scored_reward_figures (rewind.states.features), a window's steps log the mean
+    reward with the unscored completions counted as 0, no "unscored", and the plain mean of k3 as the KL
+    (also what the update's finiteness check reads), and update the weights as a run with it does: the
+    figures are all that differs."""
+    model = build_model(CONFIG, None)
+    rows = _rows(model, seed=5)
+    noise = 0.3 * torch.randn(rows.mask.shape, generator=torch.Generator().manual_seed(9))
+    nan = float("nan")
+    rows = dataclasses.replace(
+        rows,
+        reference_logprobs=(rows.old_logprobs + noise).masked_fill(~rows.mask, 0.0),
+        rewards=torch.tensor([[1.0, nan, 0.0, nan, 1.0, 1.0, nan, nan]]),
+    )
+    held = {field.name: getattr(rows, field.name) for field in dataclasses.fields(rows)}
+    old, new = WindowRows(**held, scored_figures=False), WindowRows(**held)
+    grpo = msgspec.structs.replace(CONFIG.stages[2].grpo_settings, kl_beta=0.1, epsilon_low=0.2, epsilon_high=0.2)
+    stage = msgspec.structs.replace(CONFIG.stages[2], grpo=grpo)
+    models = [build_model(CONFIG, None) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [build_optimizer(m, CONFIG) for m in models]
+    mask = rows.mask
+    for update in range(2):
+        policy = logprobs_of(models[0], rows.tokens, mask, CONFIG, 1.0)[mask].double()
+        result = grpo_train_step(models[0], optimizers[0], old, config=CONFIG, stage=stage, lr=0.05)
+        today = grpo_train_step(models[1], optimizers[1], new, config=CONFIG, stage=stage, lr=0.05)
+        d = policy - rows.reference_logprobs[mask].double()
+        plain = float((torch.exp(-d) - 1 + d).mean())
+        assert result.kl == pytest.approx(plain, rel=1e-5) and result.metrics["kl"] == result.kl
+        assert update == 0 or abs(result.kl - today.kl) > 1e-3 * plain  # the second update's figures differ
+        assert result.metrics["reward"] == pytest.approx(3 / 8) and "unscored" not in result.metrics
+        assert list(result.metrics) == ["reward", "kl", "clipped_low", "clipped_high", "completion_tokens"]
+        assert result.loss == today.loss and result.grad_norm == today.grad_norm
+    after = [m.state_dict() for m in models]
+    assert all(torch.equal(after[0][name], after[1][name]) for name in after[0])
 
 
 def test_with_mask_truncated_completions_the_file_holds_zero_log_probs_for_the_cut_ones(tmp_path, monkeypatch):

@@ -177,6 +177,10 @@ def test_the_loss_matches_a_plain_loop_with_its_gradient(loss_type, beta, estima
         for b, t in mask.nonzero().tolist()
     )
     assert out.kl_sum.item() == pytest.approx(want_kl, rel=1e-12)
+    # and the plain sum, what a run started before scored_reward_figures logs
+    want_plain = math.fsum(plain_k(float(logp[b, t].detach() - ref[b, t])) for b, t in mask.nonzero().tolist())
+    assert out.plain_kl_sum.item() == pytest.approx(want_plain, rel=1e-12)
+    assert abs(want_plain - want_kl) > 1e-6 * abs(want_plain)  # the ratios are not 1 here: they differ
 
 
 def test_padding_holds_anything_without_reaching_the_loss_or_gradient():
@@ -312,3 +316,12 @@ def test_the_reward_figures_are_over_the_scored_completions():
     assert reward_figures(torch.tensor([1.0, NAN, 0.5, NAN])) == (0.75, 2)
     assert reward_figures(torch.tensor([0.25, 1.0])) == (0.625, 0)
     assert reward_figures(torch.tensor([NAN, NAN, NAN])) == (0.0, 3)
+
+
+def test_a_run_started_before_scored_figures_counts_the_unscored_as_0_and_not_apart():
+    """Its records and steps carry the figures they always had: the float32 mean of every completion's
+    reward, an unscored one's as 0, and no unscored count."""
+    rewards = torch.tensor([1.0, NAN, 0.5, NAN, 0.1])
+    assert reward_figures(rewards, scored_figures=False) == (float(torch.tensor([1.0, 0.0, 0.5, 0.0, 0.1]).mean()), 0)
+    assert reward_figures(rewards, scored_figures=False)[0] != reward_figures(rewards)[0]
+    assert reward_figures(torch.tensor([NAN, NAN]), scored_figures=False) == (0.0, 0)

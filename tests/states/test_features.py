@@ -32,6 +32,7 @@ def test_the_names_a_run_records_are_the_fields_in_the_order_logs_hold_them():
         "reference_checkpoints_kept",
         "data_identity",
         "content_named_checkpoints",
+        "scored_reward_figures",
     )
     assert events.RUN_FEATURES is RUN_FEATURES  # one list: the events' vocabulary reads the same one
 
