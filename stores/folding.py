@@ -155,13 +155,14 @@ def _fold_for_resume(log: EventLog, run_dir: str, end_seq: int, store: Checkpoin
         again = {name for _, name, _ in disagreeing}
         if still := _manifest_disagreements(store, [c for c in commits if c[1].checkpoint in again], folded.state):
             seq, name, fields = still[0]
-            raise UntrustedRecord(seq, next(e for s, e, *_ in commits if s == seq), _disagreement(run_dir, name, fields))
+            event = next(e for s, e, *_ in commits if s == seq)
+            raise UntrustedRecord(seq, event, _disagreement(run_dir, name, fields))
         problems = [p for p in problems if not p.startswith(f"snapshot {snapshot.seq:012d}:")]
         problems.insert(
             0,
-            f"snapshot {snapshot.seq:012d}: record {snapshot.seq + 1} vouches for it, but checkpoint {name}'s "
-            f"manifest disagrees with the fold from it on {fields} (the log was folded whole instead; delete it: "
-            "it is a cache)",
+            f"snapshot {snapshot.seq:012d}: record {snapshot.seq + 1} vouches for it, but checkpoint "
+            f"{name}'s manifest disagrees with the fold from it on {fields} (the log was folded whole "
+            "instead; delete it: it is a cache)",
         )
     if problems:
         warnings.warn(SnapshotsIgnored(run_dir, problems), stacklevel=3)
@@ -229,13 +230,16 @@ def manifest_problem(meta: dict, references: tuple[str, str], control: dict) -> 
     hold (an older release's) are not compared."""
     recorded = meta.get("control")
     differ = [k for k in control if recorded.get(k) != control[k]] if isinstance(recorded, dict) else []
-    key, expected = ("reference_sha256", references[0]) if "reference_sha256" in meta else ("reference", references[1])
+    by_digest = "reference_sha256" in meta  # format 2; format 1 names the checkpoint
+    key, expected = ("reference_sha256", references[0]) if by_digest else ("reference", references[1])
     if key in meta and meta[key] != expected:
         differ.append("reference")
     return differ
 
 
-def _manifest_disagreements(store: CheckpointStore, commits: list[_Commit], state: State) -> list[tuple[int, str, str]]:
+def _manifest_disagreements(
+    store: CheckpointStore, commits: list[_Commit], state: State
+) -> list[tuple[int, str, str]]:
     """(seq, checkpoint, the fields that differ) for each checkpoint of `commits` still live in `state`
     whose manifest disagrees with the fold. One whose manifest cannot be read is not compared: the
     resume that loads it says so, and verify names it."""

@@ -116,7 +116,8 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
             if problem := commit_problem(state, record.event):
                 problems.append(f"record: {where}: {problem}")
             if problem := snapshots.digest_problem(record.seq, record.event, state, config):
-                problems.append(f"record: {where}: {problem}; {_digest_consequence(run_dir, record.seq, record.event)}")
+                consequence = _digest_consequence(run_dir, record.seq, record.event)
+                problems.append(f"record: {where}: {problem}; {consequence}")
             before = state
             try:
                 state = apply(state, record.event)
