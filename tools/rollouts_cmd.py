@@ -161,9 +161,10 @@ def run(args: argparse.Namespace) -> int:
 
     from rewind.states.history import config_in_force, effective
     from rewind.stores.rollouts import RolloutError
+    from rewind.tools.jsonout import print_json
     from rewind.tools.runlog import load_records
     from rewind.tools.sample_cmd import run_tokenizer
-    from rewind.tools.state_cmd import fold_events, print_json
+    from rewind.tools.state_cmd import fold_events
 
     records = effective(load_records(args.run_dir))
     state = fold_events(args.run_dir, (event for _, event in records))

@@ -10,11 +10,11 @@ config in force at that point.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 from typing import Any
 
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.jsonout import NON_FINITE_HELP, print_json
+from rewind.tools.jsonout import json_safe as json_safe  # where tests have imported it from
 
 KEY_WIDTH = 18
 
@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     at.add_argument(
         "--at-seq", type=int, metavar="S", help="the state right after log record S (raw records)"
     )
-    p.add_argument("--json", action="store_true", help="one JSON object: the state plus the next step's plan")
+    said = f"one JSON object: the state plus the next step's plan ({NON_FINITE_HELP})"
+    p.add_argument("--json", action="store_true", help=said)
     p.set_defaults(run=run)
 
 
@@ -84,21 +85,6 @@ def next_step_plan(schedule, state) -> dict | None:
         "beta": plan.beta,  # the token-level KL weight: 0 by rule in a dpo or grpo stage
         "kl": kl_term(schedule.config.stages[plan.stage])._asdict(),  # what ties the stage to the reference
     }
-
-
-def json_safe(value: Any) -> Any:
-    """NaN and infinities (a skipped step's loss) become null: the output stays strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def print_json(value: Any) -> None:
-    print(json.dumps(json_safe(value), indent=1, allow_nan=False))
 
 
 # --- rewind state -----------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from rewind.tools.state_cmd import fold_events, print_json, status_text
+from rewind.tools.jsonout import NON_FINITE_HELP, print_json
+from rewind.tools.state_cmd import fold_events, status_text
 
 MAX_CHECKPOINT_STEPS_SHOWN = 12
 
@@ -24,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--plot", metavar="OUT.png", help="write a picture of the run: loss, evaluations, LR/KL, mixture"
     )
-    p.add_argument("--json", action="store_true", help="the summary as one JSON object")
+    p.add_argument("--json", action="store_true", help=f"the summary as one JSON object ({NON_FINITE_HELP})")
     p.set_defaults(run=run)
 
 

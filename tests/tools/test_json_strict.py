@@ -10,6 +10,7 @@ without a case here fails `test_every_command_with_json_is_covered`."""
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import shutil
@@ -20,13 +21,14 @@ import pytest
 
 from rewind.states.events import Evaluated, StepCommitted
 from rewind.tools.cli import build_parser
-from rewind.tools.jsonout import dumps, json_safe
+from rewind.tools.jsonout import NON_FINITE_HELP, dumps, json_safe
 from tests.conftest import EXAMPLES
 from tests.engine.test_loop import run_cli
 from tests.tools.rundir_forgery import rewrite_log
 from tests.tools.test_rollouts_cmd import _grpo_run
 
 TINY = EXAMPLES / "tiny.toml"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 SMALL = ("--set", "training.tokens=[2560,1280,1280]", "--set", "logging.checkpoint_interval=4")
 
 
@@ -131,3 +133,36 @@ def _json_commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) 
 
 def test_every_command_with_json_is_covered():
     assert _json_commands(build_parser()) == {command for command, _, _ in CASES}
+
+
+def _json_helps(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], str]:
+    helps = {}
+    for action in parser._actions:
+        if "--json" in action.option_strings:
+            helps[path] = action.help or ""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                helps |= _json_helps(sub, (*path, name))
+    return helps
+
+
+def test_the_commands_whose_json_carries_run_figures_say_the_rule_in_their_help():
+    helps = _json_helps(build_parser())
+    figures = [("log",), ("state",), ("timeline",), ("diff",), ("replay",), ("eval",), ("bench",)]
+    assert [c for c in figures if NON_FINITE_HELP not in helps[c]] == []
+
+
+def test_every_command_prints_its_json_through_the_one_helper():
+    """No command's own print_json or json_safe (state's had one): each imports rewind.tools.jsonout's."""
+    own, elsewhere = [], []
+    for path in sorted(TOOLS.rglob("*.py")):
+        if path.name == "jsonout.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and node.name in ("print_json", "json_safe"):
+                own.append(f"{path.name}: def {node.name}")
+            if isinstance(node, ast.ImportFrom) and node.module != "rewind.tools.jsonout":
+                named = {alias.name for alias in node.names} & {"print_json", "json_safe"}
+                elsewhere += [f"{path.name}: {name} from {node.module}" for name in sorted(named)]
+    assert own == [] and elsewhere == []
