@@ -20,6 +20,7 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter
 
 from rewind.states.events import Evaluated, ReferenceRefreshed, StackAppended
+from rewind.tools.drawable import Undrawn, drawable_steps
 from rewind.tools.kl_terms import RunKl
 from rewind.tools.outfile import write_file_atomically
 from rewind.tools.plots import dataset_styles, draw_stage_context, format_tokens, pyplot
@@ -121,14 +122,14 @@ def _draw_difference(ax, a: StepColumns, b: StepColumns) -> None:
         )
 
 
-def _draw_accuracy(ax, side: str, name: str, timeline: Timeline, styles: dict) -> None:
+def _draw_accuracy(ax, side: str, name: str, timeline: Timeline, styles: dict, undrawn: Undrawn) -> None:
     """Points where each task was measured (start, stage ends): A filled, B a larger ring, so an equal
     score shows both."""
     points = evaluation_points(timeline.effective_of(Evaluated), "scores")
     for task in sorted(points):
         colour, marker = styles.get(task, ("0.4", "o"))
         ax.plot(
-            *points[task],
+            *undrawn.points(points[task], "accuracy"),
             color=colour,
             linestyle="none",
             marker=marker,
@@ -199,10 +200,10 @@ def comparison_figure(a: Timeline, b: Timeline, child: str = ""):
     plt = pyplot()
     styles = _task_styles(runs)
     names = run_names(runs)
-    columns = {}
+    columns, undrawn = {}, Undrawn()  # a figure no axis holds (1e308, infinite) is left out, as in timeline
     for side, t in runs.items():
         cuts = [e.tokens for e in [*t.effective_of(StackAppended), *t.effective_of(ReferenceRefreshed)]]
-        columns[side] = StepColumns(t.steps, t.schedule.tokens_per_step, cuts=cuts)
+        columns[side] = drawable_steps(t.steps, t.schedule.tokens_per_step, cuts, undrawn)
     heights = {"loss": 2.4, "difference": 1.1, "accuracy": 1.5, "lr": 1.0, "kl": 1.0, "mixture": 1.2}
     panels = {"height_ratios": list(heights.values()), "hspace": 0.08}
     fig, axes = plt.subplots(len(heights), 1, figsize=(12, 14.5), sharex=True, gridspec_kw=panels)
@@ -212,7 +213,7 @@ def comparison_figure(a: Timeline, b: Timeline, child: str = ""):
     for side, timeline in runs.items():
         steps = columns[side]
         _draw_losses(ax_loss, side, names[side], steps)
-        _draw_accuracy(ax_eval, side, names[side], timeline, styles)
+        _draw_accuracy(ax_eval, side, names[side], timeline, styles, undrawn)
         _draw_lr(ax_lr, side, steps)
         _draw_kl(ax_kl, side, timeline, steps)
         _draw_mixture(ax_mix, side, steps, styles)
@@ -252,6 +253,7 @@ def comparison_figure(a: Timeline, b: Timeline, child: str = ""):
     title = [f"{names['a']} (A, solid) vs {names['b']} (B, dashed)"]
     title += [f"{side.upper()}: {t.run_dir}" for side, t in runs.items() if str(t.run_dir) != names[side]]
     ax_loss.set_title("\n".join(title), fontsize=10)
+    undrawn.note(fig)
     return fig
 
 

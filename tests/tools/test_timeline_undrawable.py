@@ -94,3 +94,20 @@ def test_the_command_draws_a_forged_run(tmp_path, rewind_cli):
 def test_a_huge_figure_never_reaches_an_axis_limit(figures, value):  # noqa: F811
     timeline = written_timeline(TINY, lambda k, stage: value, lambda b: {"scores": {"sort": value}})
     _the_picture_holds(figures(timeline))
+
+
+def test_diff_plot_leaves_out_what_no_axis_holds_and_says_so():
+    """rewind diff --plot of two runs with figures of 1e308: no overflow in the smoothed curves or their
+    difference (a warning, here an error), the picture is saved, and its note names what was left out."""
+    from rewind.tools.plots import pyplot
+    from rewind.tools.timeline_compare import comparison_figure
+
+    a = written_timeline(TINY, _loss, _evaluation, kl_of=lambda k, stage: 1e308 if k == 7 else 0.01)
+    b = written_timeline(TINY, lambda k, stage: _loss(k + 1, stage), _evaluation)
+    fig = comparison_figure(a, b)
+    try:
+        _the_picture_holds(fig)
+        (note,) = [t.get_text() for t in fig.texts if "not drawn" in t.get_text()]
+        assert "task loss" in note and "KL" in note
+    finally:
+        pyplot().close(fig)
