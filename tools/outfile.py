@@ -6,16 +6,28 @@ What is there already: a plot (`--plot FILE`) replaces the file the user named, 
 what the option is for; an export never replaces a file (`check_target(..., replace=False)`) or writes
 into a directory that is not empty (`check_out_directory`) unless asked to (`--overwrite`), and then only
 a directory an earlier export wrote. An export's outputs are written together (`write_outputs`): each into
-a temporary sibling, renamed into place only once every one is whole, so a failure leaves none of them."""
+a temporary sibling, renamed into place only once every one is whole, so a failure leaves none of them.
+
+A kill (which no `except` sees) can leave those siblings: `.NAME.tmp-PID-HEX` (an output being written) and
+`.NAME.old-PID-HEX` (what --overwrite moved aside, NAME's earlier export, removed once the new one is in
+place). So before an output path is checked, its own siblings are put right (`recover`): a `.NAME.old-*`
+where NAME is missing (killed between the two renames) is renamed back to NAME, the earlier export as it
+was; the others are removed; one line on stderr says what was done. Only names of exactly that pattern, of
+the kind rewind writes there (a regular file, or a directory of regular files), and of a process that is
+no longer running, are touched. A kill between the renames of two outputs leaves those renamed new and
+the others as they were: each is whole, but they are not of one export (the summary line of the killed
+export never came)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
+import re
 import secrets
 import shutil
 import stat
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -44,6 +56,7 @@ def check_target(out: str, option: str = "--to", kind: str = ".safetensors", *, 
         raise UsageError(f"{option} '': an empty path; name the {kind} file to write")
     target = Path(out)
     _inside_a_run(option, out, target.absolute().parents)
+    recover(option, out)
     try:
         info = target.stat()
     except FileNotFoundError:
@@ -75,6 +88,7 @@ def check_out_directory(option: str, out_dir: str, names: Iterable[str], *, over
         raise UsageError(f"{option} {out_dir}: a local directory is expected, not a URL")
     target = Path(out_dir)
     _inside_a_run(option, out_dir, (target.absolute(), *target.absolute().parents))
+    recover(option, out_dir)
     try:
         info = os.lstat(target)
     except FileNotFoundError:
@@ -100,6 +114,77 @@ def check_out_directory(option: str, out_dir: str, names: Iterable[str], *, over
             f"{', ...' if len(foreign) > 3 else ''}), which --overwrite would delete; name another directory"
         )
     return target
+
+
+def _debris(target: Path) -> list[tuple[str, Path]]:
+    """(kind "tmp" or "old", path) of the siblings a killed write of `target` left (see the module's
+    docstring): rewind's exact names, of a process no longer running, of the kind rewind writes."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(tmp|old)-([0-9]+)-[0-9a-f]{{8}}", re.ASCII)
+    parent = target.absolute().parent
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:  # a missing parent: nothing left there
+        return []
+    found = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None or _running(int(match.group(2))):
+            continue
+        path = parent / name
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(path).st_mode) or (not path.is_symlink() and _files_only(path)):
+                found.append((match.group(1), path))
+    return found
+
+
+def _files_only(path: Path) -> bool:
+    """Whether `path` is a directory holding regular files alone, as an export's directory does."""
+    if not path.is_dir():
+        return False
+    with os.scandir(path) as entries:
+        return all(entry.is_file(follow_symlinks=False) for entry in entries)
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # this process's own: a write in flight
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # another user's process
+    except (OSError, OverflowError):  # no such process (ProcessLookupError), or no such pid at all
+        return False
+    return True
+
+
+def recover(option: str, out: str) -> None:
+    """Put right what a killed export left beside `out` (see the module's docstring): an earlier export it
+    had moved aside back in place when `out` is missing, its other temporaries removed; one line on
+    stderr when there was any."""
+    target = Path(out)
+    found = _debris(target)
+    if not found:
+        return
+    said = []
+    aside = [path for kind, path in found if kind == "old"]
+    if aside and not os.path.lexists(target):
+        newest = max(aside, key=lambda path: os.lstat(path).st_ctime_ns)  # the rename is the newest change
+        try:
+            os.rename(newest, target)
+        except OSError:
+            pass  # left as it was: the checks below say what is in the way
+        else:
+            said.append(f"put back the earlier export a killed export had moved aside ({newest.name})")
+            found = [(kind, path) for kind, path in found if path != newest]
+    removed = []
+    for _, path in found:
+        _remove(path)
+        if not os.path.lexists(path):
+            removed.append(path.name)
+    if removed:
+        said.append(f"removed what a killed export left beside it: {', '.join(removed)}")
+    if said:
+        print(f"rewind: {option} {out}: {'; '.join(said)}", file=sys.stderr)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -189,6 +192,53 @@ def test_a_failure_while_renaming_into_place_puts_back_what_was_replaced(
         _export_all(lora_run, out, "--overwrite"), 1, f"--adapters {out / 'adapters'}", "Input/output error"
     )
     assert tree_state(tmp_path) == before
+
+
+# --- what a killed export left is put right by the next -------------------------------------------------
+
+
+def _dead_pid() -> int:
+    """The id of a process that has ended: what a temporary of a killed export names."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def test_what_a_killed_export_left_is_put_right_by_the_next(lora_run, earlier, tmp_path):
+    """kill -9 between the two renames of --overwrite leaves --to missing, the earlier export moved aside
+    and the new one in its temporary; a kill while --hf is written, its temporary directory; a kill after
+    --adapters is in place, the earlier one aside. The next export puts the earlier --to back (and so is
+    refused without --overwrite), removes the rest, one line per output; nothing of another name, nor a
+    temporary of a live process, is touched."""
+    out = _copy_of(earlier, tmp_path)
+    pid = _dead_pid()
+    os.rename(out / "w.safetensors", out / f".w.safetensors.old-{pid}-0123abcd")
+    (out / f".w.safetensors.tmp-{pid}-89abcdef").write_bytes(b"the killed export's")
+    shutil.copytree(out / "hf", out / f".hf.tmp-{pid}-00ff00ff")
+    shutil.copytree(out / "adapters", out / f".adapters.old-{pid}-11111111")
+    others = [".w.safetensors.old-notes", f".w.safetensors.tmp-{pid}-notes", f"w.safetensors.old-{pid}-0123abcd",
+              f".w.safetensors.tmp-{os.getpid()}-0123abcd", f".hf.old-{pid}-22222222/sub/x"]  # fmt: skip
+    for other in others:
+        (out / other).parent.mkdir(parents=True, exist_ok=True)
+        (out / other).write_text("mine")
+    code, _, err = run_cli(*_export_all(lora_run, out))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 2, err
+    assert lines[0] == (
+        f"rewind: --to {out / 'w.safetensors'}: put back the earlier export a killed export had moved aside "
+        f"(.w.safetensors.old-{pid}-0123abcd); removed what a killed export left beside it: "
+        f".w.safetensors.tmp-{pid}-89abcdef"
+    )
+    assert lines[1].endswith("exists; name a new file, or give --overwrite to replace it"), err
+    assert (out / "w.safetensors").read_bytes() == (earlier / "w.safetensors").read_bytes()
+    code, stdout, err = run_cli(*_export_all(lora_run, out, "--overwrite"))
+    assert code == 0 and stdout.count("wrote") == 3, err
+    said = err.strip().splitlines()
+    assert len(said) == 2 and said[0].startswith(f"rewind: --hf {out / 'hf'}: removed ") and said[1].startswith(
+        f"rewind: --adapters {out / 'adapters'}: removed "
+    ), err
+    kept = [*others, f".hf.old-{pid}-22222222", f".hf.old-{pid}-22222222/sub"]  # and their directories
+    assert sorted(tree_state(out)) == sorted([*tree_state(earlier), *kept])
 
 
 # --- plots: the file named is drawn again ---------------------------------------------------------------
