@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from rewind.engine import tasks
-from rewind.engine.tokens import RowSplit, TokenFileError, TokenStream
+from rewind.engine.tokens import RowSplit, TokenFileError, TokenStream, holdout_problem
 from rewind.states.config import BUILTIN_DATASETS
 
 SPLITS = tasks.SPLITS
@@ -148,9 +148,10 @@ class WindowedDataset(Dataset):
             sizes = f"{train.num_tokens} tokens make {num_windows} windows of {self._width} tokens"
             if validation is not None:
                 sizes += f", {validation.path}: {validation.num_tokens} tokens make {num_validation_windows}"
+            carved = holdout_problem(num_windows, fraction, "windows") if validation is None else ""
             raise DatasetError(
                 f"dataset {name!r}: {self.path}: too small: {sizes}, leaving {self.rows.num_train} for train "
-                f"and {self.rows.num_validation} for validation"
+                f"and {self.rows.num_validation} for validation" + (f" ({carved})" if carved else "")
             )
         # Vocab check: whole streams now when asked or affordable, otherwise each window as it is read.
         self._check_lazily = False

@@ -25,6 +25,7 @@ a run is taken on data it did not record.
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import stat
@@ -221,6 +222,23 @@ def open_stream(path: str, dtype: str) -> TokenStream:
     if location.is_local:
         return LocalTokenStream(location.path, dtype)
     return RemoteTokenStream(path, dtype)
+
+
+def holdout_problem(num_rows: int, fraction: float, unit: str = "rows") -> str:
+    """Why `num_rows` rows carved by `validation_fraction` `fraction` hold none out (RowSplit keeps
+    int(num_rows * fraction) for validation), with what would hold one out; "" when they hold one out."""
+    if int(num_rows * fraction) >= 1:
+        return ""
+    needed = max(1, math.ceil(1 / fraction))
+    while int(needed * fraction) < 1:  # 1 / fraction rounded, as the product is
+        needed += 1
+    ways = f"it needs at least {needed} {unit}, or a validation_path"
+    larger = math.ceil(100 / num_rows) / 100 if num_rows else 1.0
+    while larger < 1 and int(num_rows * larger) < 1:
+        larger = round(larger + 0.01, 2)
+    ways += f", or a validation_fraction of at least {larger}" if larger < 1 else ""
+    counted, hold = (f"1 {unit.removesuffix('s')}", "holds") if num_rows == 1 else (f"{num_rows} {unit}", "hold")
+    return f"{counted} with validation_fraction {fraction} {hold} out none for validation: {ways}"
 
 
 class RowSplit:

@@ -34,7 +34,7 @@ from rewind.engine.datasets import DatasetError, PairDataset, WindowedDataset, p
 from rewind.engine.documents import DocumentError, expand_inputs, iter_pairs
 from rewind.engine.tokenizer import ByteTokenizer, TextTokenizer
 from rewind.engine.tokenizer_clash import tokenised_by_another
-from rewind.engine.tokens import RowSplit, TokenFileError, TokenStream, open_stream
+from rewind.engine.tokens import RowSplit, TokenFileError, TokenStream, holdout_problem, open_stream
 from rewind.states.check_data import STDLIB_PLACEHOLDER
 from rewind.states.config import DataSource
 from rewind.states.data_identity import DataIdentity, SourceFile
@@ -208,6 +208,8 @@ def _open_pairs(name: str, source: DataSource, block_size: int, home: DataHome) 
         train = pairs
         validation = _tokenised_pairs(expand_inputs(home.resolve(source.validation_path)), source, home)
     else:  # carved as a token file's windows are (RowSplit), with examples for windows
+        if problem := holdout_problem(len(pairs), source.validation_fraction):
+            raise DatasetError(f"dataset {name!r}: {home.resolve(source.path)}: too small: {problem}")
         carve = RowSplit(len(pairs), _split_mode(source, home), source.validation_fraction)
         validation = [pairs[i] for i in carve.rows("validation", np.arange(carve.num_validation)).tolist()]
         train = [pairs[i] for i in carve.rows("train", np.arange(carve.num_train)).tolist()]

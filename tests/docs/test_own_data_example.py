@@ -15,7 +15,7 @@ import pytest
 from rewind.states.events import RolloutsRecorded, StageEntered, StepCommitted
 from rewind.stores.runs import read_seq_events
 from tests.conftest import REPO
-from tests.engine.test_loop import run_cli
+from tests.engine.test_loop import one_line, run_cli
 
 PAGE = (REPO / "docs" / "posttraining.md").read_text()
 SECTION = PAGE[PAGE.index("## Your own data") : PAGE.index("## Figures")]
@@ -49,6 +49,18 @@ def test_the_page_s_files_and_commands_train_an_sft_then_grpo_run(folder, monkey
     monkeypatch.chdir(folder)
     commands = [shlex.split(line) for line in block("bash").splitlines() if line.strip()]
     assert [c[:2] for c in commands] == [["rewind", "schedule"], ["rewind", "train"], ["rewind", "rollouts"]]
+    # The page's three rows alone, copied as they are: refused in the one line the page quotes, which
+    # says how many rows it takes, nothing recorded.
+    full = (folder / "qa.jsonl").read_text()
+    (folder / "qa.jsonl").write_text(block("json"))
+    code, _, err = run_cli(*commands[1][1:], "--no-progress")
+    quoted = re.search(r"`(too small: 3 rows .*?), \.\.\.`", " ".join(SECTION.split())).group(1)
+    assert code == 2 and one_line(err) == (
+        f"rewind: dataset 'qa_sft': {folder / 'qa.jsonl'}: {quoted}, or a validation_path, "
+        "or a validation_fraction of at least 0.34"
+    ), err
+    assert not (folder / "runs").exists()
+    (folder / "qa.jsonl").write_text(full)
     outputs = []
     for words in commands:
         extra = ["--no-progress"] if words[1] == "train" else []
