@@ -69,10 +69,6 @@ class Unmapped(Exception):
     """A tensor has no place in the transformers model (one line: which)."""
 
 
-def d_ff_of(arch: ArchitectureSection) -> int:
-    return mlp_width(arch)
-
-
 def causal_lm_config(
     arch: ArchitectureSection, *, architecture: str, model_type: str, num_layers: int, eos_token_id: int | None
 ) -> dict[str, object]:
@@ -87,7 +83,7 @@ def causal_lm_config(
         "model_type": model_type,
         "vocab_size": arch.vocab_size,
         "hidden_size": arch.d_model,
-        "intermediate_size": d_ff_of(arch),
+        "intermediate_size": mlp_width(arch),
         "num_hidden_layers": num_layers,
         "num_attention_heads": arch.num_heads,
         "num_key_value_heads": arch.num_heads,

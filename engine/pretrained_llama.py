@@ -16,6 +16,7 @@ from rewind.engine.model import NORM_EPS
 from rewind.engine.pretrained_checks import llama_json_problem, llama_shapes, number, shown
 from rewind.engine.pretrained_files import PretrainedError
 from rewind.states.config import Config
+from rewind.states.model_size import mlp_width
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -121,7 +122,7 @@ def llama_mismatch(hf: dict, config: Config, where: str) -> str | None:
             "intermediate_size",
             hf.get("intermediate_size"),
             "architecture.d_ff (0 = 4 * d_model)",
-            hf_llama.d_ff_of(arch),
+            mlp_width(arch),
         ),
         ("num_hidden_layers", hf.get("num_hidden_layers"), "architecture.num_layers", arch.num_layers),
         ("num_attention_heads", num_heads, "architecture.num_heads", arch.num_heads),

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rewind.tools.errors import CommandError, UsageError
+from rewind.tools.jsonout import NON_FINITE_HELP
 
 ROLLOUTS_RECORDED = "RolloutsRecorded"  # the record's tag (rewind.states.events)
 FINISH_REASONS = ("length", "eos")  # by the file's `finished` value
@@ -35,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="the rollout batch recorded at or before step N (default: the last one)",
     )
-    p.add_argument("--json", action="store_true", help="one JSON object: the batch's record and its prompts")
+    p.add_argument("--json", action="store_true", help=f"one JSON object: the batch's record and its prompts ({NON_FINITE_HELP})")
     p.set_defaults(run=run)
 
 

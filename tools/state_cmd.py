@@ -14,7 +14,6 @@ from typing import Any
 
 from rewind.tools.errors import CommandError, UsageError
 from rewind.tools.jsonout import NON_FINITE_HELP, print_json
-from rewind.tools.jsonout import json_safe as json_safe  # where tests have imported it from
 
 KEY_WIDTH = 18
 

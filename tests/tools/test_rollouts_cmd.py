@@ -17,8 +17,8 @@ from rewind.states.events import RunStarted, StepCommitted
 from rewind.stores.eventlog import EventLog
 from rewind.stores.rollouts import RolloutError, write_rollouts
 from rewind.tools.configfile import load_config
+from rewind.tools.jsonout import json_safe
 from rewind.tools.rollouts_cmd import _decoder, last_rollouts, render, show_rollouts
-from rewind.tools.state_cmd import json_safe
 from tests.engine.test_loop import TINY, run_cli
 
 END = 0  # the end token of these batches (a byte no text here holds)

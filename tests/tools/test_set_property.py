@@ -22,7 +22,7 @@ from msgspec import inspect as mi
 from rewind.states.config import Config, ConfigError
 from rewind.tools.configfile import load_config
 from rewind.tools.errors import UsageError
-from rewind.tools.state_cmd import json_safe
+from rewind.tools.jsonout import json_safe
 from tests.conftest import EXAMPLES
 
 TINY = EXAMPLES / "tiny.toml"

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rewind.states.model_size import mlp_width
 from rewind.tools.bench.gpu_schema import Agreement, FusedKernel, MfuRun
 
 KERNEL_REPEATS = {"cuda": 3, "cpu": 1}
@@ -198,7 +199,7 @@ def mfu_part(rec, device: str, work: Path) -> None:
     rec.figures(
         precision=compute.precision,
         architecture=f"d_model {arch.d_model}, {arch.num_layers} layers, {arch.num_heads} heads, {arch.mlp} "
-        f"(d_ff {arch.d_ff or 4 * arch.d_model}), vocab {arch.vocab_size}",
+        f"(d_ff {mlp_width(arch)}), vocab {arch.vocab_size}",
         batch_size=batch_size,
         block_size=arch.block_size,
         peak_tflops=None if peak is None else peak / 1e12,
