@@ -7,10 +7,9 @@ figure; the goal is <= 2.0. On a 2-core machine three runnable processes get 2/3
 run cannot do much better than 1.5. The run computes with what the command chooses by itself (its CPU
 threads and their wait policy: rewind.tools.cpu_threads; a new run's count: rewind.states.cpu_threads,
 one thread for the tiny example's small steps; OMP_NUM_THREADS caps it, OMP_WAIT_POLICY replaces the
-wait policy). Beside it the
-same example computed with every core the process may use (`--threads`), what a run whose steps keep
-them busy does: the figure for many threads woken hundreds of times a step on a machine other jobs
-keep busy (`all_cores`).
+wait policy). Beside it the same example computed with every core the process may use (`--threads`),
+what a run whose steps keep them busy does: the figure for many threads woken hundreds of times a step
+on a machine other jobs keep busy (`all_cores`).
 
 A shared machine's other jobs move both sides of a ratio, so the bench repeats it and reports the range.
 """
