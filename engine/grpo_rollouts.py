@@ -24,7 +24,6 @@ import torch
 
 from rewind.engine.example_sources import mixture_rows
 from rewind.engine.generation import sample_completions
-from rewind.engine.grpo_losses import reward_figures, weighted_rewards
 from rewind.engine.grpo_step import rank_slices, slice_logprobs
 from rewind.engine.layout import evaluating
 from rewind.engine.parts import Parts
@@ -62,10 +61,9 @@ def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool 
     ids = [[t for t in c.tokens if t != examples.end_id] for c in completions]
     texts = [row.text for row in prompt_rows]
     scores = score_groups(functions, texts, answers, ids, home.tokenizer.decode, home.base_dir)
-    advantages, mean_reward, unscored = reward_outcome(scores, settings)  # what a reader checks, the same way
-    if not state.behaviours.scored_reward_figures:  # a run started before them: the figures it always had
-        weights = [r.weight for r in settings.rewards]
-        mean_reward, unscored = reward_figures(weighted_rewards(scores, weights), scored_figures=False)
+    # what a reader checks, the same way (a run started before scored_reward_figures: the figures it always had)
+    scored = state.behaviours.scored_reward_figures
+    advantages, mean_reward, unscored = reward_outcome(scores, settings, scored_figures=scored)
     width = settings.max_new_tokens
     tensors = {
         "prompt_sources": torch.tensor(sources, dtype=torch.int64),

@@ -28,7 +28,8 @@ import torch
 from rewind.engine.grpo_losses import group_advantages, mask_truncated, reward_figures, weighted_rewards
 from rewind.engine.row_batches import completion_batch
 from rewind.states.config import Config, GrpoSettings
-from rewind.states.events import RolloutsRecorded
+from rewind.states.events import RolloutsRecorded, RunStarted
+from rewind.states.features import Features
 from rewind.states.state import State
 from rewind.stores.rollouts import RolloutError, read_rollouts
 
@@ -91,11 +92,14 @@ def off_rows(values: torch.Tensor, mask: torch.Tensor, width: int) -> torch.Tens
     return out
 
 
-def reward_outcome(scores: torch.Tensor, settings: GrpoSettings) -> tuple[torch.Tensor, float, int]:
+def reward_outcome(
+    scores: torch.Tensor, settings: GrpoSettings, *, scored_figures: bool = True
+) -> tuple[torch.Tensor, float, int]:
     """(advantages (N,) float32, mean reward, unscored) of a batch's (F, N) per-function rewards under the
-    stage's weights and scale_rewards: what the sampler records, and what a reader recomputes bit for bit."""
+    stage's weights and scale_rewards: what the sampler records, and what a reader recomputes bit for bit.
+    `scored_figures`: the run's feature of that name (False: the figures of a run started before it)."""
     rewards = weighted_rewards(scores, [r.weight for r in settings.rewards])
-    mean_reward, unscored = reward_figures(rewards)
+    mean_reward, unscored = reward_figures(rewards, scored_figures=scored_figures)
     grouped = rewards.view(-1, settings.group_size)
     return group_advantages(grouped, scale_rewards=settings.scale_rewards).reshape(-1).float(), mean_reward, unscored
 
@@ -106,10 +110,13 @@ def rollout_problems(
     record: RolloutsRecorded,
     config: Config,
     end_id: int | None,
+    *,
+    scored_figures: bool = True,
 ) -> list[str]:
     """Every rule of the module doc the batch (tensors and metadata as rewind.stores.rollouts read them,
     its format already checked) breaks, given its record and the config in force when it was recorded
-    ([] if none). `end_id`: the run's end token (None: the rules about it are not checked)."""
+    ([] if none). `end_id`: the run's end token (None: the rules about it are not checked).
+    `scored_figures`: the run's feature of that name (its record's figures are reward_outcome's under it)."""
     stages = config.stages
     if not 0 <= record.stage < len(stages) or stages[record.stage].strategy != "grpo":
         return [f"its record names stage {record.stage}, not a grpo stage of the run's config"]
@@ -158,7 +165,7 @@ def rollout_problems(
     if bool(torch.isinf(scores).any()):
         problems.append("rewards hold an infinite value (a reward is a finite number, or NaN where unscored)")
         return problems
-    advantages, mean_reward, unscored = reward_outcome(scores, settings)
+    advantages, mean_reward, unscored = reward_outcome(scores, settings, scored_figures=scored_figures)
     stored = tensors["advantages"]
     if not torch.equal(advantages.view(torch.int32), stored.view(torch.int32)):
         differ = advantages != stored
@@ -175,16 +182,19 @@ def rollout_problems(
     return problems
 
 
-def batch_problem(run_dir: str, record: RolloutsRecorded, config: Config, end_id: int | None) -> str:
+def batch_problem(
+    run_dir: str, record: RolloutsRecorded, config: Config, end_id: int | None, features: Features | None = None
+) -> str:
     """Why the rollout file `record` names is not a batch a run writes ("" if it is): missing, damaged or
     not in the format (rewind.stores.rollouts), or a rule of `rollout_problems` broken. `end_id`: the
-    run's end token (None: `run_end_id`)."""
+    run's end token (None: `run_end_id`); `features`: the run's behaviours (None: `run_behaviours`)."""
     try:
         tensors, metadata = read_rollouts(run_dir, record.path, record.sha256)
     except RolloutError as exc:
         return str(exc)
     end = run_end_id(run_dir) if end_id is None else end_id
-    if problems := rollout_problems(tensors, metadata, record, config, end):
+    scored = (run_behaviours(run_dir) if features is None else features).scored_reward_figures
+    if problems := rollout_problems(tensors, metadata, record, config, end, scored_figures=scored):
         return f"{record.path}: not a batch a run writes: {_first(problems)}"
     return ""
 
@@ -198,6 +208,14 @@ def run_end_id(run_dir: str) -> int | None:
         return end_token(load_run_tokenizer(run_dir))
     except (TokenizerError, OSError):
         return None
+
+
+def run_behaviours(run_dir: str) -> Features:
+    """The behaviours the run's first record (RunStarted) was started with (none where it has none)."""
+    from rewind.stores.runs import iter_records
+
+    first = next((event for _, event in iter_records(run_dir, limit=1)), None)
+    return first.behaviours if isinstance(first, RunStarted) else Features()
 
 
 def _finish_problems(tensors: dict[str, torch.Tensor], max_new_tokens: int, end_id: int) -> list[str]:
@@ -238,7 +256,8 @@ class RolloutReader:
             raise RuntimeError(f"step {state.step} of a grpo stage has no rollout batch on record")
         if self._held is None or self._held[0] != record.sha256:
             tensors, metadata = read_rollouts(run_dir, record.path, record.sha256)
-            if problems := rollout_problems(tensors, metadata, record, config, layout["end_id"]):
+            scored = state.behaviours.scored_reward_figures
+            if problems := rollout_problems(tensors, metadata, record, config, layout["end_id"], scored_figures=scored):
                 raise RolloutError(
                     f"{run_dir}: {record.path}: not a batch a run writes: {_first(problems)}; nothing trains on "
                     f"it: go on in a fork from before its window, `rewind fork {run_dir} --at-step {record.step} NEW_RUN`"

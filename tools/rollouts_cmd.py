@@ -136,7 +136,8 @@ def render(shown: dict) -> list[str]:
     lines = [
         f"rollouts recorded at step {shown['step']:,} (stage {shown['stage']}, sampled by the weights of step "
         f"{shown['policy_step']:,}): {shown['num_prompts']} prompts x {shown['group_size']} completions, "
-        f"mean reward {shown['mean_reward']:.4g} over the scored completions ({shown['unscored']} unscored)",
+        f"mean reward {shown['mean_reward']:.4g}"
+        + ("" if shown["unscored"] is None else f" over the scored completions ({shown['unscored']} unscored)"),
         f"file {shown['path']}",
     ]
     for prompt in shown["prompts"]:
@@ -190,12 +191,14 @@ def run(args: argparse.Namespace) -> int:
     decode = _decoder(run_tokenizer(args.run_dir, state.tokenizer), config.architecture.vocab_size)
     from rewind.engine.rolloutreader import batch_problem  # (torch: only once the record is found)
 
-    if problem := batch_problem(args.run_dir, event, config, None):  # what no run writes is not shown
+    if problem := batch_problem(args.run_dir, event, config, None, state.behaviours):  # what no run writes is not shown
         raise CommandError(f"{args.run_dir}: {problem}", 1)
     try:
         shown = show_rollouts(args.run_dir, msgspec.structs.asdict(event), decode, datasets)
     except RolloutError as exc:
         raise CommandError(f"{args.run_dir}: {exc}", 1) from None
+    if not state.behaviours.scored_reward_figures:  # a run started before: its mean counts them as 0
+        shown["unscored"] = None
     if args.json:
         print_json(shown)
     else:

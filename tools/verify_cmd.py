@@ -226,12 +226,12 @@ def _rollout_problems(run_dir: str, rollouts: dict[str, tuple]) -> list[str]:
     """Every rollout file the log names (a grpo stage's batches, kept for the record and read by the steps
     of their window): present, its bytes hashing to its name, a batch in rewind's format that follows the
     rules a run's batches follow (rewind.engine.rolloutreader.rollout_problems: the check a resume makes)."""
-    from rewind.engine.rolloutreader import batch_problem, run_end_id
+    from rewind.engine.rolloutreader import batch_problem, run_behaviours, run_end_id
 
-    end_id = run_end_id(run_dir)
+    end_id, features = run_end_id(run_dir), run_behaviours(run_dir)
     found = []
     for where, record, config in rollouts.values():
-        if problem := batch_problem(run_dir, record, config, end_id):
+        if problem := batch_problem(run_dir, record, config, end_id, features):
             found.append(f"record: {where}: {problem}")
     return found
 

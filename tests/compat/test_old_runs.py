@@ -30,14 +30,24 @@ def _one_thread():
 
 
 @pytest.fixture(params=RELEASES)
-def old_run(request, tmp_path) -> tuple[Path, dict]:
+def old_run(request, tmp_path, monkeypatch) -> tuple[Path, dict]:
     # A copy: the committed fixture must never be written to, by this test or any other.
+    fixture = FIXTURES / request.param
     copy = tmp_path / request.param
-    shutil.copytree(FIXTURES / request.param, copy, ignore=shutil.ignore_patterns("expected.json", "run.toml"))
-    expected = json.loads((FIXTURES / request.param / "expected.json").read_text())
+    shutil.copytree(fixture, copy, ignore=shutil.ignore_patterns("expected.json", "run.toml", "*.py"))
+    expected = json.loads((fixture / "expected.json").read_text())
     # The config file it was started with: its own where it pins another config's behaviour.
-    own = FIXTURES / request.param / "run.toml"
+    own = fixture / "run.toml"
     expected["config"] = own if own.exists() else CONFIG
+    if modules := sorted(fixture.glob("*.py")):
+        # A grpo run's reward modules, beside a copy of its config and in the working directory (where the
+        # commands without a config file look), as the run was made (make_fixture.py).
+        home = tmp_path / "home"
+        home.mkdir()
+        for file in [own, *modules]:
+            shutil.copyfile(file, home / file.name)
+        expected["config"] = home / "run.toml"
+        monkeypatch.chdir(home)
     return copy, expected
 
 
@@ -58,6 +68,60 @@ def test_the_cosine_fixture_pins_the_warmup_from_zero_of_runs_started_before_the
     first_step = next(e for e in events if type(e).__name__ == "StepCommitted")
     assert events[0].features == [] and first_step.lr == 0.0
 
+
+def test_the_grpo_fixture_pins_the_figures_of_runs_started_before_scored_reward_figures():
+    """a41046e-grpo (made at commit a41046e) stopped and crashed inside grpo windows whose batches have
+    unscored completions, with a KL term and 2 updates a batch: its records hold that release's figures (the
+    mean reward with the unscored counted as 0, no unscored count, the plain mean of the KL estimate), which
+    the tests below replay and resume under, bit for bit."""
+    from safetensors.torch import load_file as load_rollouts
+
+    from rewind.states.events import RolloutsRecorded, RunStarted, StepCommitted
+    from rewind.stores.runs import read_seq_events
+
+    fixture = FIXTURES / "a41046e-grpo"
+    events = [e for _, e in read_seq_events(fixture)]
+    assert isinstance(events[0], RunStarted) and "scored_reward_figures" not in events[0].features
+    records = [e for e in events if isinstance(e, RolloutsRecorded)]
+    assert records and all(r.unscored == 0 for r in records)  # not recorded then
+    for record in records:
+        rewards = load_rollouts(fixture / record.path)["rewards"]
+        assert bool(rewards.isnan().any())  # unscored completions, counted as 0 in the mean on record
+        assert record.mean_reward == float(rewards.nan_to_num().sum(dim=0).mean())
+    steps = [e for e in events if isinstance(e, StepCommitted) and e.metrics]
+    assert steps and not any("unscored" in e.metrics for e in steps)
+    assert any(e.kl > 0 for e in steps)
+
+
+def test_the_rollout_rules_read_an_old_runs_figures_by_its_features():
+    """The check a resume and verify make (rolloutreader.rollout_problems) holds a run started before
+    scored_reward_figures to the figures it records, and no other run to them."""
+    from rewind.engine.rolloutreader import batch_problem, rollout_problems, run_behaviours
+    from rewind.states.events import RolloutsRecorded
+    from rewind.stores.rollouts import read_rollouts
+    from rewind.stores.runs import read_seq_events
+
+    fixture = str(FIXTURES / "a41046e-grpo")
+    events = [e for _, e in read_seq_events(fixture)]
+    config, record = events[0].config, next(e for e in events if isinstance(e, RolloutsRecorded))
+    tensors, metadata = read_rollouts(fixture, record.path, record.sha256)
+    assert rollout_problems(tensors, metadata, record, config, None, scored_figures=False) == []
+    (problem,) = rollout_problems(tensors, metadata, record, config, None)
+    assert "mean_reward" in problem and "(2 unscored)" in problem
+    assert not run_behaviours(fixture).scored_reward_figures and batch_problem(fixture, record, config, None) == ""
+
+
+
+def test_rollouts_shows_an_old_runs_mean_without_an_unscored_count(rewind_cli, tmp_path):
+    """Its mean counted unscored completions as 0, and it recorded no count: `rewind rollouts` says only
+    the mean (a run started today: "over the scored completions (N unscored)")."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "a41046e-grpo", run)
+    code, out, err = rewind_cli("rollouts", run)
+    assert code == 0, err
+    assert "mean reward " in out and "unscored" not in out, out
+    code, out, err = rewind_cli("rollouts", run, "--json")
+    assert code == 0 and json.loads(out)["unscored"] is None, err
 
 def test_an_old_run_verifies_and_replays_bit_for_bit(old_run, rewind_cli):
     run, expected = old_run
