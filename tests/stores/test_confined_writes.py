@@ -24,8 +24,8 @@ from rewind.stores.metrics import JSONL_NAME, TB_DIR_NAME, MetricsProjection
 from rewind.stores.runguard import RUN_DIRECTORIES, RUN_FILES, NotWritable, check_writable, write_problems
 from rewind.stores.snapshots import SNAPSHOTS_DIR
 from rewind.stores.trunks import TRUNKS_DIR
-from tests.engine.test_loop import run_cli, train_args
-from tests.tools.rundir_forgery import tree_state
+from tests.engine.test_loop import run_cli
+from tests.tools.rundir_forgery import nine_step_run, tree_state
 
 
 def _problems(run: Path) -> list[str]:
@@ -224,10 +224,7 @@ def test_a_fifo_as_metrics_jsonl_is_refused_by_a_resume_of_the_projection_and_by
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("confined") / "base"
-    code, _, err = run_cli(*train_args(run, "--max-steps", "9"))
-    assert code == 0, err
-    return run
+    return nine_step_run(tmp_path_factory.mktemp("confined"))
 
 
 @pytest.fixture

@@ -73,3 +73,13 @@ def opened_paths() -> Iterator[list[str]]:
         yield seen
     finally:
         os.open, builtins.open = real_os_open, real_open
+
+
+def nine_step_run(directory: Path) -> Path:
+    """A small real run in `directory`/base, stopped after 9 steps: the base the forgery tests copy."""
+    from tests.engine.test_loop import run_cli, train_args
+
+    run = directory / "base"
+    code, _, err = run_cli(*train_args(run, "--max-steps", "9"))
+    assert code == 0, err
+    return run

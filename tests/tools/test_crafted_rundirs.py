@@ -29,17 +29,14 @@ from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.manifest import FileEntry, encode_manifest
 from rewind.stores.runs import read_seq_events
 from tests.engine.test_loop import run_cli, train_args
-from tests.tools.rundir_forgery import opened_paths, rewrite_log, tree_state
+from tests.tools.rundir_forgery import nine_step_run, opened_paths, rewrite_log, tree_state
 
 replace = msgspec.structs.replace
 
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("crafted") / "base"
-    code, _, err = run_cli(*train_args(run, "--max-steps", "9"))
-    assert code == 0, err
-    return run
+    return nine_step_run(tmp_path_factory.mktemp("crafted"))
 
 
 @pytest.fixture
