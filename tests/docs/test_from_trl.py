@@ -375,3 +375,21 @@ def test_a_grpo_step_logs_the_reward_over_scored_completions_and_the_weighted_kl
     plain_first = float(kl_estimate(old, reference, "k3")[mask].mean())  # ratio 1 on the first update
     assert math.isclose(first.metrics["kl"], plain_first, rel_tol=1e-5)
     assert math.isclose(first.metrics["reward"], 1.0 / 3.0, rel_tol=1e-6) and first.metrics["unscored"] == 1.0
+
+
+def test_the_quoted_defaults_are_trl_1_16_s_where_it_is_installed():
+    """The table above was read in TRL 1.16.0's code; with that release installed, its config classes
+    hold exactly those defaults (another release: skipped, the page quotes 1.16)."""
+    trl = pytest.importorskip("trl")
+    if not trl.__version__.startswith("1.16."):
+        pytest.skip(f"the page quotes TRL 1.16; trl {trl.__version__} is installed")
+    import dataclasses
+
+    from trl import DPOConfig, GRPOConfig
+
+    for config, quoted in ((DPOConfig, TRL_DPO), (GRPOConfig, TRL_GRPO)):
+        fields = {f.name: f for f in dataclasses.fields(config)}
+        for name, value in quoted.items():
+            field = fields[name]
+            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+            assert default == value, (config.__name__, name, default, value)
