@@ -21,7 +21,9 @@ Whoever forges a snapshot can also put its digest into the record after it (and 
 CRC), so a vouched snapshot is cross-checked with what the log does not carry: every checkpoint
 committed in the tail that is still on disk records in its manifest the control state it was taken in
 and the KL reference's digest (engine.checkpointing: meta `control`, `reference_sha256`), which must
-be the fold's at its record (`manifest_problem`, the check verify makes for every live checkpoint).
+be the fold's at its record (`manifest_problem`, the check verify makes for every live checkpoint);
+the grpo batch the snapshot holds, which no manifest records, must be a record of the log at its step
+(`_held_batch_problem`).
 On a disagreement the snapshot is dropped, not the run: the log is folded whole, as with no snapshot,
 and checked against the same manifests again. If the whole fold agrees, the snapshot (and its record's
 digest) was the forgery: the resume goes on from the log with one warning line naming it. If it
@@ -147,26 +149,40 @@ def _fold_for_resume(log: EventLog, run_dir: str, end_seq: int, store: Checkpoin
     """The fold from the newest vouched snapshot, cross-checked with the manifests of the checkpoints
     committed after it; from the start without one, or when they disagree (see the module's docstring)."""
     start = _vouched_start(log, run_dir, end_seq)
+    held = _held_batch_problem(log, start[0]) if start is not None else ""
     folded, commits, problems = _fold_from(log, run_dir, end_seq, start)
     disagreeing = _manifest_disagreements(store, commits, folded.state)
-    if start is not None and disagreeing:
-        snapshot, (seq, name, fields) = start[0], disagreeing[0]
+    if start is not None and (held or disagreeing):
+        snapshot = start[0]
         folded, commits, problems = _fold_from(log, run_dir, end_seq, None)
         again = {name for _, name, _ in disagreeing}
         if still := _manifest_disagreements(store, [c for c in commits if c[1].checkpoint in again], folded.state):
             seq, name, fields = still[0]
             event = next(e for s, e, *_ in commits if s == seq)
             raise UntrustedRecord(seq, event, _disagreement(run_dir, name, fields))
+        if disagreeing:
+            _, name, fields = disagreeing[0]
+            why = f"checkpoint {name}'s manifest disagrees with the fold from it on {fields}"
+        else:
+            why = held
         problems = [p for p in problems if not p.startswith(f"snapshot {snapshot.seq:012d}:")]
         problems.insert(
             0,
-            f"snapshot {snapshot.seq:012d}: record {snapshot.seq + 1} vouches for it, but checkpoint "
-            f"{name}'s manifest disagrees with the fold from it on {fields} (the log was folded whole "
-            "instead; delete it: it is a cache)",
+            f"snapshot {snapshot.seq:012d}: record {snapshot.seq + 1} vouches for it, but {why} (the log was "
+            "folded whole instead; delete it: it is a cache)",
         )
     if problems:
         warnings.warn(SnapshotsIgnored(run_dir, problems), stacklevel=3)
     return folded
+
+
+def _held_batch_problem(log: EventLog, snapshot: snapshots.Snapshot) -> str:
+    """Why the grpo batch a vouched snapshot holds is not one the log records ("" if it is, or none is
+    held): no manifest holds the batch, so it is looked up among the records of its step (an index seek)."""
+    held = snapshot.state.rollouts
+    if held is None or any(r.event == held for r in log.records_in_steps(held.step, held.step)):
+        return ""
+    return f"the rollout batch it holds ({held.path}) is not one the log records at step {held.step}"
 
 
 # A CheckpointCommitted folded in a resume's tail: (seq, the record, the reference's digest before it

@@ -22,12 +22,10 @@ from; a run written before digests folds its log whole once, and its next checkp
 Whoever can edit the snapshot can edit that record too (and recompute its frame's CRC), so a resume
 also cross-checks the fold from a vouched snapshot with the manifests of the checkpoints committed
 after it, which record the control state (step, tokens, stage, cursors, config hash) and the KL
-reference's digest, and folds the log whole when one disagrees (rewind.stores.folding). What no
-manifest records is not covered by that cross-check: a held rollout batch (State.rollouts) forged with
-the digest consistently, its file copied in from another window of the run, is trained on. `rewind
-verify` names such a record and snapshot (the digest is not the fold), and deleting RUN/snapshots/
-makes a resume fold the log whole. Recording the batch's sha256 in the manifest would close it, at the
-price of new names for every new grpo run's checkpoints.
+reference's digest, and folds the log whole when one disagrees (rewind.stores.folding). The held
+rollout batch (State.rollouts), which no manifest records, must be a RolloutsRecorded the log holds at
+its step (an index seek), else the log is folded whole too. `rewind verify` names such a record and
+snapshot (the digest is not the fold), and deleting RUN/snapshots/ makes a resume fold the log whole.
 Readers (`rewind state`, `log`, `timeline`: what they print is never recorded) start from any snapshot
 that agrees with the log. `rewind verify` folds the whole log and checks every snapshot, and every
 digest a record carries, against it (`snapshot_problem`, `digest_problem`). Writes are atomic

@@ -247,7 +247,8 @@ def _digest_consequence(run_dir: str, seq: int, event) -> str:
     return (
         f"it is that of snapshot {seq - 1:012d}, forged with it: a resume would start from that snapshot but "
         "for its cross-check with the manifests of the checkpoints after it, which record the control state "
-        "and the KL reference (not the held rollout batch); on a disagreement it folds the log whole. "
+        "and the KL reference, and with the log's record of the rollout batch it holds; on a disagreement it "
+        "folds the log whole. "
         f"Deleting {run_dir}/snapshots/ (a cache) makes every resume fold the log whole"
     )
 

@@ -310,3 +310,20 @@ def test_a_log_that_disagrees_with_its_checkpoint_is_refused_whole_or_from_a_sna
         f"edited; nothing was changed (`rewind verify {run}` names the records and snapshots at fault)"
     )
     assert tree_state(run) == before
+
+
+def test_a_held_rollout_batch_forged_with_its_digest_is_not_trained_on(runs, tmp_path):
+    """No manifest holds the grpo batch a snapshot holds, so a resume looks it up among the records of its
+    step: another window's batch (its file copied in), forged into the snapshot with the digest after it,
+    is not one the log records there; the log is folded whole, one warning line, the straight run's bits."""
+    straight, stopped = runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    held = snapshots.read(str(run), snapshots.list_seqs(str(run))[-1]).state.rollouts
+    other = next(e for _, e in read_seq_events(straight) if isinstance(e, RolloutsRecorded) and e.sha256 != held.sha256)
+    shutil.copy(straight / other.path, run / other.path)
+    seq = forge_with_digest(run, rollouts=msgspec.structs.replace(other, step=held.step))
+    said = resume(run)
+    assert committed(run)[-1] == committed(straight)[-1]
+    assert len(said) == 1 and f"snapshot {seq:012d}: record {seq + 1} vouches for it, but the rollout batch" in said[0]
+    assert f"is not one the log records at step {held.step} (the log was folded whole" in said[0], said
