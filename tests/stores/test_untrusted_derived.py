@@ -101,15 +101,20 @@ def test_a_forged_kl_reference_in_a_snapshot_is_not_trained_on(runs, tmp_path):
     assert len(said) == 1 and f"snapshot {seq:012d}: differs from the fold of the log" in said[0], said
 
 
+def another_windows_batch(run: Path, straight: Path) -> tuple[RolloutsRecorded, RolloutsRecorded]:
+    """(the batch the newest snapshot holds, another window's batch of the same run at its step, its file
+    copied in): what a consistent forgery of the held batch puts in a snapshot."""
+    held = snapshots.read(str(run), snapshots.list_seqs(str(run))[-1]).state.rollouts
+    other = next(e for _, e in read_seq_events(straight) if isinstance(e, RolloutsRecorded) and e.sha256 != held.sha256)
+    shutil.copy(straight / other.path, run / other.path)
+    return held, msgspec.structs.replace(other, step=held.step)
+
 def test_a_forged_held_rollout_batch_in_a_snapshot_is_not_trained_on(runs, tmp_path):
     straight, stopped = runs
     run = tmp_path / "run"
     shutil.copytree(stopped, run)
-    held = snapshots.read(str(run), snapshots.list_seqs(str(run))[-1]).state.rollouts
-    # Another window's batch of the same run, its file copied in: a consistent forgery.
-    other = next(e for _, e in read_seq_events(straight) if isinstance(e, RolloutsRecorded) and e.sha256 != held.sha256)
-    shutil.copy(straight / other.path, run / other.path)
-    seq = forge_newest_snapshot(run, rollouts=msgspec.structs.replace(other, step=held.step))
+    _, other = another_windows_batch(run, straight)
+    seq = forge_newest_snapshot(run, rollouts=other)
     said = resume(run)
     assert committed(run)[-1] == committed(straight)[-1]
     assert len(said) == 1 and f"snapshot {seq:012d}: differs from the fold of the log" in said[0], said
@@ -319,10 +324,8 @@ def test_a_held_rollout_batch_forged_with_its_digest_is_not_trained_on(runs, tmp
     straight, stopped = runs
     run = tmp_path / "run"
     shutil.copytree(stopped, run)
-    held = snapshots.read(str(run), snapshots.list_seqs(str(run))[-1]).state.rollouts
-    other = next(e for _, e in read_seq_events(straight) if isinstance(e, RolloutsRecorded) and e.sha256 != held.sha256)
-    shutil.copy(straight / other.path, run / other.path)
-    seq = forge_with_digest(run, rollouts=msgspec.structs.replace(other, step=held.step))
+    held, other = another_windows_batch(run, straight)
+    seq = forge_with_digest(run, rollouts=other)
     said = resume(run)
     assert committed(run)[-1] == committed(straight)[-1]
     assert len(said) == 1 and f"snapshot {seq:012d}: record {seq + 1} vouches for it, but the rollout batch" in said[0]
