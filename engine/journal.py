@@ -48,12 +48,14 @@ class Journal:
         self.log = log
         self.metrics = metrics
         self.report_interval = report_interval
+        self.last_event: Event | None = None  # the record appended last (a checkpoint's snapshot names it)
 
     def record(self, state: State, event: Event) -> State:
         """Apply `event` (an illegal one raises before anything is written), append it, and commit it
         now if the rule above says so. Returns the new state."""
         new_state = apply(state, event)
         seq = self.log.append(event)
+        self.last_event = event
         if self.metrics is not None:
             self.metrics.observe(seq, event)
         if isinstance(event, _COMMIT_AT_ONCE):
@@ -87,6 +89,7 @@ class FollowerJournal:
 
     metrics = None
     report_interval = 1
+    last_event = None
 
     def record(self, state: State, event: Event) -> State:
         return apply(state, event)

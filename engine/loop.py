@@ -61,7 +61,7 @@ from rewind.states.plan import (
     step_lr,
 )
 from rewind.states.state import CheckpointReason, State
-from rewind.stores.folding import save_vouched_snapshot
+from rewind.stores.folding import save_snapshot
 
 
 @dataclass
@@ -166,11 +166,11 @@ def checkpoint(run: Run, state: State, reason: CheckpointReason) -> State:
     run.journal.commit()  # everything before the checkpoint is durable before its files exist (journal)
     check_same_state(state)  # a sharded run's ranks still agree on what the checkpoint belongs to
     committed = write_checkpoint(run.parts, state, reason, log_seq=run.journal.durable_seq())
-    before = state
+    before, last = state, run.journal.last_event  # the fold up to the record before the checkpoint's
     state = record(run, state, committed)
-    if is_writer():  # the record is committed (journal) and vouches for the fold before it: cache that, so
-        # that a resume costs the tail (it starts only from a snapshot a record vouches for)
-        save_vouched_snapshot(run.journal.log, run.parts.run_dir, before, run.parts.config)
+    if is_writer() and last is not None:  # the record is committed (journal) and vouches for the fold
+        # before it: cache that, so that a resume costs the tail (it starts only from a vouched snapshot)
+        save_snapshot(run.parts.run_dir, before, last, run.parts.config)
     return state
 
 

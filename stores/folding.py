@@ -327,14 +327,3 @@ def _config_after(config: Config, tail: Sequence[SeqEvent]) -> Config:
 def save_snapshot(run_dir: str, state: State, event, config: Config) -> None:
     """Cache `state`, the fold up to the record just applied (seq state.next_seq - 1, holding `event`)."""
     snapshots.write(run_dir, snapshots.make(state.next_seq - 1, event, state, config))
-
-
-def save_vouched_snapshot(log: EventLog, run_dir: str, state: State, config: Config) -> None:
-    """Cache `state`, the fold up to the record before the CheckpointCommitted just committed, which
-    carries its digest (snapshots.vouched_by). That record is read back from the log, where it is durable."""
-    if not snapshots.kept_for(run_dir):
-        return
-    seq = state.next_seq - 1
-    record = next(log.records(start_seq=seq, stop_seq=seq + 1, check=False), None)
-    if record is not None and record.seq == seq:
-        snapshots.write(run_dir, snapshots.make(seq, record.event, state, config))
