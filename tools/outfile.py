@@ -244,12 +244,7 @@ def _write_temporary(output: Output, tmp: Path, fsio) -> None:
         files = {tmp / name: data for name, data in output.data.items()}
         tmp.mkdir()
     for path, data in files.items():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            fsio.write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_new(path, data)
     if not isinstance(output.data, bytes):
         fsio.fsync_dir(str(tmp))
 
@@ -283,15 +278,22 @@ def write_file_atomically(target: Path, data: bytes) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            fsio.write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_new(tmp, data)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     fsio.fsync_dir(str(directory))
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Create `path` (it must not exist), write `data` whole and fsync it."""
+    from rewind.stores import fsio
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fsio.write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
