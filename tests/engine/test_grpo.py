@@ -120,13 +120,7 @@ def test_a_step_logs_the_mean_reward_of_its_scored_completions_and_the_kl_its_lo
     model = build_model(CONFIG, None)
     rows = _rows(model, seed=5)
     rows = as_rows(**{field.name: getattr(rows, field.name) for field in dataclasses.fields(rows)})
-    noise = 0.3 * torch.randn(rows.mask.shape, generator=torch.Generator().manual_seed(9))
-    nan = float("nan")
-    rows = dataclasses.replace(
-        rows,
-        reference_logprobs=(rows.old_logprobs + noise).masked_fill(~rows.mask, 0.0),
-        rewards=torch.tensor([[1.0, nan, 0.0, nan, 1.0, 1.0, nan, nan]]),
-    )
+    rows = with_reference_and_unscored(rows)
     grpo = msgspec.structs.replace(CONFIG.stages[2].grpo_settings, kl_beta=0.1, epsilon_low=0.2, epsilon_high=0.2)
     stage = msgspec.structs.replace(CONFIG.stages[2], grpo=grpo)
     optimizer = build_optimizer(model, CONFIG)
@@ -146,6 +140,18 @@ def test_a_step_logs_the_mean_reward_of_its_scored_completions_and_the_kl_its_lo
         assert result.metrics["reward"] == 0.75 and result.metrics["unscored"] == 4.0  # not 3 / 8
 
 
+def with_reference_and_unscored(rows):
+    """`rows` with reference log-probs a little off the old ones (so k3 is not 0) and half the
+    completions unscored (NaN rewards): what the figures' tests weigh."""
+    noise = 0.3 * torch.randn(rows.mask.shape, generator=torch.Generator().manual_seed(9))
+    nan = float("nan")
+    return dataclasses.replace(
+        rows,
+        reference_logprobs=(rows.old_logprobs + noise).masked_fill(~rows.mask, 0.0),
+        rewards=torch.tensor([[1.0, nan, 0.0, nan, 1.0, 1.0, nan, nan]]),
+    )
+
+
 def test_a_run_started_before_scored_figures_logs_the_figures_it_always_had():
     """Without the feature scored_reward_figures (rewind.states.features), a window's steps log the mean
     reward with the unscored completions counted as 0, no "unscored", and the plain mean of k3 as the KL
@@ -153,13 +159,7 @@ def test_a_run_started_before_scored_figures_logs_the_figures_it_always_had():
     figures are all that differs."""
     model = build_model(CONFIG, None)
     rows = _rows(model, seed=5)
-    noise = 0.3 * torch.randn(rows.mask.shape, generator=torch.Generator().manual_seed(9))
-    nan = float("nan")
-    rows = dataclasses.replace(
-        rows,
-        reference_logprobs=(rows.old_logprobs + noise).masked_fill(~rows.mask, 0.0),
-        rewards=torch.tensor([[1.0, nan, 0.0, nan, 1.0, 1.0, nan, nan]]),
-    )
+    rows = with_reference_and_unscored(rows)
     held = {field.name: getattr(rows, field.name) for field in dataclasses.fields(rows)}
     old, new = WindowRows(**held, scored_figures=False), WindowRows(**held)
     grpo = msgspec.structs.replace(CONFIG.stages[2].grpo_settings, kl_beta=0.1, epsilon_low=0.2, epsilon_high=0.2)
