@@ -97,7 +97,7 @@ def _capturing(model, config):
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from rewind.engine.placement import join_process_group, place
+    from rewind.engine.placement import join_process_group, leave_process_group, place
     from tests.engine.test_posttrain_ranks import LOSS_TYPES, VARIANTS, dpo_gradient, grpo_config, grpo_gradient
 
     join_process_group(grpo_config("dapo").compute)
@@ -110,6 +110,7 @@ SCRIPT = textwrap.dedent(
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as out:
             json.dump(seen, out)
+    leave_process_group()  # a rank exiting with the group still up can abort the other (gloo)
     """
 )
 
