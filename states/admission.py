@@ -19,7 +19,7 @@ record's own trunk version and first step:
     cache/trunk-<version>.zarr                                                 the first runs with growth
 
 and "" (a dry-run's record: no cache). Where the name leads once links are resolved is checked where
-the cache is opened (rewind.engine.trunkcache).
+the cache is opened (rewind.engine.run.trunkcache).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 The shapes a config gives the weights are stated here once (`model_vocab_size`, `num_time_levels`):
 the engine builds its model with them, and this rule compares them. Pure; the engine refuses what it
-finds (`rewind.engine.session`, `rewind.engine.fork`).
+finds (`rewind.engine.run.session`, `rewind.engine.run.fork`).
 """
 
 from __future__ import annotations
@@ -94,6 +94,12 @@ def num_time_levels(objective: ObjectiveSection) -> int:
     """Rows of the time embedding: the diffusion levels when time is an input, else 0 (no embedding)."""
     known_kind(objective)
     return objective.num_levels if objective.kind == "diffusion" and objective.time == "input" else 0
+
+
+def is_causal(objective: ObjectiveSection) -> bool:
+    """Next-token prediction must not see the future; masked objectives attend both ways."""
+    known_kind(objective)
+    return objective.kind == "clm"
 
 
 def known_kind(objective: ObjectiveSection) -> None:

@@ -27,7 +27,7 @@ from rewind.states.config import BUILTIN_DATASETS, Config, Stage
 
 # Built-in datasets that are prompt/answer examples (grammar is running text).
 BUILTIN_EXAMPLES: tuple[str, ...] = tuple(name for name in BUILTIN_DATASETS if name != "grammar")
-# The reward functions rewind has (rewind.engine.rewards); others are named "module:function".
+# The reward functions rewind has (rewind.engine.posttrain.rewards); others are named "module:function".
 BUILTIN_REWARDS: tuple[str, ...] = ("exact_match",)
 _ENTRY_POINT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 # The strategies whose settings are a table of the stage record, by the table's field name.

@@ -116,7 +116,7 @@ class SftSettings(Struct):
 
 class DpoSettings(Struct):
     """How a `dpo` stage trains (`[stages.dpo]`): on prompt/chosen/rejected examples against the run's KL
-    reference (the stage, or one before it, refreshes it), the loss `rewind.engine.dpo_losses` defines."""
+    reference (the stage, or one before it, refreshes it), the loss `rewind.engine.posttrain.dpo_losses` defines."""
 
     beta: float = 0.1  # the implicit reward's scale: beta * (log pi - log ref), summed over the response
     loss: DpoLoss = "sigmoid"  # sigmoid (DPO), robust (unbiased robust DPO), ipo (length-normalised), hinge
@@ -129,7 +129,7 @@ class RewardSpec(Struct):
     of the functions that score it)."""
 
     # "exact_match" (1 when the completion's first line is the row's answer) or your own, "module:function"
-    # (rewind.engine.rewards: its signature, and its code's identity on record)
+    # (rewind.engine.posttrain.rewards: its signature, and its code's identity on record)
     function: str = "exact_match"
     weight: float = 1.0  # its weight in the completion's reward
 
@@ -137,7 +137,7 @@ class RewardSpec(Struct):
 class GrpoSettings(Struct):
     """How a `grpo` stage trains (`[stages.grpo]`): a rollout batch of batch_size / group_size prompts,
     group_size completions each, sampled by the policy and kept on record, then num_iterations updates on
-    it (one a step), the loss `rewind.engine.grpo_losses` defines. See docs/posttraining.md."""
+    it (one a step), the loss `rewind.engine.posttrain.grpo_losses` defines. See docs/posttraining.md."""
 
     group_size: int = 4  # completions per prompt (G); training.batch_size is prompts x G
     temperature: float = 1.0  # sampling temperature (the log-probs are taken at it too)

@@ -11,7 +11,7 @@ the process may use. Measured on a 2-core AVX512 machine (torch 2.13): examples/
 GFLOP a micro-batch) 10% slower with 2 threads than with 1, examples/abcd.toml (5.4 GFLOP) the same
 either way.
 
-The count is part of a run's bits (rewind.engine.placement.adopt_threads) and is recorded when the run
+The count is part of a run's bits (rewind.engine.model.placement.adopt_threads) and is recorded when the run
 starts; a resume computes with the recorded count, so this rule decides for new runs only.
 """
 

@@ -1,7 +1,7 @@
 """Entering a run at a restore point under a config: what a start, a resume, a fork (in place or into a
 new directory), a replay and the read-only opens (sample, eval, export) decide before the engine builds
 anything. Pure: the engine supplies what it measured (where this process computes, the data's
-identities) and assembles the live objects for the decision (rewind.engine.assemble).
+identities) and assembles the live objects for the decision (rewind.engine.run.assemble).
 
 The rules, stated once: a run's tokenizer is fixed when it starts; the records an entry appends are
 RunStarted, or RunResumed (+ ConfigChanged when the config differs), each checked by the fold before

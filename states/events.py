@@ -67,7 +67,7 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="RunStarted"):
     cpu_capability: str = ""
     # The behaviours (rewind.states.features) the run was started with. A run keeps them for life, so a release
     # that changes what a run computes gates the change on a new name here and old runs (whose logs
-    # lack it) resume and replay as they were. The engine stamps new runs (`rewind.engine.loop.record`).
+    # lack it) resume and replay as they were. The engine stamps new runs (`rewind.engine.run.loop.record`).
     features: list[str] = []
     # What the run's data and weights are (see rewind.states.data_identity): every user dataset's identity,
     # the sha256 of the tokenizer file ("" = bytes) and of the pretrained weights it started from ("" = none).
@@ -170,7 +170,7 @@ class RolloutsRecorded(Event, frozen=True, kw_only=True, tag="RolloutsRecorded")
     mean_reward: float = 0.0
     unscored: int = 0
     # Each reward function's code as it scored this batch ("builtin", or the sha256 of its module's file
-    # and its version): a resume under other code is refused (rewind.engine.rewards).
+    # and its version): a resume under other code is refused (rewind.engine.posttrain.rewards).
     reward_code: dict[str, str] = {}
     # What shaped the batch (rewind.states.plan.rollout_settings: the stage's grpo settings, the batch and
     # context sizes): a config change mid-window that alters it samples the window's batch again.
@@ -203,7 +203,7 @@ class Evaluated(Event, frozen=True, kw_only=True, tag="Evaluated"):
     losses: dict[str, float] = {}
     bits_per_byte: dict[str, float] = {}  # text datasets whose tokens have a known byte length
     # A post-training run's held-out figures per dataset: pass@1, pass@G, reward, win_rate, dpo_accuracy,
-    # dpo_margin (rewind.engine.posttrain_figures). Records before schema 9 and pretraining runs: {}.
+    # dpo_margin (rewind.engine.posttrain.posttrain_figures). Records before schema 9 and pretraining runs: {}.
     posttraining: dict[str, dict[str, float]] = {}
 
 

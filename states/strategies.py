@@ -279,7 +279,7 @@ def engine_logs(config: Config, max_crashes: int = 3) -> st.SearchStrategy[list[
 
 
 def simulate_run(config: Config, crash_after: Iterable[int] = ()) -> list[Event]:
-    """The log an engine writes for `config`, as `rewind.engine.loop` drives it, without a model.
+    """The log an engine writes for `config`, as `rewind.engine.run.loop` drives it, without a model.
 
     Losses and cursors are functions of the step, so a replayed stretch repeats the first attempt
     exactly. For each `c` in `crash_after` the process dies once `c` steps are committed (with their

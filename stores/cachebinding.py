@@ -6,7 +6,7 @@ a cache's spec (rewind.stores.cachefiles.CacheSpec) carries `cache_identity`: a 
 ActivationsCached record's fields known before it is written (trunk version, first step, steps, rows,
 path) and of what the state on record says the trunk's inputs are (the config's hash, every dataset's
 identity, the tokenizer's, the pretrained weights', the parent run). Caches of computations that differ
-in any of these differ in identity. A reader (rewind.engine.trunkreader, before it reads a chunk) and
+in any of these differ in identity. A reader (rewind.engine.model.trunkreader, before it reads a chunk) and
 `rewind verify` ask `identity_problem`: a cache that is another's is not read, the trunk is recomputed
 (the same bits, slower) and verify names it; a writer finding another's at its path starts it over
 (a spec that differs: ActivationCache.create).

@@ -82,7 +82,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
 
 class Written(msgspec.Struct, frozen=True, kw_only=True):
     """When a format 2 checkpoint was written: the last record durable in the log then (see
-    rewind.engine.journal). Not part of the manifest, so not of the name: it differs between a straight
+    rewind.engine.run.journal). Not part of the manifest, so not of the name: it differs between a straight
     run and a resumed one that hold the same state."""
 
     log_seq: int

@@ -3,7 +3,7 @@
 A crash can leave a complete checkpoint whose CheckpointCommitted never became durable: the engine
 writes the checkpoint, then appends and commits its record. That is normal debris. But the engine
 commits every record before it writes a checkpoint, and the checkpoint records the last of them
-(`log_seq`, rewind.engine.journal): a log that ends before a checkpoint's `log_seq` lost acknowledged
+(`log_seq`, rewind.engine.run.journal): a log that ends before a checkpoint's `log_seq` lost acknowledged
 records. Checkpoints of older releases carry no `log_seq`; for them the bound is their step: the journal
 group-commits at every multiple of `report_interval`, before the next step runs, so by the time a
 checkpoint of step S existed the records through step `report_interval * ((S - 1) // report_interval)`

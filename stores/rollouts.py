@@ -32,7 +32,7 @@ recorded sha256, stay inside the run, be a regular file of at most MAX_ROLLOUT_B
 recorded sha256, parse as safetensors (never pickle) and hold tensors `check_rollout_tensors` accepts.
 Any of these failing is a RolloutError: one line. Whether the batch follows the rules a run's batches
 follow (token ids within the vocabulary, rows within the context, advantages that follow from the
-rewards: what needs the config and the record) is rewind.engine.rolloutreader.rollout_problems.
+rewards: what needs the config and the record) is rewind.engine.posttrain.rolloutreader.rollout_problems.
 """
 
 from __future__ import annotations

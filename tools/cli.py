@@ -116,7 +116,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def _say(line: str) -> None:
     """One line for the user on stderr; under torchrun from rank 0 alone (every rank of a sharded run
-    stops with the same message: rewind.engine.session.together)."""
+    stops with the same message: rewind.engine.run.session.together)."""
     if os.environ.get("RANK", "0") in ("", "0"):
         print(line, file=sys.stderr)
 
@@ -158,7 +158,7 @@ def _lost_peer(exc: Exception) -> str:
     """Under torchrun, the line for a collective that failed because another rank is gone ("" otherwise)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return ""
-    from rewind.engine.ranks import lost_peer
+    from rewind.engine.model.ranks import lost_peer
 
     return lost_peer(exc)
 
@@ -174,10 +174,10 @@ _DAMAGE = {
     ("rewind.stores.metrics", "MetricsError"),  # the metrics projection cannot be written or read
     ("rewind.stores.datamanifest", "ManifestError"),  # a prepared data directory that does not read
     ("rewind.stores.confine", "NotConfined"),  # a name in the run that leads out of it
-    ("rewind.engine.rundata", "DataChanged"),  # a data file changed under a training run
-    ("rewind.engine.tokens", "TokenFileError"),  # a token file cut short while it was read
+    ("rewind.engine.data.rundata", "DataChanged"),  # a data file changed under a training run
+    ("rewind.engine.data.tokens", "TokenFileError"),  # a token file cut short while it was read
     ("rewind.stores.rollouts", "RolloutError"),  # a grpo run's rollout file missing or damaged
-    ("rewind.engine.rewards", "RewardError"),  # a grpo stage's reward function cannot score
+    ("rewind.engine.posttrain.rewards", "RewardError"),  # a grpo stage's reward function cannot score
 }
 
 

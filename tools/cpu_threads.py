@@ -10,7 +10,7 @@
   went 10-20x slower (`rewind bench threads` measures it). The user's own OMP_WAIT_POLICY stays.
 
 A new run records the count it computes with; a resume computes with the count on record (or, with
---threads, the one asked for): rewind.engine.placement.
+--threads, the one asked for): rewind.engine.model.placement.
 """
 
 from __future__ import annotations

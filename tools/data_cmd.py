@@ -60,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _kind(args: argparse.Namespace) -> str:
-    from rewind.engine.documents import kind_of
+    from rewind.engine.data.documents import kind_of
 
     if args.kind:
         return args.kind
@@ -72,9 +72,9 @@ def _kind(args: argparse.Namespace) -> str:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from rewind.engine.dataprep import prepare_files, prepare_tokenizer, resolve_inputs, reusable_trained
-    from rewind.engine.documents import DocumentError
-    from rewind.engine.tokenizer import TokenizerError, tokenizer_in
+    from rewind.engine.data.dataprep import prepare_files, prepare_tokenizer, resolve_inputs, reusable_trained
+    from rewind.engine.data.documents import DocumentError
+    from rewind.engine.data.tokenizer import TokenizerError, tokenizer_in
     from rewind.stores.datamanifest import ManifestError, manifest_hash
 
     kind = _kind(args)
@@ -125,7 +125,7 @@ MAX_TRAINED_VOCAB = 1 << 20
 def _check_splits(train, validation) -> None:
     """Refuse a file in both splits (a validation loss on trained text measures nothing), and say which
     names of a file already read were left out."""
-    from rewind.engine.dataprep import shared_files
+    from rewind.engine.data.dataprep import shared_files
 
     if validation is not None and (shared := shared_files(train, validation)):
         train_name, validation_name = shared[0]

@@ -1,10 +1,10 @@
 """`rewind eval RUN --dataset NAME`: a checkpoint's figures on a dataset's validation split, on demand.
 
-The rows, the loss and the accuracy are those of a boundary evaluation (rewind.engine.evaluation): the
+The rows, the loss and the accuracy are those of a boundary evaluation (rewind.engine.run.evaluation): the
 first `--samples` validation rows (default: the run's `training.eval_samples`), the mean masked
 cross-entropy, its perplexity, bits per byte from the run's tokenizer's byte length per token, and
 answer-token accuracy only for a dataset whose loss mask marks answers (a task, prompt/response pairs).
-The datasets are opened as the run reads them (its data home: rewind.engine.rundata), so NAME is any
+The datasets are opened as the run reads them (its data home: rewind.engine.data.rundata), so NAME is any
 dataset of the run's config; data that changed since the run recorded it is refused, as replay refuses
 it. Nothing is written: not the log, not the metrics.
 """
@@ -47,8 +47,8 @@ def open_run_data(run_dir: str, loaded: CheckpointModel, name: str):
     documents it never tokenised go to a scratch directory."""
     import msgspec
 
-    from rewind.engine.rundata import DataChanged, check_data, open_registry, read_only_home
-    from rewind.engine.tokenizer import TokenizerError
+    from rewind.engine.data.rundata import DataChanged, check_data, open_registry, read_only_home
+    from rewind.engine.data.tokenizer import TokenizerError
 
     try:
         home = read_only_home(run_dir, loaded.state)
@@ -64,8 +64,8 @@ def open_run_data(run_dir: str, loaded: CheckpointModel, name: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from rewind.engine.datasets import DatasetError
-    from rewind.engine.evaluation import evaluate_dataset
+    from rewind.engine.data.datasets import DatasetError
+    from rewind.engine.run.evaluation import evaluate_dataset
 
     if args.samples is not None and args.samples <= 0:
         raise UsageError(f"--samples {args.samples}: must be at least 1")

@@ -5,7 +5,7 @@ DIR gets `adapter_config.json` (peft's own LoraConfig, serialised as its `save_p
 field is one peft reads: task CAUSAL_LM, the adapted modules, each one's rank and alpha as rank_pattern /
 alpha_pattern, and HF_DIR as the base model) and `adapter_model.safetensors` (peft's key layout,
 `base_model.model.<module>.lora_A.weight`, no pickle), named for HF_DIR's modules
-(rewind.engine.hf_models.hf_adapters: a fused qkv or gate-and-up adapter becomes one per projection, its
+(rewind.engine.model.hf_models.hf_adapters: a fused qkv or gate-and-up adapter becomes one per projection, its
 lora_A copied and its lora_B split). `--adapters` needs `--hf` in the same command, which then writes the
 adapters' base unmerged (an NF4 stack's weights dequantised, what the run computed with), so
 
@@ -66,7 +66,7 @@ def check_adapters(tensors: dict, layout) -> None:
 
 def peft_config(modules: dict[str, tuple[int, float]], base: str):
     """peft's LoraConfig of a causal LM at `base` adapting `modules` (name -> (rank, alpha))."""
-    from rewind.engine.layout import lora_config
+    from rewind.engine.model.layout import lora_config
 
     lora = lora_config(modules)
     lora.task_type = "CAUSAL_LM"  # PeftModel.from_pretrained then gives a PeftModelForCausalLM (generate)
@@ -118,7 +118,7 @@ def prepare_adapters(run_dir: str, out_dir: str, hf_dir: str, *, overwrite: bool
     can run it before them."""
     from safetensors.torch import save
 
-    from rewind.engine import hf_models
+    from rewind.engine.model import hf_models
     from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
     from rewind.tools.export_source import checkpoint_layout, checkpointed_state, expressible

@@ -11,7 +11,7 @@ before any work, made before any is written, and written whole or not at all wit
 replaced as it was.
 
 The `--to` file's metadata says what model its tensors make, so the file alone can start a run
-(`[pretrained] path`, rewind.engine.pretrained): "layout" (the stacks in order, JSON of ModelLayout),
+(`[pretrained] path`, rewind.engine.model.pretrained): "layout" (the stacks in order, JSON of ModelLayout),
 "rewind.architecture" (the architecture section, num_layers = all blocks), "rewind.objective", and
 "rewind.format" (the version of these keys)."""
 
@@ -131,7 +131,7 @@ def model_metadata(config, layout, tokenizer: str | None = None) -> dict[str, st
     tokenizer its ids belong to ("" = UTF-8 bytes; None: not on record, so not said)."""
     import msgspec
 
-    from rewind.engine.pretrained import (
+    from rewind.engine.model.pretrained import (
         ARCHITECTURE_KEY,
         FORMAT,
         FORMAT_KEY,
@@ -180,7 +180,7 @@ def prepare_weights(run_dir: str, out: str, *, overwrite: bool = False) -> Prepa
     state = checkpointed_state(run_dir, records)
     ref = state.last_checkpoint
     groups = {"model": checkpoint_weights(run_dir, ref.checkpoint, ref.files)["model"]}
-    # The layout builds the model these weights fit (stack identities and order): rewind.engine.layout.
+    # The layout builds the model these weights fit (stack identities and order): rewind.engine.model.layout.
     recorded = state.tokenizer if state.behaviours.data_identity else None
     model = model_metadata(config_in_force(records), checkpoint_layout(state), recorded)
     metadata = {"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step), **model}

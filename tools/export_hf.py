@@ -1,6 +1,6 @@
 """`rewind export RUN --hf DIR`: the run's model as a transformers model directory.
 
-The architecture is the one that computes the run's block exactly (rewind.engine.hf_models:
+The architecture is the one that computes the run's block exactly (rewind.engine.model.hf_models:
 LlamaForCausalLM for RMSNorm + SwiGLU, ArceeForCausalLM for RMSNorm + GELU, Starcoder2ForCausalLM for
 LayerNorm + GELU, StableLmForCausalLM for LayerNorm + SwiGLU). DIR gets `config.json`, `model.safetensors`
 (float32, metadata {"format": "pt"} as transformers writes it), `generation_config.json` (the model's end
@@ -79,8 +79,8 @@ def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True, overwrite: boo
     export in DIR may be replaced."""
     from safetensors.torch import save
 
-    from rewind.engine import hf_models
-    from rewind.engine.hf_llama import Unmapped
+    from rewind.engine.model import hf_models
+    from rewind.engine.model.hf_llama import Unmapped
     from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
     from rewind.tools.export_source import checkpoint_layout, checkpointed_state, expressible
@@ -149,7 +149,7 @@ def end_token_id(tokenizer: bytes | None, run_dir: str, config, stage: int) -> t
     """The id of the model's end token (None: it has none) and whether it is the tokenizer's
     <|endoftext|>, for the run's tokenizer (`tokenizer`, None for UTF-8 bytes) and a checkpoint in
     `stage` of `config` (see the module's docstring)."""
-    from rewind.engine.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
+    from rewind.engine.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
     from rewind.tools.sample_cmd import end_token_of
 
     try:

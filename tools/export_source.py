@@ -35,8 +35,7 @@ def checkpoint_layout(state):
 def expressible(config, option: str):
     """The transformers family of a run of `config`; UsageError (exit 2) when no transformers model
     computes it."""
-    from rewind.engine import hf_models
-
+    from rewind.engine.model import hf_models
     try:
         return hf_models.family_of(config)
     except hf_models.NotExpressible as exc:

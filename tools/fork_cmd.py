@@ -35,8 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from rewind.engine.fork import open_fork
-    from rewind.engine.parts import RunError
+    from rewind.engine.run.fork import open_fork
+    from rewind.engine.run.parts import RunError
     from rewind.states.config_identity import config_differences
     from rewind.states.config_reading import config_from_dict
     from rewind.states.overrides import apply_overrides, parse_override

@@ -1,6 +1,6 @@
 """The per-stage table a post-training run ends with: what each stage's model does on held-out prompts.
 
-One table per dataset the boundary evaluations measured (rewind.engine.posttrain_figures), a row per
+One table per dataset the boundary evaluations measured (rewind.engine.posttrain.posttrain_figures), a row per
 boundary (before training, then the end of each stage, named by the config in force): the stage's
 strategy, its answer-token accuracy and held-out loss (the response's loss: an sft stage's objective),
 the stage's training loss at its end (the loss its strategy optimises: `rewind timeline`'s "task loss

@@ -31,10 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rewind.engine.assemble import adopt_site
-    from rewind.engine.parts import RunError
-    from rewind.engine.placement import join_process_group, leave_process_group
-    from rewind.engine.replay import ReplayError, replay
+    from rewind.engine.model.placement import join_process_group, leave_process_group
+    from rewind.engine.run.assemble import adopt_site
+    from rewind.engine.run.parts import RunError
+    from rewind.engine.run.replay import ReplayError, replay
     from rewind.states.entry import site_of
     from rewind.states.fold import fold
     from rewind.states.history import config_in_force

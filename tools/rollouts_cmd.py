@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     stages = config.stages
     datasets = [s.name for s in stages[event.stage].datasets] if 0 <= event.stage < len(stages) else []
     decode = _decoder(run_tokenizer(args.run_dir, state.tokenizer), config.architecture.vocab_size)
-    from rewind.engine.rolloutreader import batch_problem  # (torch: only once the record is found)
+    from rewind.engine.posttrain.rolloutreader import batch_problem  # (torch: only once the record is found)
 
     if problem := batch_problem(args.run_dir, event, config, None, state.behaviours):  # what no run writes is not shown
         raise CommandError(f"{args.run_dir}: {problem}", 1)

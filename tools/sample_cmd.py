@@ -1,9 +1,9 @@
 """`rewind sample RUN --prompt TEXT`: the model of a committed checkpoint continues a prompt.
 
-The model is the one a resume from that checkpoint would load (`rewind.engine.checkpoint_model.load_model`
+The model is the one a resume from that checkpoint would load (`rewind.engine.model.checkpoint_model.load_model`
 under the layout and config the log gives it there: grown stacks, frozen and NF4 trunks, LoRA adapters),
 the text goes through the run's tokenizer (RUN/data/tokenizer.json, or UTF-8 bytes), and the draw is
-reproducible for a seed (rewind.engine.sampling). It stops before the model's end token (`end_token_of`:
+reproducible for a seed (rewind.engine.posttrain.sampling). It stops before the model's end token (`end_token_of`:
 the tokenizer's <|endoftext|>, or the "\n" that ends a response of a byte-level model post-trained), unless
 --no-stop. Only live checkpoints exist: retention deletes the rest, so `--at-step N` names a step that
 still has one. Nothing is written to the run.
@@ -64,7 +64,7 @@ def add_checkpoint_option(p: argparse.ArgumentParser) -> None:
 class CheckpointModel:
     """A checkpoint's model, ready to run (CPU, eval mode is the caller's), and what it came from."""
 
-    model: Any  # rewind.engine.model.GPT
+    model: Any  # rewind.engine.model.model.GPT
     config: Any  # the config in force at the checkpoint (rewind.states.config.Config)
     checkpoint: str
     step: int
@@ -92,8 +92,8 @@ def model_at(run_dir: str, at_step: int | None) -> CheckpointModel:
     """The model of the run's last live checkpoint, or of the one at step `at_step`, built as a resume
     from it would build it: the layout of the restore point the checkpoint makes, the config in force
     there (replay chooses them the same way). Files are checked against the hashes the log recorded."""
-    from rewind.engine.assemble import adopt_site
-    from rewind.engine.checkpoint_model import load_model
+    from rewind.engine.model.checkpoint_model import load_model
+    from rewind.engine.run.assemble import adopt_site
     from rewind.states.entry import checkpoint_points, site_of
     from rewind.states.fold import fold
     from rewind.states.history import config_in_force, effective
@@ -116,7 +116,7 @@ def run_tokenizer(run_dir: str, recorded: str):
     """The run's tokenizer (its tokenizer.json, or bytes), checked against the sha256 the log recorded
     (`recorded`): a tokenizer that is not the run's would turn the model's ids into the wrong text.
     Damaged or changed: one line, exit 1."""
-    from rewind.engine.tokenizer import TokenizerError, load_run_tokenizer
+    from rewind.engine.data.tokenizer import TokenizerError, load_run_tokenizer
 
     try:
         tokenizer = load_run_tokenizer(run_dir)
@@ -133,11 +133,11 @@ def run_tokenizer(run_dir: str, recorded: str):
 def end_token_of(config, stage: int, tokenizer) -> int | None:
     """The token a model's text ends with, None for none: the tokenizer's <|endoftext|> where it has one;
     else, for a model that has trained in a post-training stage (`stage`, the checkpoint's, or an earlier
-    one is sft, dpo or grpo), the end of a response, its "\n" (rewind.engine.rows.end_token: a response is
+    one is sft, dpo or grpo), the end of a response, its "\n" (rewind.engine.data.rows.end_token: a response is
     one line there); else none, as a model pretrained on bytes writes lines of text that a newline does not
-    end. `tokenizer`: the run's (rewind.engine.tokenizer)."""
-    from rewind.engine.rows import end_token
-    from rewind.engine.tokenizer import TokenizerError
+    end. `tokenizer`: the run's (rewind.engine.data.tokenizer)."""
+    from rewind.engine.data.rows import end_token
+    from rewind.engine.data.tokenizer import TokenizerError
 
     if tokenizer.eos_id is not None:
         return tokenizer.eos_id
@@ -171,7 +171,7 @@ def new_token_limit(asked: int | None, block_size: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rewind.engine.sampling import NonFiniteLogits, SamplingError, generate
+    from rewind.engine.posttrain.sampling import NonFiniteLogits, SamplingError, generate
 
     if args.prompt == "":
         raise UsageError("--prompt '': an empty prompt; give some text to continue")

@@ -179,8 +179,8 @@ def _train(
     config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool, threads: int, base_dir: str | None = None
 ) -> int:
     """One process's part of training: the whole of it, or under torchrun one rank's (rank 0 alone writes
-    the run and speaks; see rewind.engine.placement)."""
-    from rewind.engine.placement import PlacementError, join_process_group, leave_process_group
+    the run and speaks; see rewind.engine.model.placement)."""
+    from rewind.engine.model.placement import PlacementError, join_process_group, leave_process_group
 
     try:
         join_process_group(config.compute)
@@ -197,8 +197,8 @@ def _train(
 def _train_here(
     config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool, threads: int, base_dir: str | None
 ) -> int:
-    from rewind.engine.ranks import is_writer
-    from rewind.engine.session import RunError, open_run
+    from rewind.engine.model.ranks import is_writer
+    from rewind.engine.run.session import RunError, open_run
     from rewind.stores.eventlog import LogLockedError
 
     speaks = is_writer()
@@ -245,7 +245,7 @@ def finished_under_another_config(logged, new) -> str:
 def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progress: bool, speaks: bool = True) -> int:
     """Train an opened run to its end (or a stop), close it, and report (unless another process of a
     sharded run reports: `speaks`); returns the exit code."""
-    from rewind.engine.loop import drive
+    from rewind.engine.run.loop import drive
 
     try:
         if speaks:

@@ -195,7 +195,7 @@ def verify_run(run_dir: str, *, data: bool = False) -> tuple[list[str], list[str
     if aside := store.set_aside_names():
         notes.append(f"checkpoints a resume set aside under checkpoints/orphaned/ (kept, unused): {', '.join(aside)}")
     if data and config is not None:
-        from rewind.engine.rundata import verify_data  # the engine (torch) only when asked
+        from rewind.engine.data.rundata import verify_data  # the engine (torch) only when asked
 
         found, said = verify_data(run_dir, config, state)
         problems += found
@@ -225,8 +225,8 @@ def _trunk_problems(run_dir: str, trunks: dict, checked: dict[str, str]) -> list
 def _rollout_problems(run_dir: str, rollouts: dict[str, tuple]) -> list[str]:
     """Every rollout file the log names (a grpo stage's batches, kept for the record and read by the steps
     of their window): present, its bytes hashing to its name, a batch in rewind's format that follows the
-    rules a run's batches follow (rewind.engine.rolloutreader.rollout_problems: the check a resume makes)."""
-    from rewind.engine.rolloutreader import batch_problem, run_behaviours, run_end_id
+    rules a run's batches follow (rewind.engine.posttrain.rolloutreader.rollout_problems: the check a resume makes)."""
+    from rewind.engine.posttrain.rolloutreader import batch_problem, run_behaviours, run_end_id
 
     end_id, features = run_end_id(run_dir), run_behaviours(run_dir)
     found = []

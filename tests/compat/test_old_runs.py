@@ -96,7 +96,7 @@ def test_the_grpo_fixture_pins_the_figures_of_runs_started_before_scored_reward_
 def test_the_rollout_rules_read_an_old_runs_figures_by_its_features():
     """The check a resume and verify make (rolloutreader.rollout_problems) holds a run started before
     scored_reward_figures to the figures it records, and no other run to them."""
-    from rewind.engine.rolloutreader import batch_problem, rollout_problems, run_behaviours
+    from rewind.engine.posttrain.rolloutreader import batch_problem, rollout_problems, run_behaviours
     from rewind.states.events import RolloutsRecorded
     from rewind.stores.rollouts import read_rollouts
     from rewind.stores.runs import read_seq_events

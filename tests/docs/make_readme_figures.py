@@ -1,12 +1,13 @@
-"""Regenerate the README's demo figures: every output the README quotes from a demo run.
+"""Regenerate the demo figures: every output README.md and the guide under docs/ quote from a demo run.
 
 Run by hand from the repository root:  python tests/docs/make_readme_figures.py [--work DIR] [--seeds 1234,1,2]
 
 It trains the demo (straight; killed with SIGKILL once step 330 is durable, then resumed by the same
 command; a fork; the no-KL variant; several seeds of both) in DIR (default /tmp/rewind-readme), runs the
-commands the README's worked session shows, and writes what each printed to docs/figures/*.txt, with
-docs/figures/machine.json saying where the figures were made. tests/docs/test_readme.py checks that every
-README block marked `<!-- figure: docs/figures/NAME.txt -->` is exactly that file, and re-runs the
+commands the worked session (README.md, docs/inspecting.md) shows, and writes what each printed to
+docs/figures/*.txt, with docs/figures/machine.json saying where the figures were made, then pastes each
+file into the blocks that quote it. tests/docs/test_readme.py checks that every block of README.md or a
+page under docs/ marked `<!-- figure: docs/figures/NAME.txt -->` is exactly that file, and re-runs the
 straight demo to compare its figures where the machine is the same kind (see machine_fingerprint).
 
 Why "the same kind": a CPU run is bit for bit reproducible for a given torch build, CPU kernel capability
@@ -30,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # for `tests.docs`
 
-from tests.docs.readme_figures import FIGURES_DIR, README, machine_fingerprint  # noqa: E402
+from tests.docs.readme_figures import FIGURES_DIR, doc_pages, machine_fingerprint  # noqa: E402
 
 KILL_AT_STEP = 330
 DEMO_SEED = 1234  # examples/abcd*.toml's run.seed
@@ -155,7 +156,7 @@ def progressive_table(work: Path) -> str:
     return "\n".join(lines[start : start + 6])
 
 
-# What the README shows of examples/text.toml: samples before and after the task stage, the export loaded
+# What docs/own_text.md shows of examples/text.toml: samples before and after the task stage, the export loaded
 # in transformers by examples/load_hf.py (its greedy continuation next to rewind's), and `rewind eval`.
 TEXT_PROMPTS = ("def parse_args(", "sort qzkd=")
 TEXT_BEFORE_STEP = 321  # the checkpoint that closes pretraining (the boundary of stage 0)
@@ -188,20 +189,24 @@ def excerpt(text: str, keep) -> str:
     return "\n".join(line for line in text.splitlines() if keep(line))
 
 
-def fill_readme() -> int:
-    """Paste each figure file into the README blocks marked with it; returns how many blocks changed."""
-    lines = README.read_text().splitlines()
+def fill_pages() -> int:
+    """Paste each figure file into the blocks of README.md and of the pages under docs/ marked with it;
+    returns how many blocks changed (a page with none changed is not rewritten)."""
     changed = 0
-    for i, line in enumerate(lines):
-        if not line.startswith("<!-- figure: "):
-            continue
-        marked = line.strip().removeprefix("<!-- figure: ").removesuffix(" -->")
-        end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
-        figure = (REPO / marked).read_text().splitlines()
-        if lines[i + 2 : end] != figure:
-            lines[i + 2 : end] = figure
-            changed += 1
-    README.write_text("\n".join(lines) + "\n")
+    for page in doc_pages():
+        lines = page.read_text().splitlines()
+        before = changed
+        for i, line in enumerate(lines):
+            if not line.startswith("<!-- figure: "):
+                continue
+            marked = line.strip().removeprefix("<!-- figure: ").removesuffix(" -->")
+            end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
+            figure = (REPO / marked).read_text().splitlines()
+            if lines[i + 2 : end] != figure:
+                lines[i + 2 : end] = figure
+                changed += 1
+        if changed > before:
+            page.write_text("\n".join(lines) + "\n")
     return changed
 
 
@@ -209,13 +214,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/rewind-readme"))
     parser.add_argument("--seeds", default="1234,1,2")
-    parser.add_argument("--fill-only", action="store_true", help="only paste the figure files into the README")
+    parser.add_argument("--fill-only", action="store_true", help="only paste the figure files into the pages")
     parser.add_argument("--seeds-only", action="store_true", help="only the seeds table (reuses finished runs)")
     parser.add_argument("--progressive-only", action="store_true", help="only the progressive growth table")
     parser.add_argument("--text-only", action="store_true", help="only the real-data example (examples/text.toml)")
     options = parser.parse_args()
     if options.fill_only:
-        print(f"{fill_readme()} README block(s) updated")
+        print(f"{fill_pages()} page block(s) updated")
         return
     work = options.work
     if options.progressive_only:
@@ -223,19 +228,19 @@ def main() -> None:
         if not (work / "examples").exists():
             (work / "examples").symlink_to(REPO / "examples")
         (FIGURES_DIR / "progressive.txt").write_text(progressive_table(work) + "\n")
-        print(f"wrote the progressive table; {fill_readme()} README block(s) updated")
+        print(f"wrote the progressive table; {fill_pages()} page block(s) updated")
         return
     if options.text_only:
         work.mkdir(parents=True, exist_ok=True)
         if not (work / "examples").exists():
             (work / "examples").symlink_to(REPO / "examples")
         (FIGURES_DIR / "text.txt").write_text(text_figure(work) + "\n")
-        print(f"wrote the text example's figure; {fill_readme()} README block(s) updated")
+        print(f"wrote the text example's figure; {fill_pages()} page block(s) updated")
         return
     if options.seeds_only:
         seeds = [int(s) for s in options.seeds.split(",")]
         (FIGURES_DIR / "seeds.txt").write_text(seeds_table(work, seeds) + "\n")
-        print(f"wrote the seeds table; {fill_readme()} README block(s) updated")
+        print(f"wrote the seeds table; {fill_pages()} page block(s) updated")
         return
     # The demo's runs are made again; the seeds' variants are kept when finished (they are deterministic,
     # and the seeds table reads only their logs).
@@ -276,7 +281,7 @@ def main() -> None:
         "final_checkpoint": checkpoints[-1],
     }
     (FIGURES_DIR / "machine.json").write_text(json.dumps(machine, indent=1) + "\n")
-    print(f"wrote {len(figures)} figures to {FIGURES_DIR} ({os.cpu_count()} CPUs here); {fill_readme()} README block(s) updated")
+    print(f"wrote {len(figures)} figures to {FIGURES_DIR} ({os.cpu_count()} CPUs here); {fill_pages()} page block(s) updated")
 
 
 if __name__ == "__main__":

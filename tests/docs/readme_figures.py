@@ -1,6 +1,7 @@
 """What the README's checks share: where the figures live, which machine made them, how blocks are marked.
 
-A README block is checked in one of two ways, by the HTML comment on the line before its fence:
+The checked pages are README.md and every Markdown page under docs/ (`doc_pages`): a block of any of them
+is checked in one of two ways, by the HTML comment on the line before its fence:
 - `<!-- figure: docs/figures/NAME.txt -->`: the block is exactly that file, which
   `tests/docs/make_readme_figures.py` wrote from a demo run (figures that depend on the machine kind);
 - `<!-- output: rewind ARGS -->`: the block is `$ rewind ARGS` and then exactly what that command prints,
@@ -18,7 +19,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
-FIGURES_DIR = REPO / "docs" / "figures"
+DOCS_DIR = REPO / "docs"
+FIGURES_DIR = DOCS_DIR / "figures"
 _MARKER = re.compile(r"^<!-- (figure|output): (.+?) -->$")
 
 
@@ -37,8 +39,14 @@ def machine_fingerprint() -> dict:
     return json.loads(done.stdout)
 
 
-def marked_blocks(text: str) -> list[tuple[str, str, str]]:
-    """(kind, argument, block content) of every marked fenced block, in README order."""
+def doc_pages() -> list[Path]:
+    """README.md, then every Markdown page under docs/ (subfolders too) in path order: the pages whose
+    snippets, figures and links the tests check."""
+    return [README, *sorted(DOCS_DIR.rglob("*.md"))]
+
+
+def marked_blocks(text: str, where: str = "README") -> list[tuple[str, str, str]]:
+    """(kind, argument, block content) of every marked fenced block of one page, in page order."""
     lines = text.splitlines()
     found = []
     for i, line in enumerate(lines):
@@ -46,7 +54,17 @@ def marked_blocks(text: str) -> list[tuple[str, str, str]]:
         if not match:
             continue
         if i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
-            raise ValueError(f"README line {i + 1}: a marker must be followed by a fenced block")
+            raise ValueError(f"{where} line {i + 1}: a marker must be followed by a fenced block")
         end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
         found.append((match.group(1), match.group(2), "\n".join(lines[i + 2 : end]) + "\n"))
+    return found
+
+
+def marked_pages() -> list[tuple[str, str, str, str]]:
+    """(page, kind, argument, block content) of every marked fenced block of every checked page, the page
+    as a path from the repository root."""
+    found = []
+    for path in doc_pages():
+        where = str(path.relative_to(REPO))
+        found += [(where, *block) for block in marked_blocks(path.read_text(), where)]
     return found

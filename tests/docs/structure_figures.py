@@ -33,7 +33,7 @@ CONTROL_EVENTS = (
 
 
 def sources(rev: str | None) -> dict[str, str]:
-    """{'engine/loop.py': text} for the five packages, from the tree or from `rev`."""
+    """{'engine/run/loop.py': text} for the five packages, from the tree or from `rev`."""
     if rev is None:
         return {
             str(p.relative_to(ROOT)): p.read_text()

@@ -1,13 +1,13 @@
 """docs/data.md's built-in tasks are what the code generates: the packed pretraining rows it draws (text and
 loss mask), the post-training rows of its table (prompt, answer, rejected), the validation examples and the
-split sizes it quotes are made again here from rewind.engine.tasks and rewind.engine.task_rows."""
+split sizes it quotes are made again here from rewind.engine.data.tasks and rewind.engine.data.task_rows."""
 
 from __future__ import annotations
 
 import re
 
-from rewind.engine.task_rows import task_texts
-from rewind.engine.tasks import TASK_NAMES, num_task_samples, task_sample
+from rewind.engine.data.task_rows import task_texts
+from rewind.engine.data.tasks import TASK_NAMES, num_task_samples, task_sample
 from tests.conftest import REPO
 
 DOC = REPO / "docs" / "data.md"
@@ -65,8 +65,7 @@ def test_the_validation_examples_are_each_task_s_row_0():
 
 
 def test_the_quoted_ranges_are_the_generator_s():
-    from rewind.engine import task_rows, tasks
-
+    from rewind.engine.data import task_rows, tasks
     text = " ".join(section().split())
     letters = f"{tasks._MIN_LETTERS} to {tasks._MAX_LETTERS} lowercase letters"
     assert text.count(letters) == 2

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rewind.engine.dpo_losses import dpo_loss
-from rewind.engine.grpo_losses import group_advantages, grpo_loss, grpo_normaliser, kl_estimate
-from rewind.engine.rewards import RewardError, score
+from rewind.engine.posttrain.dpo_losses import dpo_loss
+from rewind.engine.posttrain.grpo_losses import group_advantages, grpo_loss, grpo_normaliser, kl_estimate
+from rewind.engine.posttrain.rewards import RewardError, score
 from rewind.states.config import (
     ConfigError,
     DpoSettings,
@@ -182,10 +182,10 @@ def test_the_logged_dpo_loss_leaves_the_sft_term_out_and_trl_s_is_their_sum():
 def test_a_dpo_step_logs_the_preference_loss_alone_and_the_sft_term_apart():
     import copy
 
-    from rewind.engine.dpo_step import dpo_train_step, preference_rows
-    from rewind.engine.layout import build_model, eval_mode
-    from rewind.engine.registry import DatasetRegistry
-    from rewind.engine.step import build_optimizer
+    from rewind.engine.data.registry import DatasetRegistry
+    from rewind.engine.model.layout import build_model, eval_mode
+    from rewind.engine.posttrain.dpo_step import dpo_train_step, preference_rows
+    from rewind.engine.step.step import build_optimizer
 
     config = loads_config(
         "[architecture]\nblock_size = 32\nnum_layers = 1\nnum_heads = 2\nd_model = 16\n"
@@ -339,12 +339,12 @@ def test_a_reward_function_gets_three_lists_by_position_and_the_answer_by_keywor
 
 
 def test_a_grpo_step_logs_the_reward_over_scored_completions_and_the_weighted_kl_the_loss_uses():
-    from rewind.engine.grpo_rollouts import logprobs_of
-    from rewind.engine.grpo_step import grpo_train_step
-    from rewind.engine.layout import build_model
-    from rewind.engine.rolloutreader import TrainingRows
-    from rewind.engine.row_batches import completion_batch
-    from rewind.engine.step import build_optimizer
+    from rewind.engine.data.row_batches import completion_batch
+    from rewind.engine.model.layout import build_model
+    from rewind.engine.posttrain.grpo_rollouts import logprobs_of
+    from rewind.engine.posttrain.grpo_step import grpo_train_step
+    from rewind.engine.posttrain.rolloutreader import TrainingRows
+    from rewind.engine.step.step import build_optimizer
 
     config = loads_config(
         "[architecture]\nblock_size = 32\nnum_layers = 1\nnum_heads = 2\nd_model = 16\n[training]\nbatch_size = 4\n"

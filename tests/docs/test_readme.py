@@ -1,8 +1,10 @@
-"""The README cannot drift: every figure and worked example it quotes is re-derived here.
+"""The README and the guide under docs/ cannot drift: every figure and worked example they quote is
+re-derived here.
 
 Dry runs and config errors are re-run and compared on every machine. Demo figures depend on the kind
-of machine (see tests/docs/make_readme_figures.py): the README must quote exactly the figure files, and
-on the kind of machine that made them the demo is trained again and must reproduce them bit for bit.
+of machine (see tests/docs/make_readme_figures.py): README.md and the pages under docs/ together must
+quote exactly the figure files, and on the kind of machine that made them the demo is trained again and
+must reproduce them bit for bit.
 """
 
 from __future__ import annotations
@@ -15,38 +17,44 @@ import sys
 
 import pytest
 
-from tests.docs.readme_figures import FIGURES_DIR, README, REPO, machine_fingerprint, marked_blocks
+from tests.docs.readme_figures import FIGURES_DIR, REPO, machine_fingerprint, marked_blocks, marked_pages
 from tests.engine.test_loop import run_cli
 
-BLOCKS = marked_blocks(README.read_text())
+# (page, kind, argument, content) of every marked block of README.md and of every page under docs/.
+BLOCKS = marked_pages()
 
 
-def test_the_readme_marks_its_figures_and_examples():
-    kinds = {kind for kind, _, _ in BLOCKS}
+def test_the_readme_and_the_guide_mark_their_figures_and_examples():
+    kinds = {kind for _, kind, _, _ in BLOCKS}
     assert kinds == {"figure", "output"}, kinds
-    quoted = {name for kind, name, _ in BLOCKS if kind == "figure"}
+    quoted = {name for _, kind, name, _ in BLOCKS if kind == "figure"}
     on_disk = {f"docs/figures/{p.name}" for p in FIGURES_DIR.glob("*.txt")}
-    assert quoted == on_disk, "every figure file is quoted, and only those"
+    assert quoted == on_disk, "every figure file is quoted (README.md, docs/), and only those"
 
 
-@pytest.mark.parametrize("name", sorted({arg for kind, arg, _ in BLOCKS if kind == "figure"}))
+def test_a_marker_without_a_block_names_its_page_and_line():
+    with pytest.raises(ValueError, match=r"^docs/x\.md line 2: a marker must be followed by a fenced block"):
+        marked_blocks("text\n<!-- figure: docs/figures/state.txt -->\nnot a fence\n", "docs/x.md")
+
+
+@pytest.mark.parametrize("name", sorted({arg for _, kind, arg, _ in BLOCKS if kind == "figure"}))
 def test_a_figure_block_is_exactly_its_file(name):
-    blocks = [content for kind, arg, content in BLOCKS if kind == "figure" and arg == name]
+    blocks = [(page, content) for page, kind, arg, content in BLOCKS if kind == "figure" and arg == name]
     expected = (REPO / name).read_text()
-    for content in blocks:
-        assert content == expected, f"README's block for {name} differs from the file: regenerate or re-paste"
+    for page, content in blocks:
+        assert content == expected, f"{page}'s block for {name} differs from the file: regenerate or re-paste"
 
 
-@pytest.mark.parametrize("command", sorted({arg for kind, arg, _ in BLOCKS if kind == "output"}))
+@pytest.mark.parametrize("command", sorted({arg for _, kind, arg, _ in BLOCKS if kind == "output"}))
 def test_an_output_block_is_what_the_command_prints(command, monkeypatch):
     words = shlex.split(command)
     assert words[0] == "rewind"
     monkeypatch.chdir(REPO)
     _, out, err = run_cli(*words[1:])
     printed = f"$ {command}\n{out}{err}"
-    for kind, arg, content in BLOCKS:
+    for page, kind, arg, content in BLOCKS:
         if kind == "output" and arg == command:
-            assert content == printed
+            assert content == printed, f"{page}: the block for `{command}` is not what it prints"
 
 
 @pytest.mark.slow

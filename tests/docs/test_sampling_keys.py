@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewind.engine.generation import sample_completions
-from rewind.engine.model import GPT
+from rewind.engine.model.model import GPT
+from rewind.engine.posttrain.generation import sample_completions
 from rewind.states.config import ArchitectureSection
 from rewind.states.events import RolloutsRecorded
 from rewind.stores.runs import read_seq_events

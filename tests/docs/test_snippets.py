@@ -1,4 +1,4 @@
-"""Every snippet in README.md and docs/*.md is what it claims to be, so a doc example cannot drift.
+"""Every snippet in README.md and docs/**/*.md is what it claims to be, so a doc example cannot drift.
 
 - A ```toml block is parsed (tomllib) and loaded by rewind's own reader (`loads_config`, pure: no file is
   opened) as what it shows: a whole config when it has stages and other sections, else a fragment (a
@@ -27,9 +27,9 @@ import pytest
 from rewind.states.config import ConfigError
 from rewind.states.config_reading import loads_config, multiline_table_hint
 from rewind.tools.cli import build_parser
+from tests.docs.readme_figures import REPO, doc_pages
 
-REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = doc_pages()  # README.md and every page under docs/, subfolders included
 SHELL = {"bash", "sh", "shell", "console"}
 _FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)")
 

@@ -72,7 +72,7 @@ def resume_from_start(marks: Marks) -> None:
     The folded state it resumes from is the start's, so the RunResumed it writes is a legal one and the
     run goes on to finish (a resume from the start retrains every step the same way): only where the
     resume restarted gives the bug away."""
-    from rewind.engine import session
+    from rewind.engine.run import session
     from rewind.states.events import CheckpointCommitted
     from rewind.states.fold import fold
     from rewind.stores.folding import FoldedLog
@@ -109,8 +109,7 @@ def effective_counts_superseded(marks: Marks) -> None:
 def dropout_seed_from_counter(marks: Marks) -> None:
     """The dropout seed keyed by the number of steps this process has run instead of the step: the
     classic lost-RNG bug, invisible in a run that never stops (there the two agree)."""
-    from rewind.engine import step as step_module
-
+    from rewind.engine.step import step as step_module
     derive_seed = step_module.derive_seed
     steps_here = itertools.count()
     current = 0
@@ -185,7 +184,7 @@ def serve() -> None:
     import matplotlib
     import torch._dynamo
 
-    import rewind.engine.session
+    import rewind.engine.run.session
     import rewind.tools.cli
     import rewind.tools.export_cmd
     import rewind.tools.replay_cmd

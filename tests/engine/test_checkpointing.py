@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewind.engine import tensors
-from rewind.engine.checkpointing import reference_digest
-from rewind.engine.parts import build_parts, open_datasets
-from rewind.engine.rundata import home_of
+from rewind.engine.data.rundata import home_of
+from rewind.engine.model import tensors
+from rewind.engine.run.checkpointing import reference_digest
+from rewind.engine.run.parts import build_parts, open_datasets
 from rewind.states.events import CheckpointCommitted, ReferenceRefreshed
 from rewind.states.fold import fold
 from rewind.states.history import config_in_force

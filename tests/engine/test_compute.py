@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from rewind.engine import placement
-from rewind.engine import step as step_module
+from rewind.engine.model import placement
+from rewind.engine.step import step as step_module
 from rewind.states.events import RunResumed, RunStarted, StepCommitted
 from tests.engine.test_loop import (
     TINY,

@@ -127,8 +127,7 @@ def test_a_run_of_an_older_release_recorded_no_device_and_goes_on_on_the_cpu(mon
     """Before schema 6 nothing was recorded, and every run computed on the CPU: under compute.device =
     "auto" a resume, replay or sample of one stays there even where CUDA is available; a new run
     chooses for itself again."""
-    from rewind.engine import placement
-
+    from rewind.engine.model import placement
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     placement.adopt_device("")

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewind.engine import placement
+from rewind.engine.model import placement
 from rewind.states.events import RunStarted
 from rewind.stores.runs import read_seq_events
 from tests.conftest import EXAMPLES

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine import cursors
-from rewind.engine.cursors import assemble_batch, draw, sample_indices, split_rows
-from rewind.engine.registry import DatasetRegistry
+from rewind.engine.data import cursors
+from rewind.engine.data.cursors import assemble_batch, draw, sample_indices, split_rows
+from rewind.engine.data.registry import DatasetRegistry
 from rewind.states.config import ArchitectureSection, Config, Sampling, Stage
 
 seeds = st.integers(0, 2**63 - 1)
@@ -152,8 +152,7 @@ def test_assemble_batch_with_no_rows_and_bad_stage_count():
 )
 def test_small_draws_on_python_ints_are_the_vectorised_draws_bit_for_bit(seed, num_samples, start, count):
     """Small draws take a Python-int path for speed; a run's data order must not depend on the path."""
-    from rewind.engine import cursors
-
+    from rewind.engine.data import cursors
     positions = np.arange(start, start + count, dtype=np.int64)
     epochs, within = np.divmod(positions, num_samples)
     vectorised = np.empty(count, dtype=np.int64)

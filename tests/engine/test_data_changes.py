@@ -1,5 +1,5 @@
 """A token file that changes under a training run stops it with one line naming it, before anything is
-recorded that a later process could not honour (rewind.engine.tokens, rewind.engine.rundata).
+recorded that a later process could not honour (rewind.engine.data.tokens, rewind.engine.data.rundata).
 
 - rewritten in place (same size) after the checkpoint of step 4: the run stops before the checkpoint of
   step 8 (exit 1, the dataset named), no checkpoint vouches for the steps that read the new tokens, and
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rewind.engine import loop
+from rewind.engine.run import loop
 from rewind.states.events import CheckpointCommitted, RunFinished, RunStopped
 from tests.engine.test_loop import events_of, run_cli
 

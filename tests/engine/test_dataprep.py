@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rewind.engine.dataprep import prepare, prepare_tokenizer, resolve_inputs
-from rewind.engine.documents import DocumentError
-from rewind.engine.tokenizer import Tokenizer, train_bpe
+from rewind.engine.data.dataprep import prepare, prepare_tokenizer, resolve_inputs
+from rewind.engine.data.documents import DocumentError
+from rewind.engine.data.tokenizer import Tokenizer, train_bpe
 from rewind.stores.datamanifest import ManifestError, check_prepared, read_manifest
 
 DOCUMENTS = [

@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine import datasets as datasets_module
-from rewind.engine.datasets import DatasetError
-from rewind.engine.registry import DatasetRegistry, open_dataset
-from rewind.engine.tasks import TASK_NAMES, task_sample
-from rewind.engine.userdata import DataHome
+from rewind.engine.data import datasets as datasets_module
+from rewind.engine.data.datasets import DatasetError
+from rewind.engine.data.registry import DatasetRegistry, open_dataset
+from rewind.engine.data.tasks import TASK_NAMES, task_sample
+from rewind.engine.data.userdata import DataHome
 from rewind.states.config import BUILTIN_DATASETS, ArchitectureSection, Config, DataSource
 
 # The carving of runs started before random validation splits: the last windows are validation.

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rewind.engine.documents import DocumentError, expand_inputs, iter_documents, iter_pairs, kind_of
+from rewind.engine.data.documents import DocumentError, expand_inputs, iter_documents, iter_pairs, kind_of
 
 
 def one_line_error(fn, *needles: str) -> str:

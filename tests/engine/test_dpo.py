@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from rewind.engine.cursors import sample_indices
-from rewind.engine.dpo_step import dpo_train_step, preference_rows
-from rewind.engine.layout import build_model, eval_mode
-from rewind.engine.placement import Placement, PlacementError, check_compute
-from rewind.engine.registry import DatasetRegistry
-from rewind.engine.row_batches import preference_batch
-from rewind.engine.step import build_optimizer
-from rewind.engine.task_rows import task_preference_row
+from rewind.engine.data.cursors import sample_indices
+from rewind.engine.data.registry import DatasetRegistry
+from rewind.engine.data.row_batches import preference_batch
+from rewind.engine.data.task_rows import task_preference_row
+from rewind.engine.model.layout import build_model, eval_mode
+from rewind.engine.model.placement import Placement, PlacementError, check_compute
+from rewind.engine.posttrain.dpo_step import dpo_train_step, preference_rows
+from rewind.engine.step.step import build_optimizer
 from rewind.states.config_reading import loads_config
 from tests.conftest import EXAMPLES
 

@@ -1,4 +1,4 @@
-"""DPO (`rewind.engine.dpo_losses`) against a plain implementation, values (math) and gradients
+"""DPO (`rewind.engine.posttrain.dpo_losses`) against a plain implementation, values (math) and gradients
 (torch scalars in loops), every variant; at initialisation (policy = reference through the same code)
 log-ratios exactly 0, loss ln 2, accuracy 0."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from rewind.engine.dpo_losses import DPO_VARIANTS, dpo_loss
-from rewind.engine.response_logprobs import sequence_logprobs, token_counts
+from rewind.engine.posttrain.dpo_losses import DPO_VARIANTS, dpo_loss
+from rewind.engine.posttrain.response_logprobs import sequence_logprobs, token_counts
 
 BETA = 0.3
 

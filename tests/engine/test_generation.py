@@ -1,4 +1,4 @@
-"""Batched rollout sampling (rewind.engine.generation): a completion is a function of its key (seed, stage,
+"""Batched rollout sampling (rewind.engine.posttrain.generation): a completion is a function of its key (seed, stage,
 step, prompt id, sample index), never of the batch it is sampled in; greedy is `rewind sample`'s greedy;
 the log-probs are those of the sampled distribution; eos and length end a row; bad requests are refused."""
 
@@ -8,15 +8,15 @@ import msgspec
 import pytest
 import torch
 
-from rewind.engine.generation import (
+from rewind.engine.model.model import GPT
+from rewind.engine.posttrain.generation import (
     Request,
     requests_for,
     sample_completions,
     sample_requests,
     uniform,
 )
-from rewind.engine.model import GPT
-from rewind.engine.sampling import SamplingError, generate
+from rewind.engine.posttrain.sampling import SamplingError, generate
 from rewind.states.config import ArchitectureSection
 
 ARCH = ArchitectureSection(block_size=32, vocab_size=48, num_layers=2, num_heads=2, d_model=16)
@@ -62,7 +62,7 @@ def test_a_completion_does_not_depend_on_its_batch(model):
 
 def test_the_draws_are_named_by_their_key():
     """Each draw is the uniform of stream (seed, "rollout", stage, step, prompt id, sample index, position)."""
-    from rewind.engine.rng import torch_generator
+    from rewind.engine.model.rng import torch_generator
 
     expected = torch.rand((), dtype=torch.float64, generator=torch_generator(7, "rollout", 2, 11, "q", 3, 4))
     assert uniform((7, 2, 11, "q", 3), 4) == float(expected)

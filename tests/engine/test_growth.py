@@ -11,11 +11,11 @@ import msgspec
 import pytest
 import torch
 
-from rewind.engine import layout as layouts
-from rewind.engine.growth import grow
-from rewind.engine.parts import fresh_parts, open_datasets
-from rewind.engine.step import train_step
-from rewind.engine.userdata import DataHome
+from rewind.engine.data.userdata import DataHome
+from rewind.engine.model import layout as layouts
+from rewind.engine.run.growth import grow
+from rewind.engine.run.parts import fresh_parts, open_datasets
+from rewind.engine.step.step import train_step
 from rewind.states.config_reading import loads_config
 from rewind.states.events import ActivationsCached, StackAppended
 from rewind.states.growth import grown_layout, growth_event, initial_layout
@@ -258,7 +258,7 @@ def test_objectives_and_precisions_resume_bit_for_bit(tmp_path, variant):
 
 
 def test_the_reference_shares_the_frozen_trunk_and_copies_what_trains(tmp_path):
-    from rewind.engine.reference import reference_of
+    from rewind.engine.model.reference import reference_of
 
     config = _config('trunk = "qlora"')
     grown, _ = _grown(_fresh(config, tmp_path), config)

@@ -15,14 +15,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rewind.engine import grpo_rollouts
-from rewind.engine.generation import sample_completions
-from rewind.engine.grpo_rollouts import logprobs_of
-from rewind.engine.grpo_step import WindowRows, grpo_train_step
-from rewind.engine.layout import build_model
-from rewind.engine.rolloutreader import TrainingRows, off_rows, on_rows, training_rows
-from rewind.engine.row_batches import completion_batch
-from rewind.engine.step import build_optimizer
+from rewind.engine.data.row_batches import completion_batch
+from rewind.engine.model.layout import build_model
+from rewind.engine.posttrain import grpo_rollouts
+from rewind.engine.posttrain.generation import sample_completions
+from rewind.engine.posttrain.grpo_rollouts import logprobs_of
+from rewind.engine.posttrain.grpo_step import WindowRows, grpo_train_step
+from rewind.engine.posttrain.rolloutreader import TrainingRows, off_rows, on_rows, training_rows
+from rewind.engine.step.step import build_optimizer
 from rewind.states.config_reading import loads_config
 from rewind.states.events import RolloutsRecorded
 from rewind.stores.rollouts import read_rollouts

@@ -1,4 +1,4 @@
-"""GRPO (`rewind.engine.grpo_losses`): rewards and advantages against plain Python, the clipped loss
+"""GRPO (`rewind.engine.posttrain.grpo_losses`): rewards and advantages against plain Python, the clipped loss
 against a plain loop over rows and tokens (values and gradients, every loss type and KL estimator), and
 the step's normaliser: neither micro-batches nor ranks change the gradient. The updates of a rollout
 batch and the KL estimators' claims are in test_grpo_updates.py."""
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine.grpo_losses import (
+from rewind.engine.posttrain.grpo_losses import (
     LOSS_TYPES,
     group_advantages,
     grpo_loss,
@@ -22,7 +22,7 @@ from rewind.engine.grpo_losses import (
     reward_figures,
     weighted_rewards,
 )
-from rewind.engine.response_logprobs import token_logprobs
+from rewind.engine.posttrain.response_logprobs import token_logprobs
 
 NAN = float("nan")
 

@@ -1,4 +1,4 @@
-"""GRPO's updates of one rollout batch (`rewind.engine.grpo_losses`): the ratio exactly 1 with the plain
+"""GRPO's updates of one rollout batch (`rewind.engine.posttrain.grpo_losses`): the ratio exactly 1 with the plain
 policy gradient on the first update, the clip stopping the gradient on the second (num_iterations = 2),
 and the KL estimators' claims checked by exact enumeration over a 5-action categorical policy."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewind.engine.grpo_losses import grpo_loss, grpo_normaliser, importance_ratio
-from rewind.engine.response_logprobs import token_logprobs
+from rewind.engine.posttrain.grpo_losses import grpo_loss, grpo_normaliser, importance_ratio
+from rewind.engine.posttrain.response_logprobs import token_logprobs
 
 # --- ratio 1 on the first update, the clip on the second --------------------------------------------
 

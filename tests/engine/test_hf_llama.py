@@ -1,4 +1,4 @@
-"""rewind's model as transformers' LlamaForCausalLM (rewind.engine.hf_llama): the same logits in float32.
+"""rewind's model as transformers' LlamaForCausalLM (rewind.engine.model.hf_llama): the same logits in float32.
 
 A random SwiGLU model, plain or grown (two stacks, the later one prepended), is written as config.json +
 model.safetensors and loaded by `AutoModelForCausalLM.from_pretrained`; its logits match rewind's
@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rewind.engine import hf_llama
-from rewind.engine.layout import build_plain, eval_mode
-from rewind.engine.model import GPT, rotate
+from rewind.engine.model import hf_llama
+from rewind.engine.model.layout import build_plain, eval_mode
+from rewind.engine.model.model import GPT, rotate
 from rewind.states.config import ArchitectureSection, Config, RunSection
 from rewind.states.growth import initial_layout
 from rewind.states.state import ModelLayout, StackLayout

@@ -1,4 +1,4 @@
-"""rewind's model as a transformers model (rewind.engine.hf_models): each block kind's architecture computes
+"""rewind's model as a transformers model (rewind.engine.model.hf_models): each block kind's architecture computes
 rewind's logits in float32, and its adapters, renamed for peft, what rewind's adapted model computes.
 
 For every (norm, mlp) a random model, plain or grown (a stack prepended), with norm gains and biases moved
@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rewind.engine import hf_models
-from rewind.engine.layout import build_model, build_plain, eval_mode, model_from_weights
-from rewind.engine.layout import lora_config as rewind_lora_config
+from rewind.engine.model import hf_models
+from rewind.engine.model.layout import build_model, build_plain, eval_mode, model_from_weights
+from rewind.engine.model.layout import lora_config as rewind_lora_config
 from rewind.states.config import ArchitectureSection, Config, ObjectiveSection, RunSection
 from rewind.states.growth import initial_layout
 from rewind.states.state import ModelLayout, StackLayout
@@ -163,7 +163,7 @@ def computed(weights, adapters, layout, config) -> dict[str, torch.Tensor]:
 def test_an_nf4_stack_is_exported_as_its_dequantised_weights():
     """What the run's NF4 layer computes with (its output for the identity is that weight, transposed),
     not the float weights it was quantised from (what checkpoints and `--to` hold)."""
-    from rewind.engine.layout import quantise_stack
+    from rewind.engine.model.layout import quantise_stack
 
     config = config_of("rmsnorm", "gelu")
     layout = adapted_layout()

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from rewind.engine.datasets import DatasetError
-from rewind.engine.registry import open_dataset
-from rewind.engine.tokens import RowSplit, holdout_problem
+from rewind.engine.data.datasets import DatasetError
+from rewind.engine.data.registry import open_dataset
+from rewind.engine.data.tokens import RowSplit, holdout_problem
 from rewind.states.config import DataSource
 from tests.engine.test_datasets import TAIL, make_config, write_tokens
 

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from rewind.engine.checkpointing import model_groups
-from rewind.engine.effects import apply_effect
-from rewind.engine.growth import grow, plain_weights
-from rewind.engine.layout import base_and_adapters
+from rewind.engine.model.layout import base_and_adapters
+from rewind.engine.run.checkpointing import model_groups
+from rewind.engine.run.effects import apply_effect
+from rewind.engine.run.growth import grow, plain_weights
 from rewind.states.events import ReferenceRefreshed
 from rewind.states.growth import grown_layout, growth_event, initial_layout
 from rewind.states.plan import started_state

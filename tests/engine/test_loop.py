@@ -26,9 +26,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewind.engine import layout as layouts
-from rewind.engine import loop, tensors
-from rewind.engine import step as step_module
+from rewind.engine.model import layout as layouts
+from rewind.engine.model import tensors
+from rewind.engine.run import loop
+from rewind.engine.step import step as step_module
 from rewind.states.config import Config
 from rewind.states.events import (
     CheckpointCommitted,
@@ -478,7 +479,7 @@ def test_a_run_that_skips_most_of_its_updates_fails_with_one_line(tmp_path, monk
 
 
 def test_a_run_that_skips_some_updates_finishes_with_a_warning(tmp_path, monkeypatch):
-    from rewind.engine.session import open_run
+    from rewind.engine.run.session import open_run
     from rewind.states.config_reading import loads_config
 
     poison_steps(monkeypatch, {1, 4})  # 2 of 9: more than 10%, not more than half

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rewind.engine.model import GPT, Stack, init_new_stack
+from rewind.engine.model.model import GPT, Stack, init_new_stack
 from rewind.states.config import ArchitectureSection
 
 ARCH = ArchitectureSection(block_size=16, vocab_size=32, num_layers=2, num_heads=2, d_model=16)

@@ -1,4 +1,4 @@
-"""Incremental decoding (rewind.engine.attention_inputs.KVCache): a prefill of right-padded prompts of
+"""Incremental decoding (rewind.engine.model.attention_inputs.KVCache): a prefill of right-padded prompts of
 different lengths, then a token per row per call, gives the logits of the model's plain forward over each
 row's context, for every block kind, a grown model of several stacks and LoRA-wrapped trunks; a context
 that outgrows the block is refused."""
@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import torch
 
-from rewind.engine.attention_inputs import KVCache
-from rewind.engine.model import GPT
+from rewind.engine.model.attention_inputs import KVCache
+from rewind.engine.model.model import GPT
 from rewind.states.config import ArchitectureSection
 from tests.engine.test_growth import _config, _fresh, _grown, _trained
 

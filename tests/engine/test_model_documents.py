@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rewind.engine.attention_inputs import document_positions, rope_and_mask
-from rewind.engine.model import GPT
+from rewind.engine.model.attention_inputs import document_positions, rope_and_mask
+from rewind.engine.model.model import GPT
 from rewind.states.config import ArchitectureSection
 
 ARCH = ArchitectureSection(block_size=16, vocab_size=32, num_layers=2, num_heads=2, d_model=16)

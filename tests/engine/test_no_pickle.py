@@ -23,7 +23,7 @@ import torch
 import torch.serialization
 from safetensors.torch import load_file
 
-from rewind.engine import placement
+from rewind.engine.model import placement
 from rewind.states.events import RunResumed
 from rewind.states.fold import fold
 from rewind.stores.checkpoints import CheckpointStore

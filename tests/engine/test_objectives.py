@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine.datasets import BuiltinDataset
-from rewind.engine.objectives import (
+from rewind.engine.data.datasets import BuiltinDataset
+from rewind.engine.step.objectives import (
     ObjectiveBatch,
     depth_level,
     eligible_positions,
@@ -136,7 +136,7 @@ def test_model_needs(objective, vocab, time_rows, causal):
 def test_clm_is_todays_slicing_bit_for_bit(name):
     tokens, loss_mask = _rows(name, 6)
     batch = objective_batch(ObjectiveSection(kind="clm"), VOCAB, tokens, loss_mask, seed=3, step=7)
-    # What engine/step.py has always done: inputs, targets = tokens[:, :-1], tokens[:, 1:].
+    # What engine/step/step.py has always done: inputs, targets = tokens[:, :-1], tokens[:, 1:].
     for got, want in ((batch.inputs, tokens[:, :-1]), (batch.targets, tokens[:, 1:])):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want)

@@ -1,4 +1,4 @@
-"""rewind's AdamW (engine/optimizer.py) against torch.optim.AdamW(foreach=False): the same bits after every
+"""rewind's AdamW (engine/model/optimizer.py) against torch.optim.AdamW(foreach=False): the same bits after every
 step, through LR changes, parameters without gradients, cleared state and state restored from a checkpoint's
 form; and no torch._dynamo import on the way (the reason it exists)."""
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from rewind.engine.optimizer import AdamW
-from rewind.engine.tensors import load_optimizer_tensors, optimizer_tensors
+from rewind.engine.model.optimizer import AdamW
+from rewind.engine.model.tensors import load_optimizer_tensors, optimizer_tensors
 
 SETTINGS = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8}
 
@@ -129,7 +129,7 @@ def test_a_state_of_settings_it_does_not_compute_is_refused():
 def test_building_and_stepping_imports_no_dynamo():
     code = (
         "import sys, torch\n"
-        "from rewind.engine.optimizer import AdamW\n"
+        "from rewind.engine.model.optimizer import AdamW\n"
         "p = torch.nn.Parameter(torch.ones(3))\n"
         "o = AdamW([{'params': [p]}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)\n"
         "p.sum().backward(); o.step(); o.zero_grad()\n"

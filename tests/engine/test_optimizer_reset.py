@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rewind.engine import effects, loop
+from rewind.engine.run import effects, loop
 from rewind.states.events import OptimizerReset, RunResumed, StepCommitted
 from rewind.states.fold import fold
 from tests.engine.test_loop import (

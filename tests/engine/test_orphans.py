@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rewind.engine import parts as parts_module
+from rewind.engine.run import parts as parts_module
 from rewind.states.events import CheckpointDeleted
 from rewind.stores.checkpoints import ORPHANED_DIR, CheckpointStore
 from rewind.stores.runs import read_records

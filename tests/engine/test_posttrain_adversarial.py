@@ -179,7 +179,7 @@ def test_a_rollout_file_linked_out_of_the_run_is_refused(mid_window, tmp_path):
 # ("after"): what a kill at that moment leaves.
 LAUNCHER = """
 import os, signal, sys
-from rewind.engine import loop
+from rewind.engine.run import loop
 from rewind.states.events import RolloutsRecorded
 moment, target = sys.argv[1], 4
 sample, record = loop.sample_rollouts, loop.record

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from rewind.engine import posttrain_eval as pe
-from rewind.engine.generation import sample_completions
-from rewind.engine.layout import build_model
-from rewind.engine.task_rows import ANSWER_FIELD, exact_match_reward
+from rewind.engine.data.task_rows import ANSWER_FIELD, exact_match_reward
+from rewind.engine.model.layout import build_model
+from rewind.engine.posttrain import posttrain_eval as pe
+from rewind.engine.posttrain.generation import sample_completions
 from rewind.states.config_reading import loads_config
 from tests.conftest import EXAMPLES
 

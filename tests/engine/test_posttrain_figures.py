@@ -1,5 +1,5 @@
-"""What a boundary evaluation of a post-training run records (rewind.engine.posttrain_figures): nothing for a
-pretraining run; the figures of rewind.engine.posttrain_eval on each evaluated task's held-out prompts, with the
+"""What a boundary evaluation of a post-training run records (rewind.engine.posttrain.posttrain_figures): nothing for a
+pretraining run; the figures of rewind.engine.posttrain.posttrain_eval on each evaluated task's held-out prompts, with the
 first grpo stage's G, temperature and new-token limit; against a reference equal to the model a win rate of
 exactly 0.5 and, after a dpo stage, implicit rewards of exactly 0 (margin 0, accuracy 0: strictly above)."""
 
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rewind.engine import posttrain_eval as pe
-from rewind.engine.layout import build_model, eval_mode, quantise_stack
-from rewind.engine.posttrain_figures import boundary_figures, sampling_settings
-from rewind.engine.registry import DatasetRegistry
+from rewind.engine.data.registry import DatasetRegistry
+from rewind.engine.model.layout import build_model, eval_mode, quantise_stack
+from rewind.engine.posttrain import posttrain_eval as pe
+from rewind.engine.posttrain.posttrain_figures import boundary_figures, sampling_settings
 from rewind.states.config_reading import loads_config
 from tests.engine.test_dpo import DPO_TEXT, TINY
 from tests.engine.test_posttrain_eval import Oracle, _right_when_even, _sorted

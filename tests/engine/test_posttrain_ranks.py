@@ -17,11 +17,11 @@ import textwrap
 import pytest
 import torch
 
-from rewind.engine.dpo_step import dpo_train_step, preference_rows
-from rewind.engine.grpo_step import grpo_train_step
-from rewind.engine.layout import build_model, eval_mode
-from rewind.engine.registry import DatasetRegistry
-from rewind.engine.step import build_optimizer
+from rewind.engine.data.registry import DatasetRegistry
+from rewind.engine.model.layout import build_model, eval_mode
+from rewind.engine.posttrain.dpo_step import dpo_train_step, preference_rows
+from rewind.engine.posttrain.grpo_step import grpo_train_step
+from rewind.engine.step.step import build_optimizer
 from rewind.states.config_reading import loads_config
 from tests.conftest import REPO
 from tests.engine.test_dpo import DPO_TEXT
@@ -81,7 +81,7 @@ def dpo_gradient(variant: str, per_device: int = -1, place=None) -> dict[str, to
 def _capturing(model, config):
     """An optimizer whose step keeps the step's whole gradient (gathered from the ranks) and updates
     nothing: the step drops the gradients right after it."""
-    from rewind.engine.placement import full_tensor
+    from rewind.engine.model.placement import full_tensor
 
     optimizer, seen = build_optimizer(model, config), {}
 
@@ -97,7 +97,7 @@ def _capturing(model, config):
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from rewind.engine.placement import join_process_group, leave_process_group, place
+    from rewind.engine.model.placement import join_process_group, leave_process_group, place
     from tests.engine.test_posttrain_ranks import LOSS_TYPES, VARIANTS, dpo_gradient, grpo_config, grpo_gradient
 
     join_process_group(grpo_config("dapo").compute)

@@ -1,4 +1,4 @@
-"""Starting weights (rewind.engine.pretrained): a transformers Llama directory or a rewind `--to` file.
+"""Starting weights (rewind.engine.model.pretrained): a transformers Llama directory or a rewind `--to` file.
 
 Directories are written by transformers itself (`save_pretrained`, one file or shards, tied or not) and
 load into a fresh rewind model that computes transformers' logits; a rewind export of a grown model
@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rewind.engine.layout import build_plain, eval_mode
-from rewind.engine.pretrained import PretrainedError, apply_pretrained, expected_shapes, load_pretrained
+from rewind.engine.model.layout import build_plain, eval_mode
+from rewind.engine.model.pretrained import PretrainedError, apply_pretrained, expected_shapes, load_pretrained
 from rewind.states.config import ArchitectureSection, Config, ObjectiveSection, RunSection
 from rewind.states.state import ModelLayout, StackLayout
 from rewind.tools.export_cmd import model_metadata

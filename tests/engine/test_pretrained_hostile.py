@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rewind.engine import pretrained_files
-from rewind.engine.layout import build_plain, eval_mode
-from rewind.engine.pretrained import PretrainedError, load_pretrained
+from rewind.engine.model import pretrained_files
+from rewind.engine.model.layout import build_plain, eval_mode
+from rewind.engine.model.pretrained import PretrainedError, load_pretrained
 from rewind.states.config import ArchitectureSection, Config, RunSection
 from rewind.states.state import ModelLayout, StackLayout
 from rewind.tools.export_cmd import model_metadata
@@ -170,8 +170,7 @@ def test_export_metadata_of_the_wrong_type_is_one_line(tmp_path, changes, words)
 
 
 def test_a_layout_of_a_billion_blocks_is_refused_before_any_table_of_them(tmp_path, monkeypatch):
-    from rewind.engine import pretrained_checks
-
+    from rewind.engine.model import pretrained_checks
     def no_table(layout):
         raise AssertionError("a table of the layout's blocks was built")
 

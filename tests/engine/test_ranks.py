@@ -1,4 +1,4 @@
-"""What the processes of a sharded run tell each other (rewind.engine.ranks), checked in two real
+"""What the processes of a sharded run tell each other (rewind.engine.model.ranks), checked in two real
 processes under torchrun (gloo): sums, a stop request, rank 0's events, the lowest rank's failure, the
 state check before a checkpoint, and what a rank whose peer is gone is told. One launch runs every
 check; each rank writes what it saw."""
@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from rewind.engine import ranks
+from rewind.engine.model import ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     import torch
     import torch.distributed as dist
-    from rewind.engine import ranks
+    from rewind.engine.model import ranks
     from rewind.states.events import CheckpointCommitted
     from rewind.states.state import State
 
@@ -143,7 +143,7 @@ def test_a_rank_leaving_on_an_error_is_not_cut_short_by_the_launcher_s_sigterm(m
     gives the handler back."""
     import signal
 
-    from rewind.engine.loop import StopRequest
+    from rewind.engine.run.loop import StopRequest
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     before = signal.getsignal(signal.SIGTERM)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rewind.engine import loop
-from rewind.engine.replay import ATOL, compare_tensors, tensor_difference
+from rewind.engine.run import loop
+from rewind.engine.run.replay import ATOL, compare_tensors, tensor_difference
 from rewind.states.events import CheckpointCommitted, CheckpointDeleted
 from rewind.states.history import effective
 from rewind.stores.runs import read_seq_events

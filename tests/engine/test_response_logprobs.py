@@ -1,4 +1,4 @@
-"""Per-token and per-sequence log-probs (`rewind.engine.response_logprobs`) against a plain
+"""Per-token and per-sequence log-probs (`rewind.engine.posttrain.response_logprobs`) against a plain
 implementation (math, loops over rows and tokens), values and gradients; float32 from any logits'
 dtype; padding invariance, bit for bit on the CPU."""
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rewind.engine.response_logprobs import sequence_logprobs, token_counts, token_logprobs
+from rewind.engine.posttrain.response_logprobs import sequence_logprobs, token_counts, token_logprobs
 
 
 def _inputs(seed: int, rows: int, length: int, vocab: int, scale: float = 3.0):

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from rewind.engine import reward_code
-from rewind.engine.example_sources import ExampleSources
-from rewind.engine.reward_code import IMPORT_DIGITS
-from rewind.engine.rewards import (
+from rewind.engine.data.example_sources import ExampleSources
+from rewind.engine.data.userdata import DataHome
+from rewind.engine.posttrain import reward_code
+from rewind.engine.posttrain.reward_code import IMPORT_DIGITS
+from rewind.engine.posttrain.rewards import (
     QUOTE_LIMIT,
     RewardError,
     reward_code_changes,
@@ -28,7 +29,6 @@ from rewind.engine.rewards import (
     score,
     try_rewards,
 )
-from rewind.engine.userdata import DataHome
 from rewind.states.config_reading import loads_config
 from rewind.states.events import RolloutsRecorded, StageEntered
 from rewind.stores.runs import read_seq_events

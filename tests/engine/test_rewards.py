@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from rewind.engine.example_sources import ExampleSources
-from rewind.engine.rewards import TRIAL_GARBAGE, RewardError, reward_identity, score, try_rewards
-from rewind.engine.task_rows import task_texts
-from rewind.engine.userdata import DataHome
+from rewind.engine.data.example_sources import ExampleSources
+from rewind.engine.data.task_rows import task_texts
+from rewind.engine.data.userdata import DataHome
+from rewind.engine.posttrain.rewards import TRIAL_GARBAGE, RewardError, reward_identity, score, try_rewards
 from rewind.states.config_reading import loads_config
 from rewind.states.events import RolloutsRecorded, StepCommitted
 from rewind.stores.runs import read_seq_events

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rewind.engine.rng import derive_seed, numpy_rng, torch_generator
+from rewind.engine.model.rng import derive_seed, numpy_rng, torch_generator
 
 parts = st.lists(st.one_of(st.integers(-(2**80), 2**80), st.text(max_size=12)), max_size=5)
 

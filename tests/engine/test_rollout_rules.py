@@ -1,6 +1,6 @@
 """A rollout batch forged consistently, file and record (its bytes rewritten, renamed by their new sha256,
 the RolloutsRecorded record and every state digest after it rewritten to match): what no run could have
-written is refused by the rules a run follows (rewind.engine.rolloutreader.rollout_problems), not by the
+written is refused by the rules a run follows (rewind.engine.posttrain.rolloutreader.rollout_problems), not by the
 hash. A resume inside the window refuses it in one line naming the file and the broken rule, with the way
 forward, before anything is recorded; `rewind verify` names the same rule; `rollouts` and `replay` say one
 line. The run is the one of tests/engine/test_posttrain_adversarial.py, stopped inside its first window."""
@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import torch
 
-from rewind.engine.rolloutreader import rollout_problems
+from rewind.engine.posttrain.rolloutreader import rollout_problems
 from rewind.states.events import CheckpointCommitted, ConfigChanged, RolloutsRecorded, RunStarted
 from rewind.states.fold import apply
 from rewind.states.state import State

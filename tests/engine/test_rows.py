@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rewind.engine.documents import iter_rows
-from rewind.engine.rowfiles import read_preference_rows, read_prompt_rows, read_sft_rows
-from rewind.engine.rows import PreferenceRow, PromptRow, SftRow, encode_text, end_token
-from rewind.engine.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, train_bpe
+from rewind.engine.data.documents import iter_rows
+from rewind.engine.data.rowfiles import read_preference_rows, read_prompt_rows, read_sft_rows
+from rewind.engine.data.rows import PreferenceRow, PromptRow, SftRow, encode_text, end_token
+from rewind.engine.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, train_bpe
 from tests.engine.test_documents import one_line_error
 
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine.row_batches import (
+from rewind.engine.data.row_batches import (
     completion_batch,
     packed_row_count,
     packed_sft_batch,
@@ -19,7 +19,7 @@ from rewind.engine.row_batches import (
     prompt_tokens,
     sft_batch,
 )
-from rewind.engine.rows import PreferenceRow, PromptRow, SftRow
+from rewind.engine.data.rows import PreferenceRow, PromptRow, SftRow
 
 END = 9
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rewind.engine.row_sources import FileRows, TaskRows
-from rewind.engine.rows import SftRow
-from rewind.engine.task_rows import task_preference_row, task_prompt_row, task_sft_row
-from rewind.engine.tasks import num_task_samples
-from rewind.engine.tokens import RowSplit
+from rewind.engine.data.row_sources import FileRows, TaskRows
+from rewind.engine.data.rows import SftRow
+from rewind.engine.data.task_rows import task_preference_row, task_prompt_row, task_sft_row
+from rewind.engine.data.tasks import num_task_samples
+from rewind.engine.data.tokens import RowSplit
 
 
 def test_task_rows_are_the_task_row_functions_by_split_and_index():
@@ -38,7 +38,7 @@ def test_validation_rows_are_carved_like_a_pair_datasets(mode):
     assert len(validation) == 4 and sorted(train + validation, key=lambda r: r.prompt) == ROWS
     carve = RowSplit(
         len(ROWS), mode, 0.1
-    )  # what rewind.engine.userdata carves a pair dataset's examples with
+    )  # what rewind.engine.data.userdata carves a pair dataset's examples with
     assert validation == [ROWS[i] for i in carve.rows("validation", np.arange(4)).tolist()]
     if mode == "tail":
         assert validation == ROWS[-4:]

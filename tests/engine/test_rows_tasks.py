@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine.rows import PromptRow, SftRow
-from rewind.engine.task_rows import (
+from rewind.engine.data.rows import PromptRow, SftRow
+from rewind.engine.data.task_rows import (
     ANSWER_FIELD,
     POSTTRAIN_TASKS,
     exact_match_reward,
@@ -21,8 +21,8 @@ from rewind.engine.task_rows import (
     task_sft_row,
     task_texts,
 )
-from rewind.engine.tasks import SPLITS, num_task_samples
-from rewind.engine.tokenizer import train_bpe
+from rewind.engine.data.tasks import SPLITS, num_task_samples
+from rewind.engine.data.tokenizer import train_bpe
 
 
 def solved(prompt: str) -> str:
@@ -56,7 +56,7 @@ def test_answers_are_right_and_corrupted_ones_wrong(where):
 def test_byte_level_rows_are_the_tasks_text_with_the_newline_as_end_token():
     row = task_sft_row("add", "train", 7)
     texts = task_texts("add", "train", 7)
-    # The end token of UTF-8 bytes is "\n" (rewind.engine.rows.end_token): prompt + response + end is the task's line.
+    # The end token of UTF-8 bytes is "\n" (rewind.engine.data.rows.end_token): prompt + response + end is the task's line.
     assert bytes([*row.prompt, *row.response, 10]).decode() == f"{texts.prompt}{texts.answer}\n"
     prompt = task_prompt_row("sort", "validation", 3)
     assert prompt == PromptRow(3, tuple(task_texts("sort", "validation", 3).prompt.encode()),
@@ -87,7 +87,7 @@ def test_train_and_validation_prompts_differ_and_indices_are_checked():
 
 def test_the_same_index_gives_the_same_row_in_another_process():
     code = (
-        "from rewind.engine.task_rows import task_texts\n"
+        "from rewind.engine.data.task_rows import task_texts\n"
         "print([tuple(task_texts(n, s, i)) for n in ('reverse', 'sort', 'add') for s in ('train', 'validation')"
         " for i in (0, 5, 99)])"
     )

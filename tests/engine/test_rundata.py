@@ -1,4 +1,4 @@
-"""A run's data (rewind.engine.rundata): the tokenizer decided at the start and kept in RUN/data, the
+"""A run's data (rewind.engine.data.rundata): the tokenizer decided at the start and kept in RUN/data, the
 identity of every dataset on record, and the checks of a resume (cheap) and of `verify --data` (full).
 
 The file-level fingerprint (rewind.stores.datafiles) is what the cheap check rests on: it notices an
@@ -17,12 +17,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from rewind.engine.dataprep import prepare
-from rewind.engine.datasets import DatasetError
-from rewind.engine.documents import iter_documents
-from rewind.engine.parts import open_datasets
-from rewind.engine.registry import DatasetRegistry
-from rewind.engine.rundata import (
+from rewind.engine.data.dataprep import prepare
+from rewind.engine.data.datasets import DatasetError
+from rewind.engine.data.documents import iter_documents
+from rewind.engine.data.registry import DatasetRegistry
+from rewind.engine.data.rundata import (
     DataChanged,
     check_data,
     copy_run_data,
@@ -34,7 +33,8 @@ from rewind.engine.rundata import (
     tokenizer_path,
     verify_data,
 )
-from rewind.engine.tokenizer import TokenizerError, train_bpe
+from rewind.engine.data.tokenizer import TokenizerError, train_bpe
+from rewind.engine.run.parts import open_datasets
 from rewind.states.config import (
     ArchitectureSection,
     Config,
@@ -99,7 +99,7 @@ def make_config(data: dict[str, DataSource], vocab_size: int = 512, **tokenizer)
 
 
 def started(config: Config, run_dir: Path) -> tuple[State, object]:
-    """What a start puts on record, as rewind.engine.session does it: the home, every dataset the
+    """What a start puts on record, as rewind.engine.run.session does it: the home, every dataset the
     run reads opened, the identities."""
     home = start_home(config, str(run_dir))
     open_datasets(config, home)

@@ -1,4 +1,4 @@
-"""Generation (rewind.engine.sampling): greedy is the argmax chain, sampling is a function of the seed
+"""Generation (rewind.engine.posttrain.sampling): greedy is the argmax chain, sampling is a function of the seed
 only, the nucleus keeps what it should, eos stops, and the context is cropped to block_size."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewind.engine.model import GPT
-from rewind.engine.sampling import SamplingError, generate, nucleus
+from rewind.engine.model.model import GPT
+from rewind.engine.posttrain.sampling import SamplingError, generate, nucleus
 from rewind.states.config import ArchitectureSection
 
 BLOCK_SIZE = 16
@@ -123,7 +123,7 @@ def test_settings_below_float32s_range_are_greedy(model, settings):
 
 
 def test_the_limit_of_a_tiny_temperature_shares_tied_maxima_evenly():
-    from rewind.engine.sampling import next_token
+    from rewind.engine.posttrain.sampling import next_token
 
     logits = torch.tensor([1.0, 3.0, 3.0, -2.0])
     drawn = {next_token(logits, temperature=1e-300, top_p=1.0, seed=0, position=p) for p in range(64)}
@@ -131,7 +131,7 @@ def test_the_limit_of_a_tiny_temperature_shares_tied_maxima_evenly():
 
 
 def test_logits_that_are_not_finite_are_one_line():
-    from rewind.engine.sampling import NonFiniteLogits, next_token
+    from rewind.engine.posttrain.sampling import NonFiniteLogits, next_token
 
     for value in (float("nan"), float("inf")):
         with pytest.raises(NonFiniteLogits, match="logits at position 7 are not finite"):
@@ -171,14 +171,14 @@ def test_bad_requests_are_one_line(model, settings, message):
 
 def test_a_masked_model_cannot_sample():
     model = tiny_model()
-    model.causal = False  # what rewind.engine.layout.build_plain sets for mlm / diffusion
+    model.causal = False  # what rewind.engine.model.layout.build_plain sets for mlm / diffusion
     with pytest.raises(SamplingError, match="masked objective"):
         sample(model)
 
 
 def test_greedy_equals_transformers_greedy_generate_on_the_exported_model():
     transformers = pytest.importorskip("transformers")
-    hf_llama = pytest.importorskip("rewind.engine.hf_llama")
+    hf_llama = pytest.importorskip("rewind.engine.model.hf_llama")
     model = tiny_model(norm="rmsnorm", mlp="swiglu")
     model.eval()
     config = transformers.LlamaConfig(**hf_llama.llama_config(model.arch, num_layers=2))

@@ -53,7 +53,7 @@ def test_a_really_different_config_is_refused_naming_the_field(tmp_path):
 def test_a_crash_just_after_a_reference_refresh_resumes_to_the_same_weights(tmp_path, monkeypatch):
     """Found in review: retention deleted the old reference right after a refresh, while the restore
     point (the checkpoint before the refresh) still named it; a crash there stranded the run."""
-    from rewind.engine import loop
+    from rewind.engine.run import loop
     from rewind.states.events import CheckpointDeleted, ReferenceRefreshed
 
     overrides = (*OVERRIDES, "optimization.kl.betas=[0.1,0.2,0.2]", "optimization.kl.reference_update_stages=[0,1]",
@@ -151,7 +151,7 @@ def test_a_resume_folds_only_the_tail_after_the_snapshot_its_last_checkpoint_vou
     """A checkpoint's record carries the digest of the state folded up to the record before it, and the
     engine caches that state: a resume starts there (the log's tail, not the whole log) and goes on
     exactly as the straight run did; `rewind verify` finds every digest and snapshot right."""
-    from rewind.engine import session
+    from rewind.engine.run import session
     from rewind.states.events import CheckpointCommitted, StepCommitted
     from rewind.stores import snapshots
 
@@ -205,7 +205,7 @@ def test_rewind_resume_takes_its_config_from_no_snapshot_the_log_does_not_vouch_
 def test_a_fork_in_place_trains_with_its_new_optimizer_settings_and_never_opens_the_old_data(tmp_path):
     """Found in review: restoring a checkpoint copied the saved weight decay and betas over the new
     config's, and an in-place fork opened the old config's datasets (gone once a file has moved)."""
-    from rewind.engine.session import open_run
+    from rewind.engine.run.session import open_run
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(f'{{"text": "line {i} of a small corpus for the test"}}\n' for i in range(300)))

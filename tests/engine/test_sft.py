@@ -9,13 +9,13 @@ import copy
 import pytest
 import torch
 
-from rewind.engine.cursors import assemble_batch, sample_indices
-from rewind.engine.example_rows import step_rows
-from rewind.engine.layout import build_model
-from rewind.engine.registry import DatasetRegistry
-from rewind.engine.row_batches import packed_row_count, packed_sft_batch, sft_batch
-from rewind.engine.step import build_optimizer, train_step
-from rewind.engine.task_rows import task_sft_row
+from rewind.engine.data.cursors import assemble_batch, sample_indices
+from rewind.engine.data.example_rows import step_rows
+from rewind.engine.data.registry import DatasetRegistry
+from rewind.engine.data.row_batches import packed_row_count, packed_sft_batch, sft_batch
+from rewind.engine.data.task_rows import task_sft_row
+from rewind.engine.model.layout import build_model
+from rewind.engine.step.step import build_optimizer, train_step
 from rewind.states.config_reading import loads_config
 from tests.conftest import EXAMPLES
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from rewind.engine.layout import parameter_names
-from rewind.engine.tensors import (
+from rewind.engine.model.layout import parameter_names
+from rewind.engine.model.tensors import (
     TensorFitError,
     load_model_tensors,
     load_optimizer_tensors,

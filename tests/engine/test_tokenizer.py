@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine.tokenizer import (
+from rewind.engine.data.tokenizer import (
     EOS_TOKEN,
     ByteTokenizer,
     Tokenizer,

@@ -8,9 +8,9 @@ import shlex
 
 import pytest
 
-from rewind.engine.dataprep import prepare
-from rewind.engine.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
-from rewind.engine.tokenizer_clash import (
+from rewind.engine.data.dataprep import prepare
+from rewind.engine.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from rewind.engine.data.tokenizer_clash import (
     GUIDE,
     MAX_FILES_SHOWN,
     prepare_again,

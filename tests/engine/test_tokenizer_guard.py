@@ -1,4 +1,4 @@
-"""A tokenizer.json is bounded before it runs (rewind.engine.tokenizer_guard): its normalizer's and its
+"""A tokenizer.json is bounded before it runs (rewind.engine.data.tokenizer_guard): its normalizer's and its
 decoder's worst-case growth are computed from the file and never exceeded by what `tokenizers` produces
 (properties over random normalizers, decoders and texts), a normalizer that multiplies text past
 MAX_GROWTH (a decoder past MAX_DECODER_GROWTH) is refused when the file is loaded (the 2 KB file that made `data prepare` die in a Rust allocation failure), every encode stays
@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from tokenizers import Regex, decoders, models, normalizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from rewind.engine import tokenizer_guard
-from rewind.engine.tokenizer import Tokenizer, TokenizerError, load_tokenizer, train_bpe
-from rewind.engine.tokenizer_guard import (
+from rewind.engine.data import tokenizer_guard
+from rewind.engine.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer, train_bpe
+from rewind.engine.data.tokenizer_guard import (
     MAX_DECODER_GROWTH,
     MAX_GROWTH,
     Growth,

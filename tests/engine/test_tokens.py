@@ -1,5 +1,5 @@
-"""Token streams and validation carving (rewind.engine.tokens), the keyed permutation under them
-(rewind.engine.permutation), and the epoch arithmetic of cursors (rewind.engine.cursors).
+"""Token streams and validation carving (rewind.engine.data.tokens), the keyed permutation under them
+(rewind.engine.data.permutation), and the epoch arithmetic of cursors (rewind.engine.data.cursors).
 
 - RowSplit: exact counts, train and validation disjoint and together every row, "random" is not the
   tail, and the same number of rows is carved the same way every time (no run seed goes in);
@@ -21,10 +21,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine import cursors, permutation, tokens
-from rewind.engine.cursors import epochs_started, sample_indices
-from rewind.engine.permutation import permute, permute_int, round_keys
-from rewind.engine.tokens import (
+from rewind.engine.data import cursors, permutation, tokens
+from rewind.engine.data.cursors import epochs_started, sample_indices
+from rewind.engine.data.permutation import permute, permute_int, round_keys
+from rewind.engine.data.tokens import (
     SPLIT_SEED,
     LocalTokenStream,
     RemoteTokenStream,
@@ -180,7 +180,7 @@ def test_repeat_reads_every_epoch_in_the_first_ones_order_and_reshuffle_does_not
 
 
 def defined_row(seed: int, name: str, num_samples: int, position: int, reshuffle: bool) -> int:
-    """The row a cursor position reads, by the definition in rewind.engine.cursors' docstring."""
+    """The row a cursor position reads, by the definition in rewind.engine.data.cursors' docstring."""
     epoch, within = divmod(position, num_samples)
     return permute_int(within, num_samples, round_keys(seed, "shuffle", name, epoch if reshuffle else 0))
 

@@ -1,4 +1,4 @@
-"""User datasets (rewind.engine.userdata, rewind.engine.datasets) opened as a run opens them.
+"""User datasets (rewind.engine.data.userdata, rewind.engine.data.datasets) opened as a run opens them.
 
 - token files: rows are the file's windows as RowSplit carves them; a prepared directory (`rewind data
   prepare`) opens as kind tokens with its validation.bin as the validation split, and one tokenised by
@@ -28,14 +28,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine import dataprep
-from rewind.engine.dataprep import prepare
-from rewind.engine.datasets import BuiltinDataset, DatasetError, PairDataset, WindowedDataset, pack_pairs
-from rewind.engine.registry import DatasetRegistry
-from rewind.engine.tasks import task_sample
-from rewind.engine.tokenizer import ByteTokenizer, Tokenizer, train_bpe
-from rewind.engine.tokens import RowSplit
-from rewind.engine.userdata import DataHome, dataset_identity, open_user_dataset
+from rewind.engine.data import dataprep
+from rewind.engine.data.dataprep import prepare
+from rewind.engine.data.datasets import BuiltinDataset, DatasetError, PairDataset, WindowedDataset, pack_pairs
+from rewind.engine.data.registry import DatasetRegistry
+from rewind.engine.data.tasks import task_sample
+from rewind.engine.data.tokenizer import ByteTokenizer, Tokenizer, train_bpe
+from rewind.engine.data.tokens import RowSplit
+from rewind.engine.data.userdata import DataHome, dataset_identity, open_user_dataset
 from rewind.states.config import ArchitectureSection, Config, DataSource, Sampling, Stage
 from rewind.stores.datamanifest import manifest_hash, read_manifest
 from rewind.tools.configfile import load_config

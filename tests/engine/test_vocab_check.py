@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rewind.engine import datasets as datasets_module
-from rewind.engine.datasets import DatasetError, TokenIdError, WindowedDataset
-from rewind.engine.tokens import TokenFileError, open_stream
+from rewind.engine.data import datasets as datasets_module
+from rewind.engine.data.datasets import DatasetError, TokenIdError, WindowedDataset
+from rewind.engine.data.tokens import TokenFileError, open_stream
 from rewind.states.events import RunStarted, StepCommitted
 from rewind.stores.runs import read_seq_events
 from tests.engine.test_loop import run_cli

@@ -18,10 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine.dpo_losses import DPO_VARIANTS, dpo_loss
-from rewind.engine.generation import _draw
-from rewind.engine.grpo_losses import KL_ESTIMATORS, LOSS_TYPES, grpo_loss, weighted_rewards
-from rewind.engine.response_logprobs import token_logprobs
+from rewind.engine.posttrain.dpo_losses import DPO_VARIANTS, dpo_loss
+from rewind.engine.posttrain.generation import _draw
+from rewind.engine.posttrain.grpo_losses import KL_ESTIMATORS, LOSS_TYPES, grpo_loss, weighted_rewards
+from rewind.engine.posttrain.response_logprobs import token_logprobs
 from rewind.states.check_strategy import FLOAT32_MAX, FLOAT32_TINY, IPO_MIN_BETA, MIN_TEMPERATURE
 from rewind.states.config_error import ConfigError
 from rewind.states.config_reading import loads_config

@@ -36,7 +36,9 @@ def _problems(run: Path) -> list[str]:
 
 
 def test_the_directories_named_are_the_stores_own():
-    from rewind.engine.rundata import DATA_DIR  # (here: the stores' tests need no engine to be collected)
+    from rewind.engine.data.rundata import (
+        DATA_DIR,  # (here: the stores' tests need no engine to be collected)
+    )
 
     names = {CHECKPOINTS_DIR, f"{CHECKPOINTS_DIR}/{ORPHANED_DIR}", SNAPSHOTS_DIR, ROLLOUTS_DIR, TB_DIR_NAME}
     names |= {EVENTS_DIR, CACHE_DIR, TRUNKS_DIR, DATA_DIR, "plots"}  # (plots: tools/train_cmd.py's)

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from rewind.engine.tokenizer import train_bpe
+from rewind.engine.data.tokenizer import train_bpe
 from rewind.stores.datamanifest import manifest_hash, read_manifest
 
 DOCUMENTS = ["The cat sat on the mat.", "The dog sat on the log.", "A bird sang on the wire."] * 4
@@ -157,7 +157,7 @@ def test_other_names_of_a_file_are_read_once_and_said(rewind_cli, corpus, monkey
 
 
 def test_a_rerun_decides_reuse_before_training_a_tokenizer(rewind_cli, corpus, monkeypatch):
-    import rewind.engine.dataprep as dataprep
+    import rewind.engine.data.dataprep as dataprep
 
     monkeypatch.chdir(corpus)
     # 270 ids: the corpus fills them (a vocabulary it cannot fill is trained again, and ends the same).

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from rewind.engine import dataprep
-from rewind.engine.tokenizer import train_bpe
+from rewind.engine.data import dataprep
+from rewind.engine.data.tokenizer import train_bpe
 from rewind.states.events import (
     CheckpointCommitted,
     ConfigChanged,
@@ -608,7 +608,7 @@ def test_a_fork_before_a_data_change_checks_the_data_of_its_fork_point(tmp_path)
 
 
 def test_a_fork_in_place_that_changes_the_tokenizer_is_refused(tmp_path):
-    from rewind.engine.session import open_run
+    from rewind.engine.run.session import open_run
     from rewind.tools.configfile import load_config
 
     config = documents_setup(tmp_path, tokenizer="")  # bytes
@@ -690,7 +690,7 @@ def test_a_run_starts_at_the_exported_weights_and_records_them(exported, tmp_pat
 
 
 def test_a_changed_pretrained_file_is_refused_before_the_first_checkpoint(exported, tmp_path):
-    from rewind.engine.session import open_run
+    from rewind.engine.run.session import open_run
     from rewind.tools.configfile import load_config
 
     config = pretrained_setup(tmp_path, exported)

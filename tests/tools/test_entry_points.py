@@ -27,7 +27,7 @@ def test_python_m_rewind_runs_the_command_with_its_exit_codes(tmp_path):
 
 def test_the_subpackages_import_beside_the_main_module_which_runs_nothing_when_imported(tmp_path):
     code = (
-        "import rewind.__main__, rewind.states.fold, rewind.stores.eventlog, rewind.engine.session, "
+        "import rewind.__main__, rewind.states.fold, rewind.stores.eventlog, rewind.engine.run.session, "
         "rewind.kernels.losses, rewind.tools.cli"
     )
     done = subprocess.run(

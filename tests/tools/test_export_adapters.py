@@ -91,8 +91,8 @@ def expected_modules(run: Path) -> dict[str, tuple[int, float]]:
 
 def runs_model(run: Path) -> torch.nn.Module:
     """rewind's own model of the run's last checkpoint (NF4 trunk, adapters and all)."""
-    from rewind.engine.checkpoint_model import load_model
-    from rewind.engine.layout import eval_mode
+    from rewind.engine.model.checkpoint_model import load_model
+    from rewind.engine.model.layout import eval_mode
     from rewind.stores.checkpoints import CheckpointStore
 
     records = read_seq_events(run)

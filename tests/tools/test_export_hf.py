@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rewind.engine.layout import build_plain, eval_mode
-from rewind.engine.pretrained import apply_pretrained, load_pretrained
+from rewind.engine.model.layout import build_plain, eval_mode
+from rewind.engine.model.pretrained import apply_pretrained, load_pretrained
 from rewind.states.config import Config
 from rewind.states.fold import fold
 from rewind.states.history import config_in_force
@@ -109,7 +109,7 @@ def runs_config(run: Path) -> Config:
 
 def runs_model(run: Path) -> torch.nn.Module:
     """rewind's own model of the run's last checkpoint (adapters and all)."""
-    from rewind.engine.checkpoint_model import load_model
+    from rewind.engine.model.checkpoint_model import load_model
     from rewind.stores.checkpoints import CheckpointStore
 
     records = read_seq_events(run)

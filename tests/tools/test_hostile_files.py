@@ -29,11 +29,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from rewind.engine import documents, hf_llama, pretrained_files, tokenizer
-from rewind.engine.documents import DocumentError, iter_documents
-from rewind.engine.pretrained import PretrainedError, expected_shapes, load_pretrained
-from rewind.engine.tokenizer import TokenizerError, load_tokenizer, train_bpe
-from rewind.engine.tokens import TokenFileError, open_stream
+from rewind.engine.data import documents, tokenizer
+from rewind.engine.data.documents import DocumentError, iter_documents
+from rewind.engine.data.tokenizer import TokenizerError, load_tokenizer, train_bpe
+from rewind.engine.data.tokens import TokenFileError, open_stream
+from rewind.engine.model import hf_llama, pretrained_files
+from rewind.engine.model.pretrained import PretrainedError, expected_shapes, load_pretrained
 from rewind.states.config import ArchitectureSection, Config, ConfigError, RunSection
 from rewind.stores import cachefiles, datamanifest
 from rewind.stores.activations import ActivationCache, CacheError, CacheSpec

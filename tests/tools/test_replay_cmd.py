@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rewind.engine import loop
+from rewind.engine.run import loop
 from rewind.states.events import CheckpointCommitted, ConfigChanged, RunResumed
 from rewind.states.history import effective
 from rewind.stores.runs import read_seq_events

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from rewind.engine import loop
+from rewind.engine.run import loop
 from rewind.states.events import RunResumed, RunStarted, StepCommitted
 from tests.engine.test_loop import events_of, run_cli, train_args
 from tests.tools.rundir_forgery import rewrite_log

@@ -15,11 +15,11 @@ import tomllib
 
 import pytest
 
-from rewind.engine.grpo_losses import weighted_rewards
-from rewind.engine.rewards import score_groups
-from rewind.engine.rolloutreader import completions_of
-from rewind.engine.task_rows import task_prompt_row
-from rewind.engine.tokenizer import ByteTokenizer
+from rewind.engine.data.task_rows import task_prompt_row
+from rewind.engine.data.tokenizer import ByteTokenizer
+from rewind.engine.posttrain.grpo_losses import weighted_rewards
+from rewind.engine.posttrain.rewards import score_groups
+from rewind.engine.posttrain.rolloutreader import completions_of
 from rewind.states.config_reading import loads_config
 from rewind.states.events import RolloutsRecorded
 from rewind.states.schedule import Schedule

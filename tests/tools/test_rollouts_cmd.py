@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from rewind.engine.tokenizer import ByteTokenizer
+from rewind.engine.data.tokenizer import ByteTokenizer
 from rewind.states.events import RunStarted, StepCommitted
 from rewind.stores.eventlog import EventLog
 from rewind.stores.rollouts import RolloutError, write_rollouts
@@ -298,7 +298,7 @@ def test_a_rollout_file_lost_inside_its_window_stops_a_resume_before_it_records_
 def test_replay_samples_each_batch_again_and_finds_one_sampled_differently(tmp_path, monkeypatch):
     import json as json_module
 
-    from rewind.engine import grpo_rollouts
+    from rewind.engine.posttrain import grpo_rollouts
     from tests.engine.test_loop import run_cli
 
     run = _grpo_run(tmp_path, "run")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rewind.engine.loop import pause_note
+from rewind.engine.run.loop import pause_note
 from rewind.states.events import EpochStarted, StackAppended, StageEntered
 from rewind.states.fold import fold
 from rewind.states.plan import (

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rewind.engine.sampling import generate
-from rewind.engine.tokenizer import ByteTokenizer, train_bpe
+from rewind.engine.data.tokenizer import ByteTokenizer, train_bpe
+from rewind.engine.posttrain.sampling import generate
 from rewind.states.config_reading import config_from_dict
 from rewind.states.events import CheckpointCommitted
 from rewind.stores.runs import read_seq_events
@@ -153,7 +153,7 @@ def test_bad_requests_are_one_line_and_exit_2(run, args, message):
 
 
 def test_more_new_tokens_than_the_models_context_are_refused_in_one_line(run, monkeypatch):
-    from rewind.engine.model import GPT
+    from rewind.engine.model.model import GPT
 
     forward, calls = GPT.forward, []
 
@@ -182,7 +182,7 @@ def test_settings_below_float32s_range_draw_the_most_likely_token(run, setting):
 def test_a_model_whose_logits_are_not_finite_is_one_line_and_exit_1(run, tmp_path, monkeypatch):
     import torch
 
-    from rewind.engine.model import GPT
+    from rewind.engine.model.model import GPT
 
     forward = GPT.forward
     monkeypatch.setattr(GPT, "forward", lambda self, *a, **k: forward(self, *a, **k) * torch.nan)

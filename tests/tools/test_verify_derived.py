@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rewind.engine.trunkreader import ForeignCache
+from rewind.engine.model.trunkreader import ForeignCache
 from rewind.states.events import ActivationsCached, StepCommitted
 from tests.engine.test_growth import grown_args
 from tests.engine.test_loop import events_of, run_cli

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rewind.engine.model import GPT, Block
+from rewind.engine.model.model import GPT, Block
 from rewind.states.config import ArchitectureSection
 from rewind.stores.activations import ActivationCache, CacheSpec
 
@@ -49,7 +49,7 @@ FULL = {"d_model": 256, "num_heads": 4, "block_size": 128, "batch": 8, "trunk": 
 QUICK = {"d_model": 64, "num_heads": 4, "block_size": 32, "batch": 4, "trunk": 6, "new": 2, "new_6x": 1}
 FULL["steps"], QUICK["steps"] = 16, 4  # measured, after NUM_WARMUP_STEPS
 NUM_WARMUP_STEPS = 2  # first steps pay for allocations and AdamW's state: not timed
-BATCHES_PER_CHUNK = 1  # one chunk per step, as engine/trunkcache.py lays caches out
+BATCHES_PER_CHUNK = 1  # one chunk per step, as engine/run/trunkcache.py lays caches out
 
 
 class _Head(nn.Module):

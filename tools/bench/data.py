@@ -42,13 +42,13 @@ def _best(*fns: Callable[[], object], repeats: int) -> list[float]:
 def bench_read(num_tokens: int, num_batches: int, repeats: int, work_dir: str) -> dict:
     import torch
 
-    from rewind.engine.cursors import draw, sample_indices
+    from rewind.engine.data.cursors import draw, sample_indices
     from rewind.states.config import DataSource
 
     try:
-        from rewind.engine.userdata import open_user_dataset
+        from rewind.engine.data.userdata import open_user_dataset
     except ImportError:  # before user datasets had a module of their own
-        from rewind.engine.datasets import open_user_dataset  # type: ignore[attr-defined,no-redef]
+        from rewind.engine.data.datasets import open_user_dataset  # type: ignore[attr-defined,no-redef]
 
     path = os.path.join(work_dir, "tokens.bin")
     rng = np.random.Generator(np.random.PCG64(0))  # synthetic content only: no run's randomness
@@ -133,8 +133,8 @@ def stdlib_files(max_bytes: int) -> list[str]:
 
 
 def bench_prepare(max_bytes: int, vocab_size: int, repeats: int, work_dir: str) -> dict:
-    from rewind.engine.dataprep import prepare
-    from rewind.engine.tokenizer import train_bpe
+    from rewind.engine.data.dataprep import prepare
+    from rewind.engine.data.tokenizer import train_bpe
 
     paths = stdlib_files(max_bytes)
     documents = []

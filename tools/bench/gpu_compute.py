@@ -181,7 +181,7 @@ def _norm_relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def mfu_part(rec, device: str, work: Path) -> None:
-    from rewind.engine.placement import join_process_group, leave_process_group
+    from rewind.engine.model.placement import join_process_group, leave_process_group
     from rewind.states.config import ArchitectureSection, ComputeSection
     from rewind.tools.bench import mfu as bench_mfu
 
@@ -229,9 +229,9 @@ def mfu_part(rec, device: str, work: Path) -> None:
 def _mfu_run(rec, arch, compute, batch_size: int, compiled: bool, peak: float | None) -> MfuRun:
     import msgspec
 
-    from rewind.engine.model import GPT
-    from rewind.engine.placement import place
-    from rewind.engine.rng import torch_generator
+    from rewind.engine.model.model import GPT
+    from rewind.engine.model.placement import place
+    from rewind.engine.model.rng import torch_generator
     from rewind.states.config import Config
     from rewind.tools.bench import mfu as bench_mfu
 

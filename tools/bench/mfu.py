@@ -1,6 +1,6 @@
 """`rewind bench mfu`: tokens per second and model FLOPs utilisation of a training step on this machine.
 
-The model is rewind's own GPT (rewind.engine.model) at about GPT-2 medium's size, built from an
+The model is rewind's own GPT (rewind.engine.model.model) at about GPT-2 medium's size, built from an
 ArchitectureSection with the Llama block: d_model 1024, 24 layers of 16 heads, SwiGLU with d_ff 2816
 (8/3 d_model rounded up to a multiple of 256), RMSNorm, vocabulary 32768, block_size 1024. That is
 375,440,384 parameters: 308,330,496 in the blocks, 1,024 in the final norm, 33,554,432 each in the
@@ -29,8 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rewind.engine.model import GPT
-from rewind.engine.rng import torch_generator
+from rewind.engine.model.model import GPT
+from rewind.engine.model.rng import torch_generator
 from rewind.states.config import ArchitectureSection
 from rewind.states.model_size import flops_per_token, mlp_width
 

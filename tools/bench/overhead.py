@@ -28,12 +28,12 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from rewind.engine.cursors import split_rows
-from rewind.engine.layout import build_model
-from rewind.engine.loop import drive
-from rewind.engine.registry import DatasetRegistry
-from rewind.engine.session import open_run
-from rewind.engine.step import StepResult, build_optimizer, train_step
+from rewind.engine.data.cursors import split_rows
+from rewind.engine.data.registry import DatasetRegistry
+from rewind.engine.model.layout import build_model
+from rewind.engine.run.loop import drive
+from rewind.engine.run.session import open_run
+from rewind.engine.step.step import StepResult, build_optimizer, train_step
 from rewind.states.config_reading import loads_config
 from rewind.states.schedule import Schedule
 
@@ -89,8 +89,7 @@ def _bare_step_times(config, num_steps: int) -> list[float]:
 def _without_the_model_step() -> Iterator[None]:
     """Both loops call `train_step` through their module; swap in one that computes nothing, so what
     is timed is everything around the model's step."""
-    from rewind.engine import loop
-
+    from rewind.engine.run import loop
     def nothing(*args, **kwargs) -> StepResult:
         return StepResult(loss=1.0, kl=0.0, grad_norm=1.0, num_correct=0, num_target_tokens=1, finite=True)
 

@@ -1,8 +1,8 @@
-"""`rewind bench rollout`: tokens per second of rewind's batched, cached sampler (rewind.engine.generation)
+"""`rewind bench rollout`: tokens per second of rewind's batched, cached sampler (rewind.engine.posttrain.generation)
 against transformers' `generate` on the same model, and the share of a GRPO-like step spent sampling.
 
 The model is rewind's GPT with the Llama block (RMSNorm, SwiGLU), exported with rewind's own HF export
-(rewind.engine.hf_models: the config.json and tensors `rewind export --hf` writes) into a temporary
+(rewind.engine.model.hf_models: the config.json and tensors `rewind export --hf` writes) into a temporary
 directory and loaded with `AutoModelForCausalLM.from_pretrained`, float32 on the CPU. Both sample the
 same prompts (different lengths; transformers left-pads them with an attention mask, rewind right-pads
 into its cache), G completions per prompt (each prompt given G times), exactly `max_new_tokens` each (no
@@ -32,11 +32,11 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging
 
-from rewind.engine import hf_models
-from rewind.engine.generation import sample_completions
-from rewind.engine.model import GPT
-from rewind.engine.response_logprobs import token_logprobs
-from rewind.engine.rng import torch_generator
+from rewind.engine.model import hf_models
+from rewind.engine.model.model import GPT
+from rewind.engine.model.rng import torch_generator
+from rewind.engine.posttrain.generation import sample_completions
+from rewind.engine.posttrain.response_logprobs import token_logprobs
 from rewind.states.config import ArchitectureSection
 from rewind.states.growth import initial_layout
 

@@ -7,7 +7,7 @@ record: measured, under 1% of the whole). The whole process is timed, so the fig
 first step from above. The baseline is a new process that imports torch, which no restart avoids; the
 goal is <= 1.5.
 
-rewind builds its optimizer without `torch.optim.Optimizer` (engine/optimizer.py: whose methods import
+rewind builds its optimizer without `torch.optim.Optimizer` (engine/model/optimizer.py: whose methods import
 torch._dynamo, about as much again as torch) and never imports FSDP2's modules in a one-process run, so
 what a restart adds to `import torch` is its own work.
 

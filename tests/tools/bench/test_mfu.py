@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from rewind.engine.model import GPT
+from rewind.engine.model.model import GPT
 from rewind.tools.bench import mfu as bench_mfu
 from rewind.tools.bench.mfu import (
     BENCH_ARCHITECTURE,

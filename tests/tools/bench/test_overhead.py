@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rewind.engine import loop
-from rewind.engine.step import train_step
+from rewind.engine.run import loop
+from rewind.engine.step.step import train_step
 from rewind.tools.bench import overhead as bench_overhead
 
 

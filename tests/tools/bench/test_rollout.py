@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rewind.engine.generation import sample_completions
-from rewind.engine.model import GPT
+from rewind.engine.model.model import GPT
+from rewind.engine.posttrain.generation import sample_completions
 from rewind.tools.bench.rollout import QUICK_ARCHITECTURE, bench_prompts, exported, run_rollout_bench
 from tests.engine.test_loop import run_cli
 
