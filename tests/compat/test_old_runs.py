@@ -93,6 +93,35 @@ def test_the_grpo_fixture_pins_the_figures_of_runs_started_before_scored_reward_
     assert any(e.kl > 0 for e in steps)
 
 
+def test_the_flat_fixture_pins_a_config_written_as_flat_lists_that_a41046e_logged_as_stages():
+    """a41046e-flat (made at commit a41046e) was started from a config giving its stages as the six flat
+    lists of the form before [[stages]] (a per-boundary overlap and an optimizer reset too); that release
+    logged them as stage records. The tests below resume it under that very file, so its flat form must
+    read to the config hash on record, bit for bit."""
+    import tomllib
+
+    from rewind.states.stageform import FLAT_FIELD, to_stage_form
+    from rewind.stores.runs import read_seq_events
+
+    fixture = FIXTURES / "a41046e-flat"
+    raw = tomllib.loads((fixture / "run.toml").read_text())
+    assert "stages" not in raw and to_stage_form(raw)[2]
+    missing = []
+    for path in FLAT_FIELD:  # all six lists
+        table = raw
+        for key in path[:-1]:
+            table = table.get(key, {})
+        if path[-1] not in table:
+            missing.append(".".join(path))
+    assert len(FLAT_FIELD) == 6 and missing == []
+    stages = read_seq_events(fixture)[0][1].config.stages
+    assert [(s.overlap, s.refresh_reference, s.reset_optimizer) for s in stages] == [
+        (0.5, False, False),
+        (0.25, True, False),
+        (None, False, True),
+    ]
+
+
 def test_the_rollout_rules_read_an_old_runs_figures_by_its_features():
     """The check a resume and verify make (rolloutreader.rollout_problems) holds a run started before
     scored_reward_figures to the figures it records, and no other run to them."""
