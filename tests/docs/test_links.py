@@ -107,3 +107,15 @@ def test_a_link_that_leads_nowhere_is_named_with_its_page_and_line():
         "docs/x.md:13: #two-words-2: no heading with that anchor in docs/x.md",
         "docs/x.md:13: ../../etc/passwd: leads out of the repository",
     ]
+
+
+def test_the_guides_index_links_every_page_under_docs():
+    index = REPO / "docs" / "README.md"
+    linked = {
+        (index.parent / m.group(1).partition("#")[0]).resolve()
+        for _, line in prose_lines(index.read_text())
+        for m in _LINK.finditer(_CODE_SPAN.sub("", line))
+        if not _SCHEME.match(m.group(1))
+    }
+    pages = {p.resolve() for p in PAGES if p.is_relative_to(index.parent) and p != index}
+    assert pages - linked == set(), "docs/README.md links every page of the guide"

@@ -30,6 +30,7 @@ def test_the_readme_and_the_guide_mark_their_figures_and_examples():
     quoted = {name for _, kind, name, _ in BLOCKS if kind == "figure"}
     on_disk = {f"docs/figures/{p.name}" for p in FIGURES_DIR.glob("*.txt")}
     assert quoted == on_disk, "every figure file is quoted (README.md, docs/), and only those"
+    assert {page for page, _, _, _ in BLOCKS} > {"README.md"}, "the pages under docs/ are read too"
 
 
 def test_a_marker_without_a_block_names_its_page_and_line():

@@ -1,4 +1,4 @@
-"""examples/text.toml, as the README runs it, on a shortened budget: the corpus found and tokenised, a
+"""examples/text.toml, as docs/own_text.md runs it, on a shortened budget: the corpus found and tokenised, a
 tokenizer trained, the run recorded, sampled, scored and exported to a model transformers loads.
 
 The commands run one after the other in one fresh process (`rewind.tools.cli.main`, as the `rewind`

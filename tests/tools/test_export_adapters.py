@@ -283,16 +283,16 @@ def test_adapters_without_their_base_or_onto_an_existing_file_exit_2_and_write_n
     assert blocker.read_bytes() == b"not yours"
 
 
-def test_the_readmes_peft_route_continues_as_rewind_sample(progressive, tmp_path, monkeypatch):
-    """The README's three commands, as written, on the shortened run: the export, examples/load_hf.py
+def test_the_guides_peft_route_continues_as_rewind_sample(progressive, tmp_path, monkeypatch):
+    """docs/own_text.md's three commands, as written, on the shortened run: the export, examples/load_hf.py
     (run as a script: transformers and peft only) and `rewind sample` print the same text."""
-    readme = (REPO / "README.md").read_text()
-    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "examples/load_hf.py runs/progressive-hf" in b)
+    page = (REPO / "docs" / "own_text.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", page, re.S) if "examples/load_hf.py runs/progressive-hf" in b)
     export, load, sample = (shlex.split(line.split("  #")[0]) for line in block.strip().splitlines())
     assert export[0] == sample[0] == ".venv/bin/rewind" and load[:2] == [".venv/bin/python", "examples/load_hf.py"]
     shutil.copytree(progressive, tmp_path / "runs" / "progressive")
     (tmp_path / "examples").symlink_to(EXAMPLES)
-    monkeypatch.chdir(tmp_path)  # the README's relative paths
+    monkeypatch.chdir(tmp_path)  # the page's relative paths
     code, _, err = run_cli(*export[1:])
     assert code == 0, err
     code, sampled, err = run_cli(*sample[1:])
