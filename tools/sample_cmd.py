@@ -133,10 +133,10 @@ def run_tokenizer(run_dir: str, recorded: str):
 def end_token_of(config, stage: int, tokenizer) -> int | None:
     """The token a model's text ends with, None for none: the tokenizer's <|endoftext|> where it has one;
     else, for a model that has trained in a post-training stage (`stage`, the checkpoint's, or an earlier
-    one is sft, dpo or grpo), the end of a response, its "\n" (rewind.engine.data.rows.end_token: a response is
-    one line there); else none, as a model pretrained on bytes writes lines of text that a newline does not
-    end. `tokenizer`: the run's (rewind.engine.data.tokenizer)."""
-    from rewind.engine.data.rows import end_token
+    one is sft, dpo or grpo), the end of a response, its "\n" (rewind.engine.data.examples.end_token: a
+    response is one line there); else none, as a model pretrained on bytes writes lines of text that a newline
+    does not end. `tokenizer`: the run's (rewind.engine.data.tokenizer)."""
+    from rewind.engine.data.examples import end_token
     from rewind.engine.data.tokenizer import TokenizerError
 
     if tokenizer.eos_id is not None:

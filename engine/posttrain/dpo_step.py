@@ -19,8 +19,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from rewind.engine.data.example_batches import RowBatch, preference_batch
 from rewind.engine.data.example_sources import ExampleSources, mixture_rows
-from rewind.engine.data.row_batches import RowBatch, preference_batch
 from rewind.engine.model.layout import eval_mode
 from rewind.engine.model.optimizer import AdamW
 from rewind.engine.model.placement import is_sharded, placement_for

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from rewind.engine.data.example_batches import prompt_tokens
 from rewind.engine.data.example_sources import mixture_rows
-from rewind.engine.data.row_batches import prompt_tokens
 from rewind.engine.model.layout import evaluating
 from rewind.engine.model.placement import placement_for
 from rewind.engine.model.ranks import gathered_rows, is_writer

@@ -16,9 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from torch import nn
 
-from rewind.engine.data.row_batches import prompt_tokens
-from rewind.engine.data.rows import PromptRow
-from rewind.engine.data.task_rows import ANSWER_FIELD, exact_match_reward, task_prompt_row
+from rewind.engine.data.example_batches import prompt_tokens
+from rewind.engine.data.examples import ANSWER_FIELD, PromptRow, exact_match_reward, task_prompt_row
 from rewind.engine.data.tasks import Encoder, num_task_samples
 from rewind.engine.posttrain.generation import Completion, sample_completions
 

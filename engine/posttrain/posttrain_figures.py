@@ -22,9 +22,9 @@ from statistics import fmean
 
 import torch
 
+from rewind.engine.data.example_batches import preference_batch
 from rewind.engine.data.example_sources import ExampleSources
-from rewind.engine.data.row_batches import preference_batch
-from rewind.engine.data.task_rows import POSTTRAIN_TASKS
+from rewind.engine.data.examples import POSTTRAIN_TASKS
 from rewind.engine.model.layout import evaluating
 from rewind.engine.model.placement import placement_for
 from rewind.engine.posttrain.dpo_losses import dpo_loss

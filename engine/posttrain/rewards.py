@@ -53,8 +53,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rewind.engine.data.rows import encode_text
-from rewind.engine.data.task_rows import exact_match_rewards
+from rewind.engine.data.examples import encode_text, exact_match_rewards
 from rewind.engine.posttrain.reward_code import code_change, forget, module_identity, watching
 
 if TYPE_CHECKING:

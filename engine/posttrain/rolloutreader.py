@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rewind.engine.data.row_batches import completion_batch
+from rewind.engine.data.example_batches import completion_batch
 from rewind.engine.posttrain.grpo_losses import (
     group_advantages,
     mask_truncated,
@@ -206,7 +206,7 @@ def batch_problem(
 
 def run_end_id(run_dir: str) -> int | None:
     """The end token of the run's tokenizer (what its completions end with); None when it does not load."""
-    from rewind.engine.data.rows import end_token
+    from rewind.engine.data.examples import end_token
     from rewind.engine.data.tokenizer import TokenizerError, load_run_tokenizer
 
     try:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rewind.engine.data.cursors import epochs_started
-from rewind.engine.data.example_rows import step_rows
+from rewind.engine.data.example_batches import step_rows
 from rewind.engine.data.rundata import check_unchanged
 from rewind.engine.model.placement import launched_world_size
 from rewind.engine.model.ranks import any_rank, check_same_state, is_writer, lost_peer, shared_event

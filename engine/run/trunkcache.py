@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from rewind.engine.data.example_rows import step_rows
+from rewind.engine.data.example_batches import step_rows
 from rewind.engine.model.placement import in_sharded_run, model_device
 from rewind.engine.model.ranks import is_writer, shared_event
 from rewind.engine.model.trunkreader import cache_url

@@ -1,12 +1,12 @@
 """docs/data.md's built-in tasks are what the code generates: the packed pretraining rows it draws (text and
 loss mask), the post-training rows of its table (prompt, answer, rejected), the validation examples and the
-split sizes it quotes are made again here from rewind.engine.data.tasks and rewind.engine.data.task_rows."""
+split sizes it quotes are made again here from rewind.engine.data.tasks and rewind.engine.data.examples."""
 
 from __future__ import annotations
 
 import re
 
-from rewind.engine.data.task_rows import task_texts
+from rewind.engine.data.examples import task_texts
 from rewind.engine.data.tasks import TASK_NAMES, num_task_samples, task_sample
 from tests.conftest import REPO
 
@@ -65,10 +65,10 @@ def test_the_validation_examples_are_each_task_s_row_0():
 
 
 def test_the_quoted_ranges_are_the_generator_s():
-    from rewind.engine.data import task_rows, tasks
+    from rewind.engine.data import examples, tasks
     text = " ".join(section().split())
     letters = f"{tasks._MIN_LETTERS} to {tasks._MAX_LETTERS} lowercase letters"
     assert text.count(letters) == 2
     assert f"two numbers of 1 to {tasks._MAX_DIGITS} digits" in text
     assert f"1 in {2**tasks._VALIDATION_SHARE_BITS} to validation" in text
-    assert f"a sum off by 1 to {task_rows._MAX_MISS})" in text
+    assert f"a sum off by 1 to {examples._MAX_MISS})" in text

@@ -339,7 +339,7 @@ def test_a_reward_function_gets_three_lists_by_position_and_the_answer_by_keywor
 
 
 def test_a_grpo_step_logs_the_reward_over_scored_completions_and_the_weighted_kl_the_loss_uses():
-    from rewind.engine.data.row_batches import completion_batch
+    from rewind.engine.data.example_batches import completion_batch
     from rewind.engine.model.layout import build_model
     from rewind.engine.posttrain.grpo_rollouts import logprobs_of
     from rewind.engine.posttrain.grpo_step import grpo_train_step

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rewind.engine.data.cursors import sample_indices
+from rewind.engine.data.example_batches import preference_batch
+from rewind.engine.data.examples import task_preference_row
 from rewind.engine.data.registry import DatasetRegistry
-from rewind.engine.data.row_batches import preference_batch
-from rewind.engine.data.task_rows import task_preference_row
 from rewind.engine.model.layout import build_model, eval_mode
 from rewind.engine.model.placement import Placement, PlacementError, check_compute
 from rewind.engine.posttrain.dpo_step import dpo_train_step, preference_rows

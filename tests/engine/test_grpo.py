@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rewind.engine.data.row_batches import completion_batch
+from rewind.engine.data.example_batches import completion_batch
 from rewind.engine.model.layout import build_model
 from rewind.engine.posttrain import grpo_rollouts
 from rewind.engine.posttrain.generation import sample_completions

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from rewind.engine.data.task_rows import ANSWER_FIELD, exact_match_reward
+from rewind.engine.data.examples import ANSWER_FIELD, exact_match_reward
 from rewind.engine.model.layout import build_model
 from rewind.engine.posttrain import posttrain_eval as pe
 from rewind.engine.posttrain.generation import sample_completions

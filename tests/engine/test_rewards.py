@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rewind.engine.data.example_sources import ExampleSources
-from rewind.engine.data.task_rows import task_texts
+from rewind.engine.data.examples import task_texts
 from rewind.engine.data.userdata import DataHome
 from rewind.engine.posttrain.rewards import TRIAL_GARBAGE, RewardError, reward_identity, score, try_rewards
 from rewind.states.config_reading import loads_config

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from rewind.engine.data.cursors import assemble_batch, sample_indices
-from rewind.engine.data.example_rows import step_rows
+from rewind.engine.data.example_batches import packed_row_count, packed_sft_batch, sft_batch, step_rows
+from rewind.engine.data.examples import task_sft_row
 from rewind.engine.data.registry import DatasetRegistry
-from rewind.engine.data.row_batches import packed_row_count, packed_sft_batch, sft_batch
-from rewind.engine.data.task_rows import task_sft_row
 from rewind.engine.model.layout import build_model
 from rewind.engine.step.step import build_optimizer, train_step
 from rewind.states.config_reading import loads_config

@@ -15,7 +15,7 @@ import tomllib
 
 import pytest
 
-from rewind.engine.data.task_rows import task_prompt_row
+from rewind.engine.data.examples import task_prompt_row
 from rewind.engine.data.tokenizer import ByteTokenizer
 from rewind.engine.posttrain.grpo_losses import weighted_rewards
 from rewind.engine.posttrain.rewards import score_groups

@@ -1,4 +1,4 @@
-"""Post-training rows as tensors: the end token in the loss, padding told apart by position, packing that keeps
+"""Post-training examples as token rows: the end token in the loss, padding told apart by position, packing that keeps
 every target and its context, the preference layout, and GRPO's prompts and completion rows."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewind.engine.data.row_batches import (
+from rewind.engine.data.example_batches import (
     completion_batch,
     packed_row_count,
     packed_sft_batch,
@@ -19,7 +19,7 @@ from rewind.engine.data.row_batches import (
     prompt_tokens,
     sft_batch,
 )
-from rewind.engine.data.rows import PreferenceRow, PromptRow, SftRow
+from rewind.engine.data.examples import PreferenceRow, PromptRow, SftRow
 
 END = 9
 

@@ -1,14 +1,13 @@
-"""Post-training rows by (split, index): the embedded tasks' and rows read from files, with validation rows
-carved as a prompt/response dataset's are."""
+"""Post-training examples by (split, index): the embedded tasks' and examples read from files, with validation
+examples carved as a prompt/response dataset's are."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rewind.engine.data.row_sources import FileRows, TaskRows
-from rewind.engine.data.rows import SftRow
-from rewind.engine.data.task_rows import task_preference_row, task_prompt_row, task_sft_row
+from rewind.engine.data.example_sources import FileRows, TaskRows
+from rewind.engine.data.examples import SftRow, task_preference_row, task_prompt_row, task_sft_row
 from rewind.engine.data.tasks import num_task_samples
 from rewind.engine.data.tokens import RowSplit
 
