@@ -1,9 +1,13 @@
-"""A change of config against a run: whether a run can go on from a checkpoint under another config
-(a fork, in place or not), whose weights must still fit the model the new config describes.
+"""Whether a run may go on under a config: the continuation rules, in one place beside the entry
+decision that applies them (rewind.states.entry.decide) for a resume, a fork in place and a fork.
+
+A resume goes on under the config the run logged; another config is refused, naming what differs,
+unless the caller forks (in place: `rewind train --fork`; into a new run: `rewind fork`), and a finished
+run trains no further under any other. Forking, a run keeps its tokenizer at any point, and from a
+checkpoint the weights it holds must still fit the model the new config describes.
 
 The shapes a config gives the weights are stated here once (`model_vocab_size`, `num_time_levels`):
-the engine builds its model with them, and this rule compares them. Pure; the engine refuses what it
-finds (`rewind.engine.run.session`, `rewind.engine.run.fork`).
+the engine builds its model with them, and these rules compare them. Pure.
 """
 
 from __future__ import annotations
@@ -11,9 +15,51 @@ from __future__ import annotations
 from typing import get_args
 
 from rewind.states.config import Config, ObjectiveKind, ObjectiveSection
-from rewind.states.entry import tokenizer_problem
+from rewind.states.config_identity import config_differences, config_hash
 from rewind.states.history import RestorePoint
 from rewind.states.model_size import mlp_width
+
+
+def differences_shown(logged: Config, new: Config) -> str:
+    """"" when `new` is the run's config (by identity, computed by this code from both configs, never a
+    hash an older release wrote: a release that adds a field with a default does not strand a run); else
+    the fields that differ, 'path: old -> new' joined by '; ' (the first four, then how many more)."""
+    if config_hash(logged) == config_hash(new):
+        return ""
+    changes = config_differences(logged, new)
+    shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+    return shown or "no field differs in value"
+
+
+def resume_refusal(run: str, logged: Config, new: Config) -> str:
+    """Why run `run` of `logged` does not resume under `new` without forking ("" when it is the run's config)."""
+    shown = differences_shown(logged, new)
+    if not shown:
+        return ""
+    return f"{run}: the config differs from the run's ({shown}); pass --fork to continue under the new config"
+
+
+def finished_refusal(run: str, step: int, logged: Config, new: Config) -> str:
+    """Why finished run `run` (at `step`) of `logged` is not entered under `new` ("" when it is the run's
+    config: there is then nothing to do)."""
+    shown = differences_shown(logged, new)
+    if not shown:
+        return ""
+    return (
+        f"{run}: the run is already finished (step {step}), and the config given differs from the run's ({shown}); "
+        f"it trains no further: use a new --run-dir, or `rewind fork {run} --at-step N NEW_RUN --set ...` to "
+        "branch from one of its checkpoints"
+    )
+
+
+def tokenizer_problem(old: Config, new: Config) -> str:
+    """Why a run of `old` cannot go on under `new` for its tokenizer ("" if it can)."""
+    if old.tokenizer == new.tokenizer:
+        return ""
+    return (
+        "tokenizer: a run's tokenizer is fixed when it starts (its token ids are what the weights learned; "
+        "a fork keeps its parent's); start a new run for another tokenizer"
+    )
 
 
 def change_problem(old: Config, new: Config, point: RestorePoint) -> str:

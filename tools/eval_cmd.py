@@ -44,23 +44,14 @@ def open_run_data(run_dir: str, loaded: CheckpointModel, name: str):
     """The run's datasets and tokenizer as the run reads them at the checkpoint (the data home the log
     gives it, as replay opens it), for scoring dataset `name`: its data, when it changed since the run
     recorded it, is refused (exit 1); the others are not looked at. Nothing is written to the run:
-    documents it never tokenised go to a scratch directory."""
-    import msgspec
-
-    from rewind.engine.data.rundata import DataChanged, check_data, open_registry, read_only_home
-    from rewind.engine.data.tokenizer import TokenizerError
+    documents it never tokenised go to a scratch directory (rewind.engine.run.entry.open_checkpoint_data)."""
+    from rewind.engine.run.entry import open_checkpoint_data
+    from rewind.engine.run.parts import RunError
 
     try:
-        home = read_only_home(run_dir, loaded.state)
-    except (DataChanged, TokenizerError) as exc:
-        raise CommandError(f"{run_dir}: {exc}", 1) from None
-    scored = msgspec.structs.replace(loaded.config, data={k: v for k, v in loaded.config.data.items() if k == name})
-    changes = check_data(scored, loaded.state, home)
-    if changes:
-        raise CommandError(
-            f"{changes[0]}; the run's data changed since it recorded it (`rewind verify --data {run_dir}`)", 1
-        )
-    return open_registry(loaded.config, home), home.tokenizer
+        return open_checkpoint_data(loaded.entered, name)
+    except RunError as exc:
+        raise CommandError(str(exc), exc.exit_code) from None
 
 
 def run(args: argparse.Namespace) -> int:

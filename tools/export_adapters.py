@@ -34,7 +34,6 @@ from pathlib import Path
 
 from rewind.tools.errors import CommandError
 from rewind.tools.outfile import Output
-from rewind.tools.runlog import load_records
 
 PEFT_PREFIX = "base_model.model."
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -119,22 +118,20 @@ def prepare_adapters(run_dir: str, out_dir: str, hf_dir: str, *, overwrite: bool
     from safetensors.torch import save
 
     from rewind.engine.model import hf_models
-    from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
-    from rewind.tools.export_source import checkpoint_layout, checkpointed_state, expressible
+    from rewind.tools.export_source import export_source, expressible
 
     target = check_out_dir(out_dir, overwrite=overwrite)
-    records = load_records(run_dir)
-    state = checkpointed_state(run_dir, records)
+    source = export_source(run_dir)
+    state, layout = source.state, source.layout
     ref = state.last_checkpoint
-    family = expressible(config_in_force(records), "--adapters")
+    family = expressible(source.config, "--adapters")
     tensors = checkpoint_weights(run_dir, ref.checkpoint, ref.files)["adapters"]
     if not tensors:
         raise CommandError(
             f"{run_dir}: the model of checkpoint {ref.checkpoint} has no adapters (no lora or qlora trunk, no nf4 stack)",
             1,
         )
-    layout = checkpoint_layout(state)
     check_adapters(tensors, layout)
     try:
         renamed, modules = hf_models.hf_adapters(tensors, layout, family)

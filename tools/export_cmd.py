@@ -171,18 +171,17 @@ def prepare_weights(run_dir: str, out: str, *, overwrite: bool = False) -> Prepa
     """Every check of `export RUN --to FILE` (an existing FILE only with `overwrite`) and FILE's bytes."""
     from safetensors.torch import save
 
-    from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
-    from rewind.tools.export_source import checkpoint_layout, checkpointed_state
+    from rewind.tools.export_source import export_source
 
     target = check_target(out, replace=overwrite)
-    records = load_records(run_dir)
-    state = checkpointed_state(run_dir, records)
+    source = export_source(run_dir)
+    state = source.state
     ref = state.last_checkpoint
     groups = {"model": checkpoint_weights(run_dir, ref.checkpoint, ref.files)["model"]}
     # The layout builds the model these weights fit (stack identities and order): rewind.engine.model.layout.
     recorded = state.tokenizer if state.behaviours.data_identity else None
-    model = model_metadata(config_in_force(records), checkpoint_layout(state), recorded)
+    model = model_metadata(source.config, source.layout, recorded)
     metadata = {"run": run_dir, "checkpoint": ref.checkpoint, "step": str(ref.step), **model}
     summary = f"{len(groups['model'])} tensors of checkpoint {ref.checkpoint} (step {ref.step})"
     return PreparedWeights(target, save(groups["model"], metadata=metadata), summary)

@@ -33,7 +33,6 @@ from pathlib import Path
 
 from rewind.tools.errors import CommandError
 from rewind.tools.outfile import Output
-from rewind.tools.runlog import load_records
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -81,17 +80,14 @@ def prepare_hf(run_dir: str, out_dir: str, *, merge: bool = True, overwrite: boo
 
     from rewind.engine.model import hf_models
     from rewind.engine.model.hf_llama import Unmapped
-    from rewind.states.history import config_in_force
     from rewind.stores.trunks import checkpoint_weights
-    from rewind.tools.export_source import checkpoint_layout, checkpointed_state, expressible
+    from rewind.tools.export_source import export_source, expressible
 
     target = check_hf_dir(out_dir, overwrite=overwrite)
-    records = load_records(run_dir)
-    state = checkpointed_state(run_dir, records)
+    source = export_source(run_dir)
+    state, config, layout = source.state, source.config, source.layout
     ref = state.last_checkpoint
-    config = config_in_force(records)
     family = expressible(config, "--hf")
-    layout = checkpoint_layout(state)
     groups = checkpoint_weights(run_dir, ref.checkpoint, ref.files)
     arch = config.architecture
     try:

@@ -1,35 +1,42 @@
 """What every export reads: the run's last committed checkpoint (the one a resume would go on from), the
-layout of the model it holds, and the transformers family that computes it (`--hf`, `--adapters`)."""
+config in force there, the layout of the model it holds (`export_source`, entered as every command
+enters a run: rewind.engine.run.entry.enter), and the transformers family that computes it (`--hf`,
+`--adapters`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from rewind.tools.errors import CommandError, UsageError
-from rewind.tools.runlog import load_records
 
 
-def checkpointed_state(run_dir: str, records: list | None = None):
-    """The run's folded state, which has a committed checkpoint (CommandError, exit 1, when it has none):
-    every export writes its last one, the checkpoint a resume would go on from."""
-    from rewind.states.fold import fold
-
-    state = fold(e for _, e in (load_records(run_dir) if records is None else records))
-    if state.last_checkpoint is None:
-        raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
-    return state
-
-
-def checkpoint_layout(state):
-    """The layout of the model that `state`'s last checkpoint holds: that of the fold's restore anchor
-    (the state just after the checkpoint, which is what a resume loads it under), not the log's
+@dataclass(frozen=True)
+class ExportSource:
+    """What an export writes from: the run's folded state (its last checkpoint: `state.last_checkpoint`),
+    the config in force, and the layout of the model the checkpoint holds: that of the fold's restore
+    anchor (the state just after the checkpoint, which is what a resume loads it under), not the log's
     latest, which a growth after the checkpoint has changed."""
+
+    state: Any  # rewind.states.state.State
+    config: Any  # rewind.states.config.Config
+    layout: Any  # rewind.engine.model.layout.ModelLayout
+
+
+def export_source(run_dir: str) -> ExportSource:
+    """The run's last committed checkpoint to export, or one line (CommandError, exit 1 when the run has
+    none yet)."""
+    from rewind.engine.run.entry import enter
+    from rewind.engine.run.parts import RunError
+    from rewind.states.entry import ReadCheckpoint
     from rewind.states.growth import current_layout
 
-    anchor = state.anchor
-    if anchor is None or anchor.last_checkpoint != state.last_checkpoint:
-        raise CommandError(
-            "the log's restore anchor is not its last checkpoint: cannot tell that model's layout", 1
-        )
-    return current_layout(anchor)
+    try:
+        entry = enter(ReadCheckpoint(export=True), run_dir).entry
+    except RunError as exc:
+        raise CommandError(str(exc), exc.exit_code) from None
+    assert entry.point is not None
+    return ExportSource(entry.state, entry.config, current_layout(entry.point.state))
 
 
 def expressible(config, option: str):

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from rewind.states.config_reading import config_from_dict
     from rewind.states.overrides import apply_overrides, parse_override
     from rewind.states.stageform import flat_for_overrides
-    from rewind.stores.eventlog import LogLockedError, LogNotFoundError
+    from rewind.stores.eventlog import LogLockedError
     from rewind.tools.configfile import load_config, resolve_data_paths
     from rewind.tools.train_cmd import drive_and_report
 
@@ -70,9 +70,7 @@ def run(args: argparse.Namespace) -> int:
             args.run_dir, args.at_step, config_of_child, args.new_run,
             num_threads=args.threads, note=notes.append, base_dir=base_dir,
         )
-    except LogNotFoundError:
-        raise CommandError(f"{args.run_dir}: no run here (no event log)") from None
-    except RunError as exc:
+    except RunError as exc:  # (no run there, too)
         raise CommandError(str(exc), exc.exit_code) from None
     except LogLockedError as exc:
         raise CommandError(str(exc), 1) from None

@@ -31,36 +31,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rewind.engine.model.placement import join_process_group, leave_process_group
-    from rewind.engine.run.assemble import adopt_site
+    from rewind.engine.model.placement import leave_process_group
+    from rewind.engine.run.entry import enter
     from rewind.engine.run.parts import RunError
     from rewind.engine.run.replay import ReplayError, replay
-    from rewind.states.entry import site_of
-    from rewind.states.fold import fold
-    from rewind.states.history import config_in_force
-    from rewind.tools.runlog import load_records
+    from rewind.states.entry import Replay
 
     if not (args.rtol >= 0.0 and math.isfinite(args.rtol)):
         raise UsageError(f"--rtol {args.rtol}: must be a finite number >= 0")
-    records = load_records(args.run_dir)
-    folded = fold(e for _, e in records)
-    # Before the first tensor; compute.device = "auto": where the run computed, if this machine has it.
-    if note := adopt_site(site_of(folded, reading=True)):
-        print(f"rewind: {note}", file=sys.stderr)
-    # The last step replayed, for the bar's total (replay refuses a --to-step past the log before any step).
-    last = folded.step if args.to_step is None else args.to_step
-    bar = _ProgressBar(enabled=not args.no_progress and not args.json, total=last)
-    # A bf16-mixed run computes through FSDP2 (a one-rank group here), as its single-process training did.
-    join_process_group(config_in_force(records).compute)
+    bar = None
     try:
-        report = replay(
-            args.run_dir, records, from_checkpoint=args.from_checkpoint, to_step=args.to_step, rtol=args.rtol,
-            progress=bar,
-        )
+        # Where it starts, computing as the run did there (compute.device = "auto": where the run computed,
+        # if this machine has it; a bf16-mixed run through FSDP2, a one-rank group here, as it trained).
+        entered = enter(Replay(args.from_checkpoint, args.to_step), args.run_dir)
+        if entered.note:
+            print(f"rewind: {entered.note}", file=sys.stderr)
+        bar = _ProgressBar(enabled=not args.no_progress and not args.json, total=entered.entry.to_step)
+        report = replay(entered, rtol=args.rtol, progress=bar)
     except (ReplayError, RunError) as exc:
         raise CommandError(str(exc), exc.exit_code) from None
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         leave_process_group()
     if args.json:
         print_json(as_dict(report, args.rtol), default=repr)

@@ -20,7 +20,6 @@ from typing import Any
 
 from rewind.tools.errors import CommandError, UsageError
 from rewind.tools.jsonout import print_json
-from rewind.tools.runlog import load_records
 
 DEFAULT_MAX_TOKENS = 64
 
@@ -69,47 +68,28 @@ class CheckpointModel:
     checkpoint: str
     step: int
     state: Any  # the folded state at the checkpoint's restore point (rewind.states.state.State)
-
-
-def choose_live_point(run_dir: str, points: list, at_step: int | None):
-    """The restore point of the live checkpoint to load (`points`: those of the live checkpoints, in log
-    order): the last one, or the last committed at `at_step`."""
-    from rewind.states.entry import choose_point
-
-    if not points:
-        raise CommandError(f"{run_dir}: the run has no committed checkpoint yet", 1)
-    chosen = choose_point(points, step=at_step)
-    if chosen is None:
-        steps = ", ".join(str(s) for s in sorted({p.state.step for p in points}))
-        raise UsageError(
-            f"--at-step {at_step}: no checkpoint at that step (retention keeps only some); "
-            f"checkpoints exist at steps {steps}"
-        )
-    return chosen
+    entered: Any = None  # the entry that read it (rewind.engine.run.entry.Entered): eval opens its data
 
 
 def model_at(run_dir: str, at_step: int | None) -> CheckpointModel:
     """The model of the run's last live checkpoint, or of the one at step `at_step`, built as a resume
     from it would build it: the layout of the restore point the checkpoint makes, the config in force
-    there (replay chooses them the same way). Files are checked against the hashes the log recorded."""
-    from rewind.engine.model.checkpoint_model import load_model
-    from rewind.engine.run.assemble import adopt_site
-    from rewind.states.entry import checkpoint_points, site_of
-    from rewind.states.fold import fold
-    from rewind.states.history import config_in_force, effective
-    from rewind.stores.checkpoints import CheckpointStore
+    there (replay chooses them the same way), computing with the run's kernels and thread count. Files
+    are checked against the hashes the log recorded. One line (CommandError) for what stops it."""
+    from rewind.engine.run.entry import enter
+    from rewind.engine.run.parts import RunError
+    from rewind.states.entry import ReadCheckpoint
 
-    records = effective(load_records(run_dir))
-    state = fold(e for _, e in records)
-    # The run's kernels and thread count, as replay adopts them: the same figures as the run's own
-    # boundary evaluation of this checkpoint, bit for bit, on the machine it ran on.
-    adopt_site(site_of(state, reading=True))  # compute.device = "auto": where the run computed, if here
-    live = {c.checkpoint: c for c in state.live_checkpoints}
-    point = choose_live_point(run_dir, [p for p in checkpoint_points(records) if p.checkpoint in live], at_step)
-    ref = live[point.checkpoint]
-    config = config_in_force(records[: point.index])
-    model = load_model(config, CheckpointStore(run_dir), ref.checkpoint, ref.files, point.state.layout)[0]
-    return CheckpointModel(model=model, config=config, checkpoint=ref.checkpoint, step=ref.step, state=point.state)
+    try:
+        entered = enter(ReadCheckpoint(at_step), run_dir)
+    except RunError as exc:
+        raise CommandError(str(exc), exc.exit_code) from None
+    point = entered.entry.point
+    assert point is not None
+    return CheckpointModel(
+        model=entered.model, config=entered.entry.config, checkpoint=point.checkpoint, step=point.state.step,
+        state=point.state, entered=entered,
+    )  # fmt: skip
 
 
 def run_tokenizer(run_dir: str, recorded: str):
@@ -133,15 +113,16 @@ def run_tokenizer(run_dir: str, recorded: str):
 def end_token_of(config, stage: int, tokenizer) -> int | None:
     """The token a model's text ends with, None for none: the tokenizer's <|endoftext|> where it has one;
     else, for a model that has trained in a post-training stage (`stage`, the checkpoint's, or an earlier
-    one is sft, dpo or grpo), the end of a response, its "\n" (rewind.engine.data.examples.end_token: a
+    one reads examples: sft, dpo, grpo or distill), the end of a response, its "\n" (rewind.engine.data.examples.end_token: a
     response is one line there); else none, as a model pretrained on bytes writes lines of text that a newline
     does not end. `tokenizer`: the run's (rewind.engine.data.tokenizer)."""
     from rewind.engine.data.examples import end_token
     from rewind.engine.data.tokenizer import TokenizerError
+    from rewind.states.stagekinds import rules_of
 
     if tokenizer.eos_id is not None:
         return tokenizer.eos_id
-    if not any(s.strategy != "pretrain" for s in config.stages[: stage + 1]):
+    if not any(rules_of(s).reads for s in config.stages[: stage + 1]):  # no stage so far reads examples
         return None
     try:
         return end_token(tokenizer)

@@ -77,18 +77,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_resume(args: argparse.Namespace) -> int:
-    import warnings
-
-    from rewind.stores.folding import SnapshotsIgnored, fold_log
-    from rewind.tools.runlog import open_log
-
-    # The config in force, folded as the resume itself folds (from a snapshot the log vouches for: one
-    # forged to hold another config is not read); the resume that follows says which ones disagree.
-    with open_log(args.run_dir) as (log, _), warnings.catch_warnings():
-        warnings.simplefilter("ignore", SnapshotsIgnored)
-        config = fold_log(log, args.run_dir, vouched=True).config
+    # No config: the one the run logged, as the resume's own fold finds it (its one read of the log).
     return _train(
-        config, args.run_dir, fork=False, max_steps=args.max_steps, progress=not args.no_progress, threads=args.threads
+        None, args.run_dir, fork=False, max_steps=args.max_steps, progress=not args.no_progress, threads=args.threads
     )
 
 
@@ -179,13 +170,10 @@ def _train(
     config, run_dir: str, *, fork: bool, max_steps: int | None, progress: bool, threads: int, base_dir: str | None = None
 ) -> int:
     """One process's part of training: the whole of it, or under torchrun one rank's (rank 0 alone writes
-    the run and speaks; see rewind.engine.model.placement)."""
-    from rewind.engine.model.placement import PlacementError, join_process_group, leave_process_group
+    the run and speaks; see rewind.engine.model.placement). `config` None: the run's own (`rewind resume`).
+    The process group is joined as the run is entered (rewind.engine.run.entry), and left here."""
+    from rewind.engine.model.placement import leave_process_group
 
-    try:
-        join_process_group(config.compute)
-    except PlacementError as exc:
-        raise CommandError(str(exc), 2) from None
     try:
         return _train_here(
             config, run_dir, fork=fork, max_steps=max_steps, progress=progress, threads=threads, base_dir=base_dir
@@ -209,15 +197,8 @@ def _train_here(
         raise CommandError(str(exc), exc.exit_code) from None
     except LogLockedError as exc:
         raise CommandError(str(exc), 1) from None
-    if how == "finished":
+    if how == "finished":  # (under another config: refused as it was entered)
         run.journal.close()
-        if changes := finished_under_another_config(run.parts.config, config):
-            raise CommandError(
-                f"{run_dir}: the run is already finished (step {state.step}), and the config given differs from "
-                f"the run's ({changes}); "
-                f"it trains no further: use a new --run-dir, or `rewind fork {run_dir} --at-step N NEW_RUN "
-                "--set ...` to branch from one of its checkpoints"
-            )
         if speaks:
             print(f"{run_dir}: the run is already finished (step {state.step}); nothing to do")
         return 0
@@ -228,18 +209,6 @@ def _train_here(
         for note in notes:
             print(f"  {note}", file=sys.stderr)
     return drive_and_report(run, state, run_dir, max_steps=max_steps, progress=progress and speaks, speaks=speaks)
-
-
-def finished_under_another_config(logged, new) -> str:
-    """"" when `new` is the config the run logged (by identity, as a resume decides), else the fields
-    that differ, 'path: old -> new' joined by '; ' (the first four, then how many more)."""
-    from rewind.states.config_identity import config_differences, config_hash
-
-    if config_hash(logged) == config_hash(new):
-        return ""
-    changes = config_differences(logged, new)
-    shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
-    return shown or "no field differs in value"
 
 
 def drive_and_report(run, state, run_dir: str, *, max_steps: int | None, progress: bool, speaks: bool = True) -> int:

@@ -1,5 +1,6 @@
 """The live objects of an entry into a run, built one way for every entry point that computes (start,
-resume, fork, replay; the decision of what to enter is rewind.states.entry's).
+resume, fork, replay; the decision of what to enter is rewind.states.entry's, and
+rewind.engine.run.entry.enter carries it out through here).
 
 `adopt_site` adopts where the run computes (CPU kernels, device, thread count) before the first tensor
 (`enter_site` also refuses what this process cannot compute); `assemble` checks the data the run
@@ -24,13 +25,14 @@ from rewind.engine.model.placement import (
     adopt_threads,
     check_compute,
     forget_adopted_device,
+    join_process_group,
     placement_for,
     prepare_device,
 )
 from rewind.engine.posttrain.grpo_step import window_rows
 from rewind.engine.posttrain.rewards import RewardError, reward_code_changes
 from rewind.engine.run.parts import Parts, RunError, build_parts, fresh_parts, open_datasets, starting_weights
-from rewind.states.config import Config
+from rewind.states.config import ComputeSection, Config
 from rewind.states.cpu_threads import threads_worth
 from rewind.states.entry import Site
 from rewind.states.plan import rollouts_due
@@ -51,14 +53,19 @@ def adopt_site(site: Site | None, threads: int = 0) -> str:
     return note
 
 
-def enter_site(config: Config, site: Site | None, threads: int = 0) -> tuple[Placement, str]:
-    """Adopt `site` (`adopt_site`) and refuse what this process cannot compute as `config` asks
-    (PlacementError), with the process-wide settings its device needs made: (placement, note). A new run
-    without --threads computes with the threads its steps keep busy, up to this process's count
-    (rewind.states.cpu_threads)."""
+def enter_site(
+    config: Config, site: Site | None, threads: int = 0, *, join: ComputeSection | None = None
+) -> tuple[Placement, str]:
+    """Adopt `site` (`adopt_site`), join the process group `join` asks for (None: none; after the site,
+    so that compute.device = "auto" resolves to the device adopted), and refuse what this process cannot
+    compute as `config` asks (PlacementError), with the process-wide settings its device needs made:
+    (placement, note). A new run without --threads computes with the threads its steps keep busy, up to
+    this process's count (rewind.states.cpu_threads)."""
     if site is None and threads <= 0:
         threads = threads_worth(config, torch.get_num_threads())
     note = adopt_site(site, threads)
+    if join is not None:
+        join_process_group(join)
     placement = placement_for(config)
     check_compute(config, placement)
     prepare_device(config)

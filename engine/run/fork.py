@@ -15,88 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 
-from rewind.engine.data.rundata import (
-    DATA_ERRORS,
-    DataChanged,
-    copy_run_data,
-    identities,
-    read_only_home,
-    replace_config_data,
-)
-from rewind.engine.model.placement import PlacementError
-from rewind.engine.run.assemble import assemble, enter_site
+from rewind.engine.data.rundata import copy_run_data
+from rewind.engine.run.entry import ENTRY_ERRORS, enter, one_line
 from rewind.engine.run.journal import Journal
 from rewind.engine.run.loop import Run, record
 from rewind.engine.run.parts import RunError
-from rewind.engine.run.session import REWIND_VERSION, metrics_for, prepare_directory
-from rewind.states.check_continuation import change_problem
+from rewind.engine.run.session import metrics_for, prepare_directory
 from rewind.states.config import Config
-from rewind.states.entry import (
-    EntryRefused,
-    choose_point,
-    fork_records,
-    site_of,
-)
-from rewind.states.events import ForkOrigin, RunStarted
+from rewind.states.entry import Fork
 from rewind.states.fold import fold
-from rewind.states.history import RestorePoint, SeqEvent, config_in_force, effective, restore_points
+from rewind.states.history import RestorePoint
 from rewind.states.state import State
-from rewind.stores.checkpoints import CheckpointError, CheckpointStore
+from rewind.stores.checkpoints import CheckpointStore
 from rewind.stores.eventlog import EventLog
 from rewind.stores.rollouts import RolloutError, read_rollouts, write_rollouts
-from rewind.stores.runs import read_seq_events
 from rewind.stores.trunks import TrunkStore
-from rewind.stores.trust import RecordChecker
-
-
-def fork_point(records: list[SeqEvent], at_step: int, store: CheckpointStore) -> tuple[RestorePoint, Config]:
-    """The last restore point at or before `at_step` whose checkpoint is live and intact on disk, the
-    frozen stacks' files it names included (an older one is still a faithful starting point when a
-    newer one is damaged: the checkpoint taken before a growth, at the same step as the one after it,
-    needs none of the files the growth froze), or the run's start; and the config in force there."""
-    records = effective(records)  # the points index into these
-    points = restore_points(records)
-    live = {c.checkpoint for c in fold(e for _, e in records).live_checkpoints}  # not deleted by retention since
-    held = [p for p in points if p.checkpoint and p.state.last_checkpoint and p.state.last_checkpoint.checkpoint in live]
-    while (point := choose_point(held, at_or_before=at_step)) is not None:
-        ref = point.state.last_checkpoint
-        assert ref is not None
-        if not store.verify(ref.checkpoint, ref.files) and _trunks_intact(store, ref.checkpoint):
-            return point, config_in_force(records[: point.index])
-        held = [p for p in held if p is not point]  # damaged or missing on disk
-    started = records[0][1]
-    assert isinstance(started, RunStarted)
-    if started.parent is not None and started.parent.checkpoint:
-        # A fork's own history begins at its fork point: "its start" would be weights it never had.
-        raise RunError(
-            f"--at-step {at_step}: this run is a fork of {started.parent.run} at step {started.parent.step} and "
-            "has no intact checkpoint at or before that step; fork its parent instead"
-        )
-    # The start as it stands now: a crash before the first checkpoint restarts from scratch, maybe
-    # under a changed config (RunResumed(checkpoint="") then ConfigChanged).
-    start = [p for p in points if not p.checkpoint][-1]
-    return start, config_in_force(records[: start.index])
-
-
-def _trunks_intact(store: CheckpointStore, name: str) -> bool:
-    """Whether every frozen stack's file checkpoint `name` names (RUN/trunks/<sha256>) is there and
-    hashes to its name."""
-    trunks = TrunkStore(store.run_dir)
-    try:
-        named = store.load_manifest(name).meta.get("trunks", {})
-        if not isinstance(named, dict):
-            return False
-        for digest in named.values():
-            trunks.read(digest)
-    except CheckpointError:
-        return False
-    return True
-
-
-def _run_identity(run_dir: str) -> str:
-    return run_dir if "://" in run_dir else str(Path(run_dir).resolve())
 
 
 def _copy_rollouts(parent_dir: str, child_dir: str, record) -> None:
@@ -141,52 +75,14 @@ def open_fork(
     user should know about it goes to `note`. `base_dir`: the directory of the child's config file
     (`rewind fork --config FILE`), where its grpo reward modules are looked for first
     (DataHome.base_dir; None: the working directory alone)."""
-    records = read_seq_events(parent_dir)
-    if not records or not isinstance(records[0][1], RunStarted):
-        raise RunError(f"{parent_dir}: the event log is empty or does not start with RunStarted", 1)
-    checker = RecordChecker()  # the parent's log is untrusted input like any other
-    for seq, event in records:
-        checker.check(seq, event)
-    last_step = fold(e for _, e in records).step
-    if not 0 <= at_step <= last_step:
-        raise RunError(f"--at-step {at_step}: {parent_dir} has reached step {last_step} (choose 0..{last_step})")
+    entered = enter(Fork(at_step, config_of_child, num_threads), parent_dir, base_dir=base_dir)
+    if entered.note:
+        note(entered.note)
+    point, parent_config, home = entered.entry.point, entered.entry.logged, entered.home
+    assert point is not None and parent_config is not None and home is not None and entered.parts is not None
+    config, preamble = entered.entry.config, entered.records
+    parts, state = entered.parts, fold(preamble)
     parent_store = CheckpointStore(parent_dir)
-    point, parent_config = fork_point(records, at_step, parent_store)
-    config = config_of_child(parent_config)
-    at = point.state
-    origin = ForkOrigin(
-        run=_run_identity(parent_dir), step=at.step, checkpoint=point.checkpoint, config_hash=at.config_hash
-    )
-    # The parent's tokenizer, and its data as it recorded it (a dataset the child declares as the parent
-    # did must be unchanged); documents are tokenised into a scratch directory, copied into the child's
-    # with its checkpoints: nothing is written to the parent.
-    parent_state = point.state  # what the parent recorded of its data as of the fork point
-    if problem := change_problem(parent_config, config, point):
-        raise RunError(f"cannot fork {parent_dir} at step {point.state.step}: {problem}")
-    try:
-        home = dataclasses.replace(read_only_home(parent_dir, parent_state), base_dir=base_dir)
-        recorded = identities(config, home, parent_state.data, parent_config)
-        data = {"data": recorded, "tokenizer": home.tokenizer.identity}
-        preamble = fork_records(records[0][1], point, parent_config, config, origin, num_threads, data, REWIND_VERSION)
-        # The live objects for the child's config, from the parent's checkpoint, before the child's
-        # directory is touched (a checkpoint that does not load must leave nothing behind).
-        site = site_of(point.state, reading=True)  # the parent's kernels, device and thread count there
-        _, message = enter_site(config, site, num_threads)
-        unchanged = replace_config_data(config, parent_config)
-        built = assemble(config, parent_dir, fold(preamble[:2]), home, recorded=unchanged, checked=parent_state)
-    except EntryRefused as exc:
-        raise RunError(f"cannot fork {parent_dir} at step {point.state.step}: {exc}") from None
-    except DataChanged as exc:
-        raise RunError(f"cannot fork {parent_dir}: {exc}; its data changed since it recorded it", 1) from None
-    except DATA_ERRORS as exc:
-        raise RunError(f"cannot fork {parent_dir}: {exc}") from None
-    except CheckpointError as exc:
-        raise RunError(f"{parent_dir}: cannot load its checkpoint {point.checkpoint}: {exc}", 1) from None
-    except PlacementError as exc:
-        raise RunError(str(exc)) from None
-    if message:
-        note(message)
-    parts, state = built.parts, fold(preamble)
     child_store = CheckpointStore(child_dir)
     parts = dataclasses.replace(parts, run_dir=child_dir, store=child_store)
     prepare_directory(child_dir)
@@ -200,10 +96,8 @@ def open_fork(
             if state.rollouts is not None:  # the window's batch the child's next updates read
                 _copy_rollouts(parent_dir, child_dir, state.rollouts)
             copy_run_data(home, config, parent_dir, child_dir)
-        except CheckpointError as exc:
-            raise RunError(f"{parent_dir}: cannot copy its checkpoint: {exc}", 1) from None
-        except RolloutError as exc:
-            raise RunError(f"{parent_dir}: cannot copy its rollout batch: {exc}", 1) from None
+        except ENTRY_ERRORS as exc:  # the parent's files, read again to be copied: said as an entry says them
+            raise one_line(exc, parent_dir, None) from None
         run = Run(parts, Journal(log, metrics_for(child_dir, metrics), config.logging.report_interval))
         if run.journal.metrics is not None:
             run.journal.metrics.resume(-1, 0)

@@ -29,34 +29,26 @@ below any moment that matters (squared gradients of 1e-8 are 1e-16).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
 
-from rewind.engine.data.rundata import DATA_ERRORS, DataChanged, home_of
-from rewind.engine.model.placement import PlacementError, adopt_threads
+from rewind.engine.model.placement import adopt_threads
 from rewind.engine.model.tensors import model_tensors
 from rewind.engine.posttrain.grpo_rollouts import sample_rollouts
 from rewind.engine.posttrain.rewards import changed_reward_code
-from rewind.engine.run.assemble import assemble, enter_site
 from rewind.engine.run.checkpointing import checkpoint_groups, tensor_hashes
 from rewind.engine.run.effects import apply_effect
+from rewind.engine.run.entry import Entered
 from rewind.engine.run.loop import execute_step
 from rewind.engine.run.parts import Parts, RunError
 from rewind.states.compare import FieldDifference, first_difference
 from rewind.states.diffing import ComputeSite, compute_site
-from rewind.states.entry import checkpoint_points, choose_point, site_of
-from rewind.states.events import (
-    CheckpointCommitted,
-    CheckpointDeleted,
-    RolloutsRecorded,
-    RunStarted,
-    StepCommitted,
-)
-from rewind.states.fold import apply, fold
-from rewind.states.history import RestorePoint, SeqEvent, config_in_force, effective, restore_points
+from rewind.states.entry import deleted_checkpoints
+from rewind.states.events import CheckpointCommitted, RolloutsRecorded, StepCommitted
+from rewind.states.fold import apply
 from rewind.states.state import State
 from rewind.stores.checkpoints import SUFFIX, CheckpointError, CheckpointNotFound
 
@@ -115,81 +107,19 @@ class ReplayReport:
     mismatch: Mismatch | None = None
 
 
-def choose_start(records: Sequence[SeqEvent], checkpoint: str | None) -> RestorePoint:
-    """The restore point named by `checkpoint` (a name, or the step of one), or the earliest whose files
-    still exist (retention deletes old ones; the run's start needs none). The run's start counts only
-    when its first weights came from the seed (not for a fork, whose first weights are a checkpoint)."""
-    parent = records[0][1].parent if isinstance(records[0][1], RunStarted) else None
-    from_seed = parent is None or not parent.checkpoint
-    has_steps = any(isinstance(e, StepCommitted) for _, e in records)
-    points = checkpoint_points(records)
-    if from_seed and has_steps:
-        start = choose_point([p for p in restore_points(records) if not p.checkpoint], step=0, first=True)
-        points = sorted([start, *points] if start else points, key=lambda p: p.index)
-    deleted_names = _deleted(records)
-    usable = [p for p in points if p.checkpoint not in deleted_names]
-    if not usable:
-        raise ReplayError("the run has no steps to replay yet, or no checkpoint to start from", 1)
-    if checkpoint is None:
-        return usable[0]
-    if checkpoint in ("start", "0") and points[0].checkpoint == "":
-        return points[0]
-    point = choose_point(points, name=checkpoint, first=True)
-    if point is None and checkpoint.isdigit():
-        point = choose_point([p for p in points if p.checkpoint], step=int(checkpoint), first=True)
-    if point is None:
-        raise ReplayError(f"--from-checkpoint {checkpoint}: no checkpoint of that name or step (known: {_names(usable)})")
-    if point.checkpoint in deleted_names:
-        raise ReplayError(
-            f"checkpoint {point.checkpoint} was deleted by the retention policy at step "
-            f"{deleted_names[point.checkpoint]}; start from one of: {_names(usable)}",
-            1,
-        )
-    return point
-
-
-def _names(points: list[RestorePoint]) -> str:
-    return ", ".join(p.checkpoint or "the start (step 0)" for p in points)
-
-
-def _deleted(records: Sequence[SeqEvent]) -> dict[str, int]:
-    return {e.checkpoint: e.step for _, e in records if isinstance(e, CheckpointDeleted)}
-
-
 def replay(
-    run_dir: str,
-    records: Sequence[SeqEvent],
-    *,
-    from_checkpoint: str | None = None,
-    to_step: int | None = None,
-    rtol: float = 0.0,
-    progress: Callable[[int], None] | None = None,
+    entered: Entered, *, rtol: float = 0.0, progress: Callable[[int], None] | None = None
 ) -> ReplayReport:
-    """Re-execute the run in `run_dir`, whose log holds `records`, from a checkpoint up to `to_step`
-    (inclusive); stops at the first mismatch."""
-    records = effective(records)
-    point = choose_start(records, from_checkpoint)
-    last_step = fold(e for _, e in records).step
-    end_step = last_step if to_step is None else to_step
-    if not point.state.step < end_step <= last_step:
-        raise ReplayError(
-            f"--to-step {end_step}: must be after the start (step {point.state.step}) and at most the last step "
-            f"logged ({last_step})"
-        )
+    """Re-execute the window a replay entered (rewind.engine.run.entry.enter of a states.entry.Replay: its
+    start point, the live objects built there as the run computed them, its last step), comparing every
+    step and checkpoint with the log; stops at the first mismatch."""
+    entry, records, parts = entered.entry, entered.view.records, entered.parts
+    point, end_step = entry.point, entry.to_step
+    assert point is not None and parts is not None
     state = point.state
-    config = config_in_force(records[: point.index])
-    try:  # from the point's checkpoint, or the run's start, computing as the run did there
-        enter_site(config, site_of(state, reading=True))
-        parts = assemble(config, run_dir, state, home_of(run_dir, state)).parts
-    except DataChanged as exc:
-        raise ReplayError(f"{exc}; the run's data changed since it recorded it (`rewind verify --data`)", 1) from None
-    except (*DATA_ERRORS, PlacementError) as exc:
-        raise ReplayError(str(exc), 2) from None
-    except CheckpointError as exc:  # missing or damaged files: say which, never a traceback
-        raise ReplayError(f"cannot load checkpoint {point.checkpoint}: {exc}", 1) from None
     report = ReplayReport(start_checkpoint=point.checkpoint, start_step=point.state.step, to_step=end_step)
     _note_site(report, state)
-    deleted = _deleted(records)
+    deleted = deleted_checkpoints(records)
     for seq, logged in records[point.index :]:
         if logged.step > end_step:
             break

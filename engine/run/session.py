@@ -1,9 +1,10 @@
-"""Opening a run directory: start a new run, or resume one from its log.
+"""Opening a run directory to train: start a new run, or resume one from its log.
 
 Resume never guesses: the log is folded, the restore point is the fold's own anchor (the last committed
 checkpoint that is still effective, or the start), and a RunResumed event records what it supersedes.
-The live objects are built from the folded state before anything is written. A config that differs
-from the run's is refused unless the caller forks in place (then a ConfigChanged records the new one).
+A config that differs from the run's is refused unless the caller forks in place (then a ConfigChanged
+records the new one). All of that is decided and built, before anything is written, the way every entry
+is (rewind.engine.run.entry.enter); here the log is then opened for writing and the opening recorded.
 """
 
 from __future__ import annotations
@@ -12,49 +13,27 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
-import torch
-
-from rewind.engine.data.rundata import (
-    DATA_ERRORS,
-    DataChanged,
-    home_of,
-    identities,
-    publish_run_data,
-    replace_config_data,
-    start_home,
-)
-from rewind.engine.model.placement import PlacementError, device_record
+from rewind.engine.data.rundata import publish_run_data
 from rewind.engine.model.ranks import Failure, first_failure, is_writer, shared_event
-from rewind.engine.run.assemble import assemble, enter_site
-from rewind.engine.run.continuation import config_mismatch
+from rewind.engine.run.entry import REWIND_VERSION, Entered, enter
 from rewind.engine.run.journal import FollowerJournal, Journal
 from rewind.engine.run.loop import Run, record
-from rewind.engine.run.parts import Parts, RunError, fresh_parts, open_datasets
-from rewind.states.check_continuation import change_problem
+from rewind.engine.run.parts import Parts, RunError
 from rewind.states.config import Config
-from rewind.states.config_identity import config_hash
-from rewind.states.entry import Computed, EntryRefused, resume_records, site_of
-from rewind.states.events import RUN_FEATURES, Event, RunStarted
-from rewind.states.history import point_of, skip_ranges
-from rewind.states.schedule import Schedule
+from rewind.states.entry import Train
+from rewind.states.events import Event
+from rewind.states.history import skip_ranges
 from rewind.states.state import State
 from rewind.stores import snapshots
-from rewind.stores.checkpoints import ORPHANED_DIR, CheckpointStore
-from rewind.stores.eventlog import EventLog, LogNotFoundError
-from rewind.stores.folding import FoldedLog, fold_log, save_snapshot
+from rewind.stores.checkpoints import ORPHANED_DIR
+from rewind.stores.eventlog import EventLog
+from rewind.stores.folding import FoldedLog, save_snapshot
 from rewind.stores.fsio import filesystem
 from rewind.stores.metrics import MetricsProjection
-from rewind.stores.orphans import LogEnd, lost_record_problems
 
 __all__ = ["REWIND_VERSION", "RunError", "open_run"]
-
-try:
-    REWIND_VERSION = metadata.version("rewind")
-except metadata.PackageNotFoundError:  # running from a checkout that was never installed
-    REWIND_VERSION = "0+unknown"
 
 
 def check_directory(run_dir: str) -> None:
@@ -91,7 +70,7 @@ def metrics_for(run_dir: str, enabled: bool) -> MetricsProjection | None:
 
 
 def open_run(
-    config: Config,
+    config: Config | None,
     run_dir: str,
     *,
     fork: bool = False,
@@ -101,8 +80,10 @@ def open_run(
     base_dir: str | None = None,
 ) -> tuple[Run, State, str]:
     """Returns (run, state, how) with how in {"started", "resumed", "finished"}. The log stays open
-    (and locked) in run.journal; the caller closes it. `base_dir`: the config file's directory, where
-    reward modules are looked for first (DataHome.base_dir; None: the working directory alone).
+    (and locked) in run.journal; the caller closes it. `config` None: the config the run logged
+    (`rewind resume`); `fork`: go on under a config that differs (rewind.states.entry.Train). `base_dir`:
+    the config file's directory, where reward modules are looked for first (DataHome.base_dir; None: the
+    working directory alone).
 
     CPU threads: a new run computes with this process's count, a resume with the run's; `threads` > 0
     (the user's --threads) with that many instead. Either is recorded (RunStarted / RunResumed), and
@@ -113,14 +94,10 @@ def open_run(
     log opened for writing (which takes the lock and cuts a torn tail) and the opening records appended."""
     check_directory(run_dir)
     failure: BaseException | None = None
-    try:
-        opening = _plan(config, run_dir, fork=fork, threads=threads, note=note, base_dir=base_dir)
-    except DataChanged as exc:
-        failure = RunError(f"{run_dir}: {exc}; the run's data changed under it (`rewind verify --data {run_dir}`)", 1)
-    except DATA_ERRORS as exc:
-        failure = RunError(str(exc))  # the config names data that is not what it says: exit 2
-    except PlacementError as exc:
-        failure = RunError(str(exc))
+    try:  # read, decided, its site adopted (and the process group joined), built: nothing written
+        opening = _Opening.of(enter(Train(config, fork, threads), run_dir, base_dir=base_dir))
+        if opening.how == "resumed" and opening.note:  # (a start records its count; nothing to say)
+            note(opening.note)
     except RunError as exc:
         failure = exc
     # Every process of a sharded run read the log before rank 0 writes to it; they go on together or not at all.
@@ -139,7 +116,7 @@ def open_run(
     together(None)
     try:
         _check_unchanged(run_dir, log, opening.end_seq)
-        journal = Journal(log, None, config.logging.report_interval)
+        journal = Journal(log, None, opening.parts.config.logging.report_interval)
         return opening.carry_out(journal, metrics)
     except BaseException:
         log.close()
@@ -170,6 +147,16 @@ class _Opening:
     folded: FoldedLog | None = None
     restore_seq: int = -1
     restore_step: int = 0
+    note: str = ""  # what the user should know of the thread count
+
+    @classmethod
+    def of(cls, entered: Entered) -> _Opening:
+        entry, point = entered.entry, entered.entry.point
+        assert entered.parts is not None
+        return cls(
+            entry.run, entry.how, entered.parts, entry.end_seq, entry.state, entered.records, entered.folded,
+            point.seq if point is not None else -1, point.state.step if point is not None else 0, entered.note,
+        )  # fmt: skip
 
     def carry_out(self, journal: Journal | FollowerJournal, metrics: bool) -> tuple[Run, State, str]:
         """Record the opening (rank 0 writes it; the other ranks of a sharded run apply rank 0's events)."""
@@ -216,104 +203,10 @@ class OrphansSetAside(UserWarning):
         self.names = names
 
 
-def _plan(
-    config: Config, run_dir: str, *, fork: bool, threads: int, note: Callable[[str], None], base_dir: str | None
-) -> _Opening:
-    try:
-        log = EventLog.open(run_dir)  # read-only: no lock, nothing written
-    except LogNotFoundError:
-        return _plan_start(config, run_dir, threads, base_dir)
-    with log:
-        if not log.next_seq:  # a start that died before its first record
-            return _plan_start(config, run_dir, threads, base_dir)
-        return _plan_resume(config, run_dir, log, fork=fork, threads=threads, note=note, base_dir=base_dir)
-
-
 def _check_unchanged(run_dir: str, log: EventLog, end_seq: int) -> None:
     """The log, now locked, still ends where it did when it was read (a torn tail cut off apart)."""
     if log.next_seq - 1 != end_seq:
         raise RunError(f"{run_dir}: another process wrote to the run while it was being opened; try again", 1)
-
-
-def _plan_start(config: Config, run_dir: str, threads: int, base_dir: str | None = None) -> _Opening:
-    schedule = Schedule(config)
-    if schedule.num_steps == 0:
-        raise RunError(
-            f"the run has no steps: {schedule.total_tokens} tokens in all, one step takes {schedule.tokens_per_step}"
-        )
-    placement, _ = enter_site(config, None, threads)  # --threads, or what its steps keep busy: recorded below
-    home = start_home(config, run_dir, base_dir=base_dir)
-    built = assemble(config, run_dir, None, home)  # before the first record
-    started = RunStarted(
-        step=0,
-        tokens=0,
-        config=config,
-        config_hash=config_hash(config),
-        rewind_version=REWIND_VERSION,
-        num_threads=torch.get_num_threads(),
-        cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        features=list(RUN_FEATURES),  # a run started today does what today's engine does, for life
-        data=identities(config, home),
-        tokenizer=home.tokenizer.identity,
-        pretrained=built.pretrained,
-        device=device_record(placement.device),
-        world_size=placement.world_size,
-    )
-    return _Opening(run_dir, "started", built.parts, end_seq=-1, events=(started,))
-
-
-def _plan_resume(
-    config: Config, run_dir: str, log: EventLog, *, fork: bool, threads: int, note: Callable[[str], None],
-    base_dir: str | None = None,
-) -> _Opening:
-    # From the newest snapshot a CheckpointCommitted vouches for (its digest), the whole log without one.
-    store = CheckpointStore(run_dir)
-    folded = fold_log(log, run_dir, store)
-    current, logged_config = folded.state, folded.config
-    if not current.started:
-        raise RunError(f"{run_dir}: the event log does not start with RunStarted", 1)
-    home = home_of(run_dir, current, base_dir=base_dir)
-    if current.finished:
-        parts = fresh_parts(logged_config, run_dir, open_datasets(logged_config, home))
-        return _Opening(run_dir, "finished", parts, end_seq=folded.end_seq, state=current)
-    refusal = config_mismatch(run_dir, logged_config, config)
-    if refusal and not fork:
-        raise RunError(refusal)
-    point = point_of(current)
-    if refusal and (problem := change_problem(logged_config, config, point)):
-        raise RunError(f"{run_dir}: {problem}")
-    end = LogEnd(folded.end_seq, current.step, lambda: max((r.event.step for r in log.records()), default=0))
-    live = [c.checkpoint for c in current.live_checkpoints]
-    lost = lost_record_problems(store, live, point.checkpoint, end, logged_config.logging.report_interval)
-    if lost:
-        raise RunError(
-            f"{run_dir}: the event log lost acknowledged records, nothing was changed ({lost[0]}; "
-            f"`rewind verify {run_dir}` lists what is missing)",
-            1,
-        )
-    going_on = config if refusal else logged_config
-    site = site_of(current, num_threads=point.state.num_threads)  # the count it goes on from, or --threads
-    placement, message = enter_site(going_on, site, threads)  # compute.device = "auto": where the run computed
-    if message:
-        note(message)
-    # The data the run recorded is checked (cheaply) before anything is built: a dataset the new config
-    # declares differently is a change on record (ConfigChanged's identities), not a surprise. Built for
-    # the config the run goes on under (the new one when forking in place, so that the old config's
-    # datasets, perhaps moved since, are never opened), from the restore point's tensors.
-    unchanged = replace_config_data(going_on, logged_config)
-    built = assemble(going_on, run_dir, point.state, home, recorded=unchanged, checked=current)
-    computed = Computed(device_record(placement.device), placement.world_size, torch.get_num_threads())
-    data = None
-    if refusal and current.behaviours.data_identity:
-        data = {"data": identities(config, home, current.data, logged_config), "tokenizer": home.tokenizer.identity}
-    try:  # every check before the first record
-        events = resume_records(current, point, folded.end_seq, computed, config if refusal else None, data)
-    except EntryRefused as exc:
-        raise RunError(f"{run_dir}: {exc}", exc.exit_code) from None
-    return _Opening(
-        run_dir, "resumed", built.parts, end_seq=folded.end_seq, state=current, events=events, folded=folded,
-        restore_seq=point.seq, restore_step=point.state.step,
-    )
 
 
 def _catch_up_metrics(projection: MetricsProjection, log: EventLog, folded, through_seq: int, step: int) -> None:

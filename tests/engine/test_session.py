@@ -151,7 +151,7 @@ def test_a_resume_folds_only_the_tail_after_the_snapshot_its_last_checkpoint_vou
     """A checkpoint's record carries the digest of the state folded up to the record before it, and the
     engine caches that state: a resume starts there (the log's tail, not the whole log) and goes on
     exactly as the straight run did; `rewind verify` finds every digest and snapshot right."""
-    from rewind.engine.run import session
+    from rewind.engine.run import entry
     from rewind.states.events import CheckpointCommitted, StepCommitted
     from rewind.stores import snapshots
 
@@ -161,8 +161,8 @@ def test_a_resume_folds_only_the_tail_after_the_snapshot_its_last_checkpoint_vou
     records = read_seq_events(stopped)
     last = max(seq for seq, e in records if isinstance(e, CheckpointCommitted))
     assert records[last][1].state_sha256 and last - 1 in snapshots.list_seqs(str(stopped))
-    folds, fold_log = [], session.fold_log
-    monkeypatch.setattr(session, "fold_log", lambda *args: folds.append(fold_log(*args)) or folds[-1])
+    folds, fold_log = [], entry.fold_log
+    monkeypatch.setattr(entry, "fold_log", lambda *args: folds.append(fold_log(*args)) or folds[-1])
     code, _, err = run_cli("resume", stopped, "--no-progress", "--max-steps", "2")
     assert code == 0, err
     assert folds[0].snapshot_seq == last - 1 and [seq for seq, _ in folds[0].tail] == list(range(last, len(records)))
@@ -173,6 +173,30 @@ def test_a_resume_folds_only_the_tail_after_the_snapshot_its_last_checkpoint_vou
     assert steps(stopped) == steps(straight)
     code, out, _ = run_cli("verify", stopped)
     assert code == 0 and "PROBLEM" not in out, out
+
+
+def test_a_resume_reads_and_folds_the_log_once(tmp_path, monkeypatch):
+    """Found in review (issue 34): `rewind resume` folded the log for its config, then the resume folded
+    it again; every entry reads a run's log once (rewind.engine.run.entry.read_log), its writer's open
+    apart. Counted where every fold a resume makes goes through, whoever imported it."""
+    from rewind.stores import folding
+    from rewind.stores.eventlog import EventLog
+
+    run = tmp_path / "run"
+    assert run_cli(*train_args(run, "--max-steps", "6"))[0] == 0
+    folds, fold_for_resume = [], folding._fold_for_resume
+    monkeypatch.setattr(folding, "_fold_for_resume", lambda *args: folds.append(args) or fold_for_resume(*args))
+    opened, open_log = [], EventLog.open.__func__
+
+    def counted(cls, run_url, mode="r", **kw):
+        opened.append(mode)
+        return open_log(cls, run_url, mode, **kw)
+
+    monkeypatch.setattr(EventLog, "open", classmethod(counted))
+    code, _, err = run_cli("resume", run, "--no-progress", "--max-steps", "1")
+    assert code == 0, err
+    assert len(folds) == 1
+    assert opened == ["r", "w"]  # read once to decide, then opened for writing
 
 
 def test_rewind_resume_takes_its_config_from_no_snapshot_the_log_does_not_vouch_for(tmp_path):

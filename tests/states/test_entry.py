@@ -1,26 +1,20 @@
 """The entry decision (rewind.states.entry): the restore point chosen one way, the tokenizer rule stated
-once, the records a resume and a fork append, each checked by the fold before anything is written."""
+once (rewind.states.check_continuation), the records a resume and a fork append
+(rewind.states.opening), each checked by the fold before anything is written."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from rewind.states.check_continuation import tokenizer_problem
 from rewind.states.config_identity import config_hash
 from rewind.states.config_reading import loads_config
-from rewind.states.entry import (
-    Computed,
-    EntryRefused,
-    checkpoint_points,
-    choose_point,
-    fork_records,
-    resume_records,
-    site_of,
-    tokenizer_problem,
-)
+from rewind.states.entry import EntryRefused, checkpoint_points, choose_point, site_of
 from rewind.states.events import CheckpointCommitted, ConfigChanged, ForkOrigin, RunResumed, RunStarted
 from rewind.states.fold import fold
 from rewind.states.history import anchor_end, point_of
+from rewind.states.opening import Computed, fork_records, resume_records
 from rewind.states.strategies import simulate_run
 
 replace = msgspec.structs.replace

@@ -18,11 +18,12 @@ import pytest
 from rewind.engine.data.tokenizer import ByteTokenizer, train_bpe
 from rewind.engine.posttrain.sampling import generate
 from rewind.states.config_reading import config_from_dict
+from rewind.states.entry import EntryRefused, choose_live_point
 from rewind.states.events import CheckpointCommitted
 from rewind.stores.runs import read_seq_events
 from rewind.tools.cli import main
-from rewind.tools.errors import CommandError, UsageError
-from rewind.tools.sample_cmd import choose_live_point, model_at, refuse_masked
+from rewind.tools.errors import UsageError
+from rewind.tools.sample_cmd import model_at, refuse_masked
 from tests.tools.small_posttrain import train_small_posttrain
 
 # Stage 0 (3 steps of 96 tokens) on grammar, stage 1 (2 steps) on add, growing at its entry: the trunk
@@ -208,7 +209,7 @@ def test_a_tokenizer_that_is_not_the_runs_is_refused(run, tmp_path):
 
 
 def test_no_checkpoint_and_masked_objectives_are_refused():
-    with pytest.raises(CommandError, match="no committed checkpoint yet") as raised:
+    with pytest.raises(EntryRefused, match="no committed checkpoint yet") as raised:
         choose_live_point("RUN", [], None)
     assert raised.value.exit_code == 1
     training = {"tokens": [96], "datasets": [[{"name": "grammar"}]]}
