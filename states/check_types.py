@@ -111,6 +111,8 @@ def _walk(value: Any, info: mi.Type, path: str) -> list[str]:
         for i, item in enumerate(value):
             problems += _walk(item, info.item_type, f"{path}[{i}]")
         return problems
+    if isinstance(info, mi.UnionType) and all(isinstance(t, mi.StructType) and t.tag_field for t in info.types):
+        return _walk_tagged(value, info.types, path)
     if isinstance(info, mi.UnionType) and (tables := [t for t in info.types if isinstance(t, mi.StructType)]):
         # A table that may be left out (a stage's `sft`, ...): walked as its struct, so its problems are
         # said with their paths (a leaf check would take any value for it).
@@ -125,6 +127,32 @@ def _walk(value: Any, info: mi.Type, path: str) -> list[str]:
             problems += _walk(item, info.value_type, _join(path, str(key)))
         return problems
     return _check_leaf(value, info, path)
+
+
+def _walk_tagged(value: Any, kinds: tuple[mi.StructType, ...], path: str) -> list[str]:
+    """A record of one of several kinds, named by its tag (a stage's `strategy`): walked as its kind. A
+    key that only another kind has is said to belong to that kind; an unknown tag is said, and the keys
+    every kind has are still walked."""
+    if not isinstance(value, dict):
+        return [f"{_label(path)}: expected a table, got {_kind(value)}"]
+    tag_field, by_tag = kinds[0].tag_field, {kind.tag: kind for kind in kinds}
+    tag = value.get(tag_field)
+    if tag not in by_tag:
+        choices = ", ".join(sorted(by_tag))
+        common = set.intersection(*({f.encode_name for f in kind.fields} for kind in kinds))
+        shared = {key: item for key, item in value.items() if key in common}
+        said = f"{_join(path, tag_field)}: expected one of {choices}, got {tag!r}"
+        return [said, *_walk_struct(shared, kinds[0], path)]
+    own = {f.encode_name for f in by_tag[tag].fields}
+    problems, misplaced = [], set()
+    for key in value:
+        other = next((k.tag for k in kinds if key not in own and key in {f.encode_name for f in k.fields}), None)
+        if other is not None:
+            misplaced.add(key)
+            article = "an" if other[0] in "aeios" else "a"  # (as said: "an sft", "a dpo")
+            problems.append(f"{_join(path, key)}: settings of {article} {other} stage, but this stage's {tag_field} is {tag!r}")
+    rest = {key: item for key, item in value.items() if key != tag_field and key not in misplaced}
+    return problems + _walk_struct(rest, by_tag[tag], path)
 
 
 def _walk_struct(value: Any, info: mi.StructType, path: str) -> list[str]:

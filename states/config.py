@@ -14,6 +14,31 @@ from typing import Literal
 import msgspec
 
 from rewind.states.config_error import ConfigError as ConfigError  # (re-exported: the config's own error)
+from rewind.states.stages import (  # (re-exported: a stage and its settings are the config's records)
+    AnyStage as AnyStage,
+)
+from rewind.states.stages import (
+    DistillSettings as DistillSettings,
+)
+from rewind.states.stages import (
+    DpoSettings as DpoSettings,
+)
+from rewind.states.stages import (
+    GrpoSettings as GrpoSettings,
+)
+from rewind.states.stages import (
+    RewardSpec as RewardSpec,
+)
+from rewind.states.stages import (
+    Sampling as Sampling,
+)
+from rewind.states.stages import (
+    SftSettings as SftSettings,
+)
+from rewind.states.stages import (
+    Stage as Stage,
+)
+from rewind.states.structs import Struct
 from rewind.states.tomlwrite import dumps
 
 CurveName = Literal["linear", "cosine", "sigmoid"]
@@ -35,19 +60,10 @@ ObjectiveKind = Literal["clm", "mlm", "diffusion"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 ComputePrecision = Literal["fp32", "bf16-autocast", "bf16-mixed"]
 LossKernel = Literal["logits", "chunked", "triton"]
-DpoLoss = Literal["sigmoid", "robust", "ipo", "hinge"]
-GrpoLossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
-KlEstimator = Literal["k1", "k2", "k3"]
-ScaleRewards = Literal["group", "batch", "none"]
-StrategyName = Literal["pretrain", "sft", "dpo", "grpo"]  # how a stage trains (`rewind.states.check_strategy`)
 
 # Embedded synthetic datasets the engine generates in code (no download). Their names live here so
 # that a config can be checked without importing torch; the engine's registry asserts it matches.
 BUILTIN_DATASETS: tuple[str, ...] = ("grammar", "reverse", "sort", "add")
-
-
-class Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Base of every config section: immutable, and unknown keys are an error, never ignored."""
 
 
 class RunSection(Struct):
@@ -69,11 +85,6 @@ class ArchitectureSection(Struct):
     dropout: float = 0.0  # the dropout probability in training (evaluation and sampling never drop)
     rope_base: float = 10000.0  # the rotary position embedding's base (theta)
     activation_checkpointing: bool = False  # recompute each block's activations in the backward: less memory
-
-
-class Sampling(Struct):
-    name: str  # a built-in dataset (grammar, reverse, sort, add) or one of the config's [data.NAME]
-    rate: float = 1.0  # its share of the stage's rows (a stage's rates sum to 1)
 
 
 class FadeSection(Struct):
@@ -103,94 +114,6 @@ class KlSection(Struct):
     # The KL term a stage's `beta` weighs: token_kl, the exact per-token KL(policy || reference) over the
     # vocabulary; nll_difference, the ABCD trainer's policy NLL - stop_grad(reference NLL) (to compare with).
     kind: KlKind = "token_kl"
-
-
-class SftSettings(Struct):
-    """How an `sft` stage trains (`[stages.sft]`): on prompt/response examples, the loss on the response
-    and the end of text that closes it."""
-
-    # Several examples to a window, each attending to itself alone with its positions from 0, so a window
-    # trains as its examples would one to a row (the loss: token sum over token count either way).
-    packing: bool = False
-
-
-class DpoSettings(Struct):
-    """How a `dpo` stage trains (`[stages.dpo]`): on prompt/chosen/rejected examples against the run's KL
-    reference (the stage, or one before it, refreshes it), the loss `rewind.engine.posttrain.dpo_losses` defines."""
-
-    beta: float = 0.1  # the implicit reward's scale: beta * (log pi - log ref), summed over the response
-    loss: DpoLoss = "sigmoid"  # sigmoid (DPO), robust (unbiased robust DPO), ipo (length-normalised), hinge
-    label_smoothing: float = 0.0  # sigmoid / robust: the share of pairs taken to be mislabelled, in [0, 0.5)
-    sft_weight: float = 0.0  # > 0: plus this times the chosen responses' NLL (token mean over the step)
-
-
-class RewardSpec(Struct):
-    """One reward function of a grpo stage and its weight in the completion's reward (the weighted sum
-    of the functions that score it)."""
-
-    # "exact_match" (1 when the completion's first line is the row's answer) or your own, "module:function"
-    # (rewind.engine.posttrain.rewards: its signature, and its code's identity on record)
-    function: str = "exact_match"
-    weight: float = 1.0  # its weight in the completion's reward
-
-
-class GrpoSettings(Struct):
-    """How a `grpo` stage trains (`[stages.grpo]`): a rollout batch of batch_size / group_size prompts,
-    group_size completions each, sampled by the policy and kept on record, then num_iterations updates on
-    it (one a step), the loss `rewind.engine.posttrain.grpo_losses` defines. See docs/posttraining.md."""
-
-    group_size: int = 4  # completions per prompt (G); training.batch_size is prompts x G
-    temperature: float = 1.0  # sampling temperature (the log-probs are taken at it too)
-    max_new_tokens: int = 16  # a completion's limit (the prompt is left-truncated to leave room for it)
-    num_iterations: int = 1  # updates per rollout batch (> 1: the PPO clip acts from the second)
-    loss_type: GrpoLossType = "dapo"  # how token losses are normalised (over the whole step in every case)
-    epsilon_low: float = 0.2  # the ratio's clip: [1 - epsilon_low, 1 + epsilon_high]
-    epsilon_high: float = 0.2  # the ratio's upper clip (above)
-    kl_beta: float = 0.0  # > 0: a KL penalty to the reference (refreshed at this stage or before)
-    kl_estimator: KlEstimator = "k3"  # the per-token KL estimate kl_beta weighs (importance-weighted)
-    scale_rewards: ScaleRewards = "group"  # divide the advantage by the group's std, the batch's, or not
-    mask_truncated_completions: bool = False  # completions cut at max_new_tokens train on nothing
-    # Its reward functions ([[stages.grpo.rewards]]): a completion's reward is the weighted sum of those
-    # that score it.
-    rewards: list[RewardSpec] = msgspec.field(default_factory=lambda: [RewardSpec()])
-
-
-class Stage(Struct):
-    """One stage of the curriculum (`[[stages]]`): its token budget and data mixture, the KL beta it
-    trains with, what happens on entering it, and the fade into the next one. `beta` and `overlap`
-    left out (None) are not the same config as 0.0 given (the flat lists they come from hash apart);
-    loading gives every stage a value once any stage gives one (`rewind.states.stageform`)."""
-
-    name: str = ""  # its name in tables and plots; [[growth]] at_stage may give it instead of the index
-    strategy: StrategyName = "pretrain"  # how it trains: pretrain, sft, dpo or grpo (docs/posttraining.md)
-    # Its budget (positive): steps x training.batch_size x architecture.block_size tokens, the padding
-    # included, so an sft, dpo or grpo stage's counts its rows (examples, pairs, completions) x block_size.
-    tokens: int = 0
-    datasets: list[Sampling] = []  # its mixture, as [{ name = "sort", rate = 1.0 }, ...] (rates sum to 1)
-    # Its KL weight; not set in any stage: no KL (not set beside others: 0.0). 0 or left out in a dpo or grpo
-    # stage: their own settings tie them to the reference (dpo.beta, grpo.kl_beta).
-    beta: float | None = None
-    refresh_reference: bool = False  # entering it makes the current weights the KL reference
-    reset_optimizer: bool = False  # entering it clears the Adam moments (an OptimizerReset event)
-    overlap: float | None = None  # its fade into the next stage (not the last); not set: training.fade's
-    # Its steps train at lr_scale x the LR schedule's value (post-training takes smaller steps than
-    # pretraining); a step's primary stage decides.
-    lr_scale: float = 1.0
-    sft: SftSettings | None = None  # strategy "sft": its settings ([stages.sft]; not set: the defaults)
-    dpo: DpoSettings | None = None  # strategy "dpo": its settings ([stages.dpo]; not set: the defaults)
-    grpo: GrpoSettings | None = None  # strategy "grpo": its settings ([stages.grpo]; not set: the defaults)
-
-    @property
-    def sft_settings(self) -> SftSettings:
-        return self.sft or SftSettings()
-
-    @property
-    def dpo_settings(self) -> DpoSettings:
-        return self.dpo or DpoSettings()
-
-    @property
-    def grpo_settings(self) -> GrpoSettings:
-        return self.grpo or GrpoSettings()
 
 
 class OptimizationSection(Struct):
@@ -340,7 +263,7 @@ class Config(Struct):
     training: TrainingSection = TrainingSection()  # the batch, validation, evaluations, the fades
     optimization: OptimizationSection = OptimizationSection()  # the LR schedule, AdamW, clipping, the KL kind
     logging: LoggingSection = LoggingSection()  # how often the run commits, validates and checkpoints
-    stages: list[Stage] = []  # the curriculum: one [[stages]] record per stage, in order (at least one)
+    stages: list[AnyStage] = []  # the curriculum: one [[stages]] record per stage, in order (at least one)
     data: dict[str, DataSource] = {}  # your datasets, each [data.NAME] (docs/data.md)
     growth: list[GrowthStep] = []  # stacks joining the model, one [[growth]] each, in order (docs/growth.md)
     lora: LoraSection = LoraSection()  # LoRA adapters' ranks and targets (docs/growth.md)

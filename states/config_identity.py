@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from rewind.states.config import Config, DpoSettings, GrpoSettings, SftSettings
+from rewind.states.config import Config
 from rewind.states.stageform import BETAS, DATASETS, OVERLAPS, REFRESHES, RESETS, TOKENS
 
 
@@ -62,25 +62,23 @@ def flat_lists(config: Config) -> dict[tuple[str, ...], Any]:
         if any(s.overlap is not None for s in stages[:-1])
         else [],
     }
-    labels = [
-        canonical(
-            msgspec.structs.replace(
-                s,
-                tokens=0,
-                datasets=[],
-                beta=None,
-                refresh_reference=False,
-                reset_optimizer=False,
-                overlap=None,
-                sft=None if s.sft == SftSettings() else s.sft,  # an empty table is the defaults
-                dpo=None if s.dpo == DpoSettings() else s.dpo,
-                grpo=None if s.grpo == GrpoSettings() else s.grpo,
-            )
-        )
-        for s in stages
-    ]
+    labels = [_label(s) for s in stages]
     lists[("stages",)] = labels if any(labels) else []
     return {path: value for path, value in lists.items() if value}
+
+
+def _label(stage: Any) -> Any:
+    """What a stage record holds beyond the flat lists, as the record before kinds wrote it: its
+    strategy unless "pretrain" (the old default), its settings table and its other fields unless at
+    their defaults."""
+    said = canonical(
+        msgspec.structs.replace(
+            stage, tokens=0, datasets=[], beta=None, refresh_reference=False, reset_optimizer=False, overlap=None
+        )
+    )
+    if said.get("strategy") == "pretrain":
+        del said["strategy"]
+    return said
 
 
 def canonical(value: Any) -> Any:
@@ -89,6 +87,9 @@ def canonical(value: Any) -> Any:
     each non-finite value is itself (JSON would make NaN and infinities one `null`)."""
     if isinstance(value, msgspec.Struct):
         kept = {}
+        config = value.__struct_config__
+        if config.tag_field is not None:  # a tagged record's kind is part of its value (a stage's strategy)
+            kept[config.tag_field] = config.tag
         for info in msgspec.structs.fields(value):
             item = getattr(value, info.name)
             if info.default is not msgspec.NODEFAULT and _same(item, info.default):

@@ -13,9 +13,10 @@ from __future__ import annotations
 from rewind.states.check_data import data_problems
 from rewind.states.check_growth import growth_problems
 from rewind.states.check_stages import MAX_TOKENS, stage_problems
-from rewind.states.check_strategy import FLOAT32_MAX, strategy_problems
 from rewind.states.check_types import non_finite_floats, show_int, unrecordable_ints
 from rewind.states.config import Config
+from rewind.states.stagekinds import strategy_problems
+from rewind.states.stagekinds.rules import FLOAT32_MAX
 
 
 def check_config(config: Config) -> list[str]:

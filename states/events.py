@@ -36,7 +36,9 @@ from rewind.states.shapes import CheckpointReason, ModelLayout, OptimizerResetRe
 # 6: where a run computes (RunStarted/RunResumed .device and .world_size; additions).
 # 7: RunResumed.num_threads (an addition: a resume may compute with another thread count than the run's).
 # 8: a config's stages are records (Config.stages); the flat per-stage lists older configs held are upcast.
-SCHEMA_VERSION = 9
+# 9: post-training (additions). 10: a stage's record is its kind's (rewind.states.stages): the settings
+# tables of the other kinds, which every stage held as null, are gone; RolloutsRecorded.teacher (distill).
+SCHEMA_VERSION = 10
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -154,7 +156,7 @@ class ActivationsCached(Event, frozen=True, kw_only=True, tag="ActivationsCached
 
 
 class RolloutsRecorded(Event, frozen=True, kw_only=True, tag="RolloutsRecorded"):
-    """A grpo stage's rollout batch, sampled by the policy before step `step` and kept at `path` (RUN/
+    """A rollout stage's batch (grpo, distill), sampled by the policy before step `step` and kept at `path` (RUN/
     rollouts/<sha256>.safetensors, written durably before this record: rewind.stores.rollouts): the
     steps [step, step + num_iterations) update on it. `cursors`: the prompt datasets' cursors after its
     prompts (the fold takes them)."""
@@ -175,6 +177,9 @@ class RolloutsRecorded(Event, frozen=True, kw_only=True, tag="RolloutsRecorded")
     # What shaped the batch (rewind.states.plan.rollout_settings: the stage's grpo settings, the batch and
     # context sizes): a config change mid-window that alters it samples the window's batch again.
     settings: str = ""
+    # A distill stage's teacher as it scored this batch: the sha256 of its weights file, "" for the run's
+    # KL reference (which the log names) and for a grpo stage. A resume under another teacher is refused.
+    teacher: str = ""
 
 
 class StepCommitted(Event, frozen=True, kw_only=True, tag="StepCommitted"):

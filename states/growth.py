@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from rewind.states.events import StackAppended
+from rewind.states.stagekinds import rules_of
 from rewind.states.state import ModelLayout, StackLayout, State
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ def caches_trunk(config: Config, layout: ModelLayout) -> bool:
     spec = config.growth[layout.growth]
     # A packed sft stage's rows attend per document, a dpo or grpo stage's rows are its own: the cache holds the
     # trunk outputs of whole rows as pretraining draws them.
-    packed = any(s.strategy in ("dpo", "grpo") or (s.strategy == "sft" and s.sft_settings.packing) for s in config.stages)
+    packed = any(rules_of(s).packs_documents(s) for s in config.stages)
     return spec.position == "append" and trunk_is_frozen(layout) and config.objective.kind == "clm" and not packed
 
 

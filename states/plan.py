@@ -41,6 +41,7 @@ from rewind.states.fold import apply
 from rewind.states.growth import cache_span, caches_trunk, current_layout, growth_event
 from rewind.states.lr import lr_at
 from rewind.states.schedule import Schedule
+from rewind.states.stagekinds import rules_of
 from rewind.states.state import CheckpointReason, State
 
 
@@ -113,15 +114,16 @@ def decide(state: State, schedule: Schedule) -> Intent | None:
 
 
 def rollouts_due(state: State, schedule: Schedule, step: int) -> SampleRollouts | None:
-    """A grpo stage's next rollout batch, due before the first step of each window of num_iterations
-    steps (counted from the stage's entry) unless the state holds one sampled in that window (a fork
-    that begins mid-window samples its own at its first step)."""
+    """A rollout stage's next batch (grpo, distill), due before the first step of each window of
+    num_iterations steps (counted from the stage's entry) unless the state holds one sampled in that
+    window (a fork that begins mid-window samples its own at its first step)."""
     if state.stage < 0 or step >= schedule.num_steps:
         return None
     stage = schedule.config.stages[state.stage]
-    if stage.strategy != "grpo":
+    every = rules_of(stage).rollout_window(stage)
+    if not every:
         return None
-    start, every = schedule.entry_steps[state.stage], stage.grpo_settings.num_iterations
+    start = schedule.entry_steps[state.stage]
     window = start + (step - start) // every * every
     held = state.rollouts
     # (A record without settings predates them: taken as the config's.)
@@ -132,16 +134,16 @@ def rollouts_due(state: State, schedule: Schedule, step: int) -> SampleRollouts 
 
 
 def rollout_settings(config: Config, stage: int) -> str:
-    """A digest of what shapes stage `stage`'s rollout batches: how they are sampled and scored (group
-    size, temperature, new tokens, rewards, their scaling, whether reference log-probs are kept), its
-    datasets, the batch and context sizes. A config change that alters it (a fork in place mid-window)
-    samples again rather than train on a batch made otherwise; one that changes only the updates (their
-    number, loss, clip, KL weight) trains on the batch held."""
-    grpo = config.stages[stage].grpo_settings
+    """A digest of what shapes stage `stage`'s rollout batches: how they are sampled and scored (its
+    kind's `rollout_shaping`: a grpo stage's group size, temperature, new tokens, rewards, their scaling,
+    whether reference log-probs are kept), its datasets, the batch and context sizes. A config change
+    that alters it (a fork in place mid-window) samples again rather than train on a batch made
+    otherwise; one that changes only the updates (their number, loss, clip, KL weight) trains on the
+    batch held."""
+    record = config.stages[stage]
     shaping = {
-        "grpo": [grpo.group_size, grpo.temperature, grpo.max_new_tokens, canonical(grpo.rewards),
-                 grpo.scale_rewards, grpo.kl_beta > 0],
-        "datasets": canonical(config.stages[stage].datasets),
+        **rules_of(record).rollout_shaping(config, record),
+        "datasets": canonical(record.datasets),
         "batch_size": config.training.batch_size,
         "block_size": config.architecture.block_size,
     }

@@ -21,9 +21,9 @@ from typing import Any
 import msgspec
 
 from rewind.states.check_types import collect_type_problems
-from rewind.states.config import Stage
 from rewind.states.config_error import ConfigError
 from rewind.states.overrides import PathPart, deep_copy, parse_override, shown
+from rewind.states.stages import PretrainStage
 
 # Each flat list, and the stage field its i-th entry (or, for the lists of stage indices, the
 # presence of i) becomes.
@@ -119,6 +119,9 @@ def _fill(raw: dict[str, Any]) -> None:
     fade's overlap, every stage but the last has one (training.fade.overlap where left out). So a
     config has one form whichever way it was written, and it is the flat lists' form."""
     stages = raw.get("stages")
+    for stage in stages if isinstance(stages, list) else []:
+        if isinstance(stage, dict):
+            stage.setdefault("strategy", "pretrain")  # the record's kind: none given is pretraining
     if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
         return
     if any(s.get("beta") is not None for s in stages):
@@ -178,7 +181,7 @@ def flat_path(problem: str) -> str:
 
 def _said(stage: dict[str, Any]) -> dict[str, Any]:
     """A stage record's keys that say something: those left out, None, or at the record's default do not."""
-    defaults = msgspec.to_builtins(Stage())
+    defaults = msgspec.to_builtins(PretrainStage())
     return {k: v for k, v in stage.items() if v is not None and (k not in defaults or v != defaults[k])}
 
 

@@ -108,6 +108,26 @@ def v8_to_v9(raw: dict) -> dict:
     return raw
 
 
+def v9_to_v10(raw: dict) -> dict:
+    """Schema 9 -> 10 made a stage's record its kind's (`rewind.states.stages`): a logged stage held every
+    kind's settings table, null where it was not its own (a rule refused a table on another kind), and
+    always its strategy. The nulls go; the tables and the identity are unchanged."""
+    config = raw.get("config")
+    stages = config.get("stages") if isinstance(config, dict) else None
+    if not isinstance(stages, list):
+        return raw
+    records = [
+        {"strategy": "pretrain", **{k: v for k, v in s.items() if not (k in _OLD_TABLES and v is None)}}
+        if isinstance(s, dict)
+        else s
+        for s in stages
+    ]
+    return {**raw, "config": {**config, "stages": records}}
+
+
+# The settings tables a schema 9 stage held (null unless its strategy's).
+_OLD_TABLES = ("sft", "dpo", "grpo")
+
 UPCASTERS[1] = v1_to_v2
 UPCASTERS[2] = v2_to_v3
 UPCASTERS[3] = v3_to_v4
@@ -116,3 +136,4 @@ UPCASTERS[5] = v5_to_v6
 UPCASTERS[6] = v6_to_v7
 UPCASTERS[7] = v7_to_v8
 UPCASTERS[8] = v8_to_v9
+UPCASTERS[9] = v9_to_v10

@@ -1,6 +1,6 @@
 """`rewind eval RUN --dataset NAME`: a checkpoint's figures on a dataset's validation split, on demand.
 
-The rows, the loss and the accuracy are those of a boundary evaluation (rewind.engine.run.evaluation): the
+The rows, the loss and the accuracy are those of a boundary evaluation (rewind.engine.step.evaluation): the
 first `--samples` validation rows (default: the run's `training.eval_samples`), the mean masked
 cross-entropy, its perplexity, bits per byte from the run's tokenizer's byte length per token, and
 answer-token accuracy only for a dataset whose loss mask marks answers (a task, prompt/response pairs).
@@ -56,7 +56,7 @@ def open_run_data(run_dir: str, loaded: CheckpointModel, name: str):
 
 def run(args: argparse.Namespace) -> int:
     from rewind.engine.data.datasets import DatasetError
-    from rewind.engine.run.evaluation import evaluate_dataset
+    from rewind.engine.step.evaluation import evaluate_dataset
 
     if args.samples is not None and args.samples <= 0:
         raise UsageError(f"--samples {args.samples}: must be at least 1")

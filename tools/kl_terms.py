@@ -3,40 +3,21 @@
 A `pretrain` or `sft` stage adds `beta` x the token-level KL to the reference (optimization.kl.kind) to its
 loss. A `grpo` stage's loss carries its own KL penalty, `grpo.kl_beta` x the estimate `grpo.kl_estimator`;
 a `dpo` stage has none added: its loss itself compares the policy with the reference, at the scale
-`dpo.beta`. The token-level `beta` of a dpo or grpo stage must be 0 (rewind.states.check_strategy), so a
+`dpo.beta`. The token-level `beta` of a dpo or grpo stage must be 0 (rewind.states.stagekinds), so a
 step record's `beta` says nothing there; `rewind schedule`, `rewind log` and `rewind timeline --plot` show
 the setting this module names instead.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from rewind.states.config import Stage
-
-
-class KlTerm(NamedTuple):
-    """A stage's tie to the reference: the setting that weighs it (as the config spells it), its value,
-    and the weight of the KL penalty it adds to the loss (0 for none: a dpo stage, or a weight of 0)."""
-
-    setting: str  # "beta", "grpo.kl_beta" or "dpo.beta"
-    value: float
-    penalty: float
-
-    def text(self) -> str:
-        """'beta 0.2', 'grpo.kl_beta 0.02', 'dpo.beta 0.1 (its loss; no KL penalty added)'."""
-        said = f"{self.setting} {self.value:g}"
-        return f"{said} (its loss; no KL penalty added)" if self.setting == "dpo.beta" else said
+from rewind.states.stagekinds import rules_of
+from rewind.states.stagekinds.rules import KlTerm, StageRules
 
 
 def kl_term(stage: Stage) -> KlTerm:
-    if stage.strategy == "grpo":
-        weight = stage.grpo_settings.kl_beta
-        return KlTerm("grpo.kl_beta", weight, weight)
-    if stage.strategy == "dpo":
-        return KlTerm("dpo.beta", stage.dpo_settings.beta, 0.0)
-    beta = stage.beta or 0.0
-    return KlTerm("beta", beta, beta)
+    """What ties the stage to the reference, and at what weight (its kind's rules say)."""
+    return rules_of(stage).reference_tie(stage)
 
 
 def has_own_kl(stage: Stage) -> bool:
@@ -51,7 +32,7 @@ def kl_kinds(stages: list[Stage], kind: str) -> str:
     terms = [kl_term(stage) for stage in stages]
     said = [f"beta: {kind}"] if any(t.setting == "beta" and t.penalty > 0 for t in terms) else []
     grpo = [s for s, t in zip(stages, terms, strict=True) if t.setting == "grpo.kl_beta" and t.penalty > 0]
-    if estimators := [stage.grpo_settings.kl_estimator for stage in grpo]:
+    if estimators := [stage.grpo.kl_estimator for stage in grpo]:
         said.append(f"grpo.kl_estimator: {', '.join(dict.fromkeys(estimators))}")
     return "; ".join(said) or f"beta: {kind}"
 
@@ -65,6 +46,7 @@ class RunKl:
         self.own = [term.setting != "beta" for term in self.terms]  # dpo or grpo: their beta is 0 by rule
         self.dpo = [term.setting == "dpo.beta" for term in self.terms]
         self.grpo = [term.setting == "grpo.kl_beta" for term in self.terms]
+        self.labels = [rules_of(stage).loss_label(stage) for stage in stages]
 
     @property
     def has_penalty(self) -> bool:
@@ -74,17 +56,14 @@ class RunKl:
         return "KL weight: beta, grpo.kl_beta" if any(self.grpo) else "KL weight beta"
 
     def loss_meaning(self) -> str:
-        """What a step's recorded loss is in these stages, for the loss panels' label: its stage's own. A
-        pretrain or sft stage's is the cross-entropy without the beta x KL it trains with (drawn apart); a
-        dpo stage's the DPO loss (its sft term left out); a grpo stage's the clipped policy loss with its
-        kl_beta x KL term in (it can be negative)."""
-        if not (any(self.dpo) or any(self.grpo)):
+        """What a step's recorded loss is in these stages, for the loss panels' label: its stage's own (its
+        kind's `loss_label`), each said once in stage order. A pretrain or sft stage's is the cross-entropy
+        without the beta x KL it trains with (drawn apart); a dpo stage's the DPO loss (its sft term left
+        out); a grpo stage's the clipped policy loss with its kl_beta x KL term in (it can be negative); a
+        distill stage's the reverse KL to its teacher."""
+        said = list(dict.fromkeys(self.labels))
+        if said == [StageRules().loss_label(None)]:
             return "cross-entropy, without KL"
-        said = ["cross-entropy (no KL)"] if not all(self.own) else []
-        said += ["DPO"] if any(self.dpo) else []
-        if any(self.grpo):
-            kl = any(weight > 0 for weight, grpo in zip(self.penalties, self.grpo, strict=True) if grpo)
-            said.append("GRPO policy + KL" if kl else "GRPO policy")
         return f"each stage's own:\n{', '.join(said)}"
 
     def no_penalty_text(self) -> str:

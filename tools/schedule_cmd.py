@@ -155,8 +155,7 @@ def strategy_settings(stage: Stage) -> dict | None:
     """The settings of the stage's strategy, defaults filled in (None for pretrain, which has none)."""
     import msgspec
 
-    settings = {"sft": stage.sft_settings, "dpo": stage.dpo_settings, "grpo": stage.grpo_settings}
-    return msgspec.to_builtins(settings[stage.strategy]) if stage.strategy in settings else None
+    return msgspec.to_builtins(stage.settings) if stage.settings is not None else None
 
 
 def stage_rows(schedule: Schedule) -> list[dict]:

@@ -48,6 +48,7 @@ from rewind.engine.data.example_sources import ExampleSources
 from rewind.engine.data.examples import PreferenceRow, PromptRow, SftRow
 from rewind.engine.data.registry import DatasetRegistry
 from rewind.states.config import Config, Stage
+from rewind.states.stagekinds import rules_of
 
 # Positions read at a time while finding how many examples fill a packed share's windows.
 _LOOKAHEAD = 64
@@ -220,7 +221,7 @@ def step_rows(
 ) -> StepRows:
     """One step's rows, stage by stage in order, and the cursors after it (module doc)."""
     seed, stages = config.run.seed, config.stages
-    if not any(n and stage.strategy == "sft" for n, stage in zip(rows_per_stage, stages, strict=True)):
+    if not any(n and rules_of(stage).reads == "examples" for n, stage in zip(rows_per_stage, stages, strict=True)):
         tokens, mask, after, _ = assemble_batch(seed, config, rows_per_stage, cursors, datasets)
         return StepRows(tokens, mask, None, after)
     after = dict(cursors)
@@ -228,7 +229,7 @@ def step_rows(
     for i, (n, stage) in enumerate(zip(rows_per_stage, stages, strict=True)):
         if n == 0:
             continue
-        if stage.strategy == "sft":
+        if rules_of(stage).reads == "examples":  # an sft stage's share: its prompt/response examples
             parts += _example_rows(config, stage, n, after, datasets.examples)
             continue
         only_this = [n if j == i else 0 for j in range(len(stages))]
@@ -241,7 +242,7 @@ def _example_rows(
     config: Config, stage: Stage, rows: int, cursors: dict[str, int], examples: ExampleSources
 ) -> Iterator[RowBatch]:
     """Stage `stage`'s `rows` rows, dataset by dataset of its mixture; moves `cursors` past what it read."""
-    block_size, packing = config.architecture.block_size, stage.sft_settings.packing
+    block_size, packing = config.architecture.block_size, stage.sft.packing
     for sampling, count in zip(stage.datasets, split_rows(stage.datasets, rows), strict=True):
         if count == 0:
             continue

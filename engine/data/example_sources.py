@@ -98,6 +98,10 @@ class FileRows(Generic[Row]):
         return self._rows[split][index]
 
 
+# The example kind each reading of rewind.states.stagekinds opens.
+_READ_AS: dict[str, RowKind] = {"examples": "sft", "preferences": "preference", "prompts": "prompt"}
+
+
 class ExampleSources:
     """The examples the post-training stages read, by dataset name and kind (an sft stage's
     prompt/response examples, a dpo stage's prompt/chosen/rejected ones, a grpo stage's prompts with their
@@ -115,6 +119,11 @@ class ExampleSources:
 
     def prompts(self, name: str) -> TaskRows | FileRows[PromptRow]:
         return self.rows_of(name, "prompt")
+
+    def of_kind(self, reads: str, name: str) -> TaskRows | FileRows:
+        """Dataset `name`'s examples of the kind a stage kind reads (rewind.states.stagekinds: "examples",
+        "preferences" or "prompts")."""
+        return self.rows_of(name, _READ_AS[reads])
 
     def answer(self, name: str, row: PromptRow) -> str:
         """The answer a grpo stage's exact_match reward compares `row`'s completions with."""

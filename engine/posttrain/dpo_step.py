@@ -15,6 +15,7 @@ ranks before the record is built.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,8 +28,14 @@ from rewind.engine.model.placement import is_sharded, placement_for
 from rewind.engine.model.ranks import sum_over_ranks
 from rewind.engine.posttrain.dpo_losses import dpo_loss
 from rewind.engine.posttrain.response_logprobs import sequence_logprobs, token_counts
+from rewind.engine.step.kinds import KindSpec
 from rewind.engine.step.step import StepResult, apply_update, compute_precision, micro_batches
 from rewind.states.config import Config, Stage
+
+if TYPE_CHECKING:
+    from rewind.engine.run.parts import Parts
+    from rewind.states.schedule import StepPlan
+    from rewind.states.state import State
 
 # The figures a dpo step records (StepCommitted.metrics), means over the step's pairs.
 METRICS = ("chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards", "margin", "accuracy", "sft_loss")
@@ -56,7 +63,7 @@ def dpo_train_step(
     """Forward/backward over micro-batches of pairs, clip, and (if finite) one update (module doc)."""
     if reference is None:  # the config rule (a refresh at or before a dpo stage) makes this unreachable
         raise RuntimeError("a dpo step needs the KL reference, and the run has none")
-    settings, placement = stage.dpo_settings, placement_for(config)
+    settings, placement = stage.dpo, placement_for(config)
     device = placement.device
     num_pairs = batch.tokens.shape[0] // 2
     inputs, targets = batch.tokens[:, :-1].to(device), batch.tokens[:, 1:].to(device)
@@ -107,3 +114,18 @@ def dpo_train_step(
         finite=finite,
         metrics=sums,
     )
+
+
+class DpoSpec(KindSpec):
+    """A dpo stage in the engine (rewind.engine.step.kinds): its pairs at the cursors, one DPO update."""
+
+    def train(self, parts: Parts, state: State, plan: StepPlan, lr: float) -> tuple[StepResult, dict[str, int]]:
+        config, stage = parts.config, parts.config.stages[plan.stage]
+        pairs, cursors = preference_rows(config, stage, plan.rows[plan.stage], state.cursors, parts.datasets.examples)
+        result = dpo_train_step(
+            parts.model, parts.optimizer, pairs, config=config, stage=stage, lr=lr, reference=parts.reference
+        )
+        return result, cursors
+
+
+SPEC = DpoSpec()

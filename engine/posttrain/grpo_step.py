@@ -27,9 +27,9 @@ from rewind.engine.model.optimizer import AdamW
 from rewind.engine.model.placement import is_sharded, placement_for
 from rewind.engine.model.ranks import sum_over_ranks
 from rewind.engine.posttrain.grpo_losses import grpo_loss, grpo_normaliser, reward_figures, weighted_rewards
-from rewind.engine.posttrain.response_logprobs import token_logprobs
-from rewind.engine.posttrain.rolloutreader import TrainingRows
-from rewind.engine.step.step import StepResult, apply_update, compute_precision, micro_batches
+from rewind.engine.posttrain.rolloutreader import RolloutReader, TrainingRows
+from rewind.engine.posttrain.rollouts import rank_slices, slice_logprobs
+from rewind.engine.step.step import StepResult, apply_update
 from rewind.states.config import Config, Stage
 from rewind.states.state import State
 
@@ -48,33 +48,14 @@ class WindowRows(TrainingRows):
 def window_rows(parts: Parts, state: State) -> WindowRows:
     """The training rows of the rollout batch the state's grpo window updates on (read once per window)."""
     config, examples = parts.config, parts.datasets.examples
-    rows = parts.rollout_reader.rows(
+    reader = parts.kind_state.setdefault("rollouts", RolloutReader())
+    rows = reader.rows(
         parts.run_dir, state, config, end_id=examples.end_id, pad_id=examples.pad_id,
         block_size=config.architecture.block_size,
-        drop_truncated=config.stages[state.stage].grpo_settings.mask_truncated_completions,
+        drop_truncated=config.stages[state.stage].grpo.mask_truncated_completions,
     )  # fmt: skip
     held = {field.name: getattr(rows, field.name) for field in dataclasses.fields(rows)}
     return WindowRows(**held, scored_figures=state.behaviours.scored_reward_figures)
-
-
-def rank_slices(num_rows: int, config: Config) -> list[list[slice]]:
-    """Each rank's micro-batches of a batch of `num_rows` rows (one rank in one process): the slicing the
-    updates compute in, and the old log-probs too, so a window's first update sees its own bits."""
-    placement = placement_for(config)
-    share = num_rows // placement.world_size
-    per_rank = micro_batches(share, config.training.per_device_batch_size)
-    return [[slice(rank * share + s.start, rank * share + s.stop) for s in per_rank] for rank in range(placement.world_size)]
-
-
-def slice_logprobs(
-    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, rows: slice, config: Config,
-    temperature: float,
-) -> torch.Tensor:
-    """The per-token log-probs of one micro-batch's masked targets: the one forward the old log-probs (at
-    sampling) and the updates both read, so a window's first update sees the old ones' very bits."""
-    with compute_precision(config, inputs.device):
-        logits = model(inputs[rows])
-    return token_logprobs(logits, targets[rows], mask[rows], temperature)
 
 
 def grpo_train_step(
@@ -82,7 +63,7 @@ def grpo_train_step(
 ) -> StepResult:
     """Forward/backward over micro-batches of the rollout batch's rows, clip, and (if finite) one update.
     The figures are the run's (module doc): today's unless `batch` is a WindowRows that says otherwise."""
-    settings = stage.grpo_settings
+    settings = stage.grpo
     scored = batch.scored_figures if isinstance(batch, WindowRows) else True
     device = next(model.parameters()).device
     inputs, targets = batch.tokens[:, :-1].to(device), batch.tokens[:, 1:].to(device)

@@ -19,6 +19,7 @@ rows, never trained on; the judge is rewind.engine.data.task_rows.exact_match_re
 from __future__ import annotations
 
 from statistics import fmean
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,19 +31,23 @@ from rewind.engine.model.placement import placement_for
 from rewind.engine.posttrain.dpo_losses import dpo_loss
 from rewind.engine.posttrain.posttrain_eval import completion_rewards, greedy_correct, win_share
 from rewind.engine.posttrain.response_logprobs import sequence_logprobs
-from rewind.engine.run.evaluation import evaluation_tasks, rows_per_forward
-from rewind.engine.run.parts import Parts
+from rewind.engine.step.evaluation import evaluation_tasks, rows_per_forward
 from rewind.engine.step.step import compute_precision
 from rewind.states.config import Config, GrpoSettings, Stage
+from rewind.states.stagekinds import rules_of
+from rewind.states.stages import DpoStage, GrpoStage
+
+if TYPE_CHECKING:
+    from rewind.engine.run.parts import Parts
 
 Figures = dict[str, dict[str, float]]  # dataset -> figure name -> value
 
 
 def sampling_settings(config: Config) -> GrpoSettings | None:
     """The G, T and new-token limit the figures are measured with; None for a run without post-training."""
-    if all(stage.strategy == "pretrain" for stage in config.stages):
+    if not any(rules_of(stage).reads for stage in config.stages):
         return None
-    return next((s.grpo_settings for s in config.stages if s.strategy == "grpo"), GrpoSettings())
+    return next((s.grpo for s in config.stages if isinstance(s, GrpoStage)), GrpoSettings())
 
 
 def boundary_figures(parts: Parts, boundary: int) -> Figures:
@@ -54,18 +59,19 @@ def boundary_figures(parts: Parts, boundary: int) -> Figures:
         return {}
     stage = config.stages[boundary] if boundary >= 0 else None
     figures: Figures = {}
-    for name in _answered(config, "grpo"):
+    for name in _answered(config, "prompts"):
         figures[name] = _sampled(parts, name, settings)
-    if stage is not None and stage.strategy == "dpo" and parts.reference is not None:
-        for name in _answered(config, "dpo"):
+    if isinstance(stage, DpoStage) and parts.reference is not None:
+        for name in _answered(config, "preferences"):
             figures.setdefault(name, {}).update(_preferences(parts, name, stage))
     return figures
 
 
-def _answered(config: Config, strategy: str) -> list[str]:
-    """The evaluated datasets whose rows a `strategy` stage can read: the embedded tasks with answers,
-    and the user's datasets such a stage reads (their fields are the ones it names)."""
-    used = {d.name for s in config.stages if s.strategy == strategy for d in s.datasets}
+def _answered(config: Config, reads: str) -> list[str]:
+    """The evaluated datasets whose examples a stage that `reads` them can read (rewind.states.stagekinds:
+    "prompts", "preferences"): the embedded tasks with answers, and the user's datasets such a stage
+    reads (their fields are the ones it names)."""
+    used = {d.name for s in config.stages if rules_of(s).reads == reads for d in s.datasets}
     return [n for n in evaluation_tasks(config) if n in used or (n in POSTTRAIN_TASKS and n not in config.data)]
 
 
@@ -121,6 +127,6 @@ def _preferences(parts: Parts, name: str, stage: Stage) -> dict[str, float]:
             ]
         logps.append(torch.cat(chunks))
     (policy, reference), n = logps, len(rows)
-    out = dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], beta=stage.dpo_settings.beta)
+    out = dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], beta=stage.dpo.beta)
     margins = (out.chosen_rewards - out.rejected_rewards).tolist()
     return {"dpo_accuracy": fmean([m > 0 for m in margins]), "dpo_margin": fmean(margins)}

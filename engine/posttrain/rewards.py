@@ -242,7 +242,7 @@ def try_rewards(stage: Stage, examples: ExampleSources, beside: str | None = Non
     the first TRIAL_ROWS train rows of each of its datasets, each with three made-up completions: its
     answer, "" and TRIAL_GARBAGE. RewardError (one line, naming the function and what it did) on the
     first that fails. What the imports and the calls import is noted: the identities cover it."""
-    names = [reward.function for reward in stage.grpo_settings.rewards]
+    names = [reward.function for reward in stage.grpo.rewards]
     reward_identities(names, beside)  # each one imports and has a file to identify it by
     tokenizer = examples.home.tokenizer
     encode = tokenizer.encode if tokenizer.identity else None  # byte level: UTF-8 bytes, as the rows

@@ -35,6 +35,7 @@ from rewind.engine.posttrain.grpo_losses import (
 from rewind.states.config import Config, GrpoSettings
 from rewind.states.events import RolloutsRecorded, RunStarted
 from rewind.states.features import Features
+from rewind.states.stages import GrpoStage
 from rewind.states.state import State
 from rewind.stores.rollouts import RolloutError, read_rollouts
 
@@ -123,9 +124,9 @@ def rollout_problems(
     ([] if none). `end_id`: the run's end token (None: the rules about it are not checked).
     `scored_figures`: the run's feature of that name (its record's figures are reward_outcome's under it)."""
     stages = config.stages
-    if not 0 <= record.stage < len(stages) or stages[record.stage].strategy != "grpo":
+    if not 0 <= record.stage < len(stages) or not isinstance(stages[record.stage], GrpoStage):
         return [f"its record names stage {record.stage}, not a grpo stage of the run's config"]
-    settings, arch = stages[record.stage].grpo_settings, config.architecture
+    settings, arch = stages[record.stage].grpo, config.architecture
     prompts, completions = tensors["prompts"], tensors["completions"]
     num_prompts, group = prompts.shape[0], completions.shape[0] // prompts.shape[0]
     names = ",".join(r.function for r in settings.rewards)

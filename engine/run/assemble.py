@@ -29,13 +29,11 @@ from rewind.engine.model.placement import (
     placement_for,
     prepare_device,
 )
-from rewind.engine.posttrain.grpo_step import window_rows
-from rewind.engine.posttrain.rewards import RewardError, reward_code_changes
 from rewind.engine.run.parts import Parts, RunError, build_parts, fresh_parts, open_datasets, starting_weights
+from rewind.engine.step.kinds import KindError, spec_of
 from rewind.states.config import ComputeSection, Config
 from rewind.states.cpu_threads import threads_worth
 from rewind.states.entry import Site
-from rewind.states.plan import rollouts_due
 from rewind.states.state import State
 
 
@@ -98,21 +96,16 @@ def assemble(
             raise DataChanged(changes)
     try:
         datasets = open_datasets(config, home)
-    except RewardError as exc:  # the config names it wrongly (a start), or the run's code is gone (1)
+    except KindError as exc:  # the config names it wrongly (a start), or the run's code is gone (1)
         raise RunError(str(exc), 2 if state is None else 1) from None
     if state is None:
         pretrained = starting_weights(config, None)
         parts = fresh_parts(config, run_dir, datasets, pretrained)
         return Assembled(parts, pretrained.identity if pretrained is not None else "")
     parts = build_parts(config, run_dir, state, datasets)
-    held = state.rollouts
-    if held is not None and config.stages[state.stage].strategy == "grpo":
-        if not rollouts_due(state, parts.schedule, state.step):
-            window_rows(parts, state)  # the batch the next steps read: checked now, before a resume records anything
-        if held.stage == state.stage and (
-            changed := reward_code_changes(
-                held.reward_code, home.base_dir, run_dir=run_dir, fork_at=parts.schedule.stage_entry_step(held.stage)
-            )
-        ):
-            raise RunError(f"{run_dir}: {changed}", 1)
+    if state.rollouts is not None and 0 <= state.stage < config.num_stages:
+        try:  # the batch a rollout stage's window holds still reads as its record says
+            spec_of(config.stages[state.stage]).check_held(parts, state)
+        except KindError as exc:
+            raise RunError(str(exc), exc.exit_code) from None
     return Assembled(parts, state.pretrained)

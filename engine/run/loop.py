@@ -21,21 +21,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rewind.engine.data.cursors import epochs_started
-from rewind.engine.data.example_batches import step_rows
 from rewind.engine.data.rundata import check_unchanged
 from rewind.engine.model.placement import launched_world_size
 from rewind.engine.model.ranks import any_rank, check_same_state, is_writer, lost_peer, shared_event
-from rewind.engine.posttrain.dpo_step import dpo_train_step, preference_rows
-from rewind.engine.posttrain.grpo_rollouts import sample_rollouts
-from rewind.engine.posttrain.grpo_step import grpo_train_step, window_rows
-from rewind.engine.posttrain.posttrain_figures import boundary_figures
 from rewind.engine.run.checkpointing import write_checkpoint
 from rewind.engine.run.effects import apply_effect
-from rewind.engine.run.evaluation import evaluate, validate
 from rewind.engine.run.journal import Journal
 from rewind.engine.run.parts import Parts
 from rewind.engine.run.trunkcache import write_cache
-from rewind.engine.step.step import nonfinite_quantity, train_step
+from rewind.engine.step.evaluation import evaluate, validate
+from rewind.engine.step.kinds import posttraining_figures, spec_of
+from rewind.engine.step.step import nonfinite_quantity
 from rewind.states.events import (
     CheckpointDeleted,
     EpochStarted,
@@ -47,7 +43,6 @@ from rewind.states.events import (
     StepCommitted,
     Validated,
 )
-from rewind.states.growth import current_layout, depth_of_training
 from rewind.states.plan import (
     CacheTrunk,
     DeleteCheckpoints,
@@ -191,35 +186,8 @@ def execute_step(parts: Parts, state: State) -> StepCommitted:
     config, k = parts.config, state.step
     plan = parts.schedule.step_plan(k)
     lr = step_lr(state, parts.schedule, k)  # the run's own curve: its features, its restarts
-    stack_index, num_stacks = depth_of_training(config, current_layout(state))
-    stage = config.stages[plan.stage]
-    # dpo and grpo stages are never faded into or out of (states.check_strategy): all rows are theirs.
-    if stage.strategy == "dpo":
-        pairs, cursors = preference_rows(config, stage, plan.rows[plan.stage], state.cursors, parts.datasets.examples)
-        result = dpo_train_step(
-            parts.model, parts.optimizer, pairs, config=config, stage=stage, lr=lr, reference=parts.reference
-        )
-    elif stage.strategy == "grpo":  # on the window's rollout batch; its prompts moved the cursors
-        batch, cursors = window_rows(parts, state), state.cursors
-        result = grpo_train_step(parts.model, parts.optimizer, batch, config=config, stage=stage, lr=lr)
-    else:
-        rows = step_rows(config, plan.rows, state.cursors, parts.datasets)
-        cursors = rows.cursors
-        result = train_step(
-            parts.model,
-            parts.optimizer,
-            rows.tokens,
-            rows.loss_mask,
-            documents=rows.documents,
-            config=config,
-            lr=lr,
-            beta=plan.beta,
-            reference=parts.reference,
-            step=k,
-            trunk_rows=parts.trunk_reader.rows(parts.run_dir, state, k),
-            stack_index=stack_index,
-            num_stacks=num_stacks,
-        )
+    # The primary stage's kind steps (a dpo, grpo or distill stage is never faded: all rows are its own).
+    result, cursors = spec_of(config.stages[plan.stage]).train(parts, state, plan, lr)
     return StepCommitted(
         step=k + 1,
         tokens=(k + 1) * parts.schedule.tokens_per_step,
@@ -266,7 +234,7 @@ def perform(run: Run, state: State, intent: Intent) -> State:
             bits = {name: b for name, b in result.bits_per_byte.items() if not parts.datasets[name].has_answers}
             evaluated = Evaluated(
                 **at, boundary=boundary, scores=result.scores, losses=result.losses, bits_per_byte=bits,
-                posttraining=boundary_figures(parts, boundary),
+                posttraining=posttraining_figures(parts, boundary),
             )  # fmt: skip
             return record(run, state, evaluated)
         case TakeCheckpoint(reason=reason):
@@ -276,7 +244,7 @@ def perform(run: Run, state: State, intent: Intent) -> State:
         case CacheTrunk():
             return record(run, state, write_cache(parts, state, intent))
         case SampleRollouts(stage=stage):  # every rank samples (collective forwards); rank 0's record
-            sampled = sample_rollouts(parts, state, stage)
+            sampled = spec_of(parts.config.stages[stage]).sample(parts, state, stage)
             return record(run, state, shared_event(sampled if is_writer() else None))
     return record(run, state, intent)
 

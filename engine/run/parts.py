@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,8 +29,7 @@ from rewind.engine.model.pretrained import Pretrained, PretrainedError, apply_pr
 from rewind.engine.model.reference import reference_at
 from rewind.engine.model.tensors import load_optimizer_tensors
 from rewind.engine.model.trunkreader import TrunkReader
-from rewind.engine.posttrain.rewards import try_rewards
-from rewind.engine.posttrain.rolloutreader import RolloutReader
+from rewind.engine.step.kinds import spec_of
 from rewind.engine.step.step import apply_hyperparameters, build_optimizer
 from rewind.states.config import Config
 from rewind.states.schedule import Schedule
@@ -67,7 +67,9 @@ class Parts:
     trunk_sources: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     trunk_hashes: dict[int, str] = field(default_factory=dict)
     trunk_reader: TrunkReader = field(default_factory=TrunkReader)
-    rollout_reader: RolloutReader = field(default_factory=RolloutReader)
+    # What a stage kind keeps across the steps of this process, by name (a rollout stage: its window's
+    # batch, read from its file once; a distill stage: its teacher). Caches of what the state names only.
+    kind_state: dict[str, Any] = field(default_factory=dict)
 
 
 def trunk_digests(sources: dict[int, dict[str, torch.Tensor]], known: dict[int, str]) -> dict[int, str]:
@@ -111,21 +113,14 @@ def assembled(
 
 
 def open_datasets(config: Config, home: DataHome) -> DatasetRegistry:
-    """Open every dataset the config names now, so a bad one fails before any log is touched (and try the
-    grpo stages' reward functions on their rows: RewardError)."""
+    """Open every dataset the config names now, so a bad one fails before any log is touched, and check
+    each stage as its kind requires (its examples read; a grpo stage's reward functions tried: KindError)."""
     try:
         datasets = DatasetRegistry(config, home)
         for stage in config.stages:
             for sampling in stage.datasets:
                 datasets[sampling.name]
-                if stage.strategy == "sft":  # its examples too: a malformed row says so now
-                    datasets.examples.sft(sampling.name)
-                elif stage.strategy == "dpo":
-                    datasets.examples.preferences(sampling.name)
-                elif stage.strategy == "grpo":
-                    datasets.examples.prompts(sampling.name)
-            if stage.strategy == "grpo":  # its reward functions import and score, before anything is recorded
-                try_rewards(stage, datasets.examples, home.base_dir)
+            spec_of(stage).check(stage, datasets, home.base_dir)
         for name in config.training.evaluations:
             datasets[name]
     except DatasetError as exc:

@@ -32,18 +32,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
 from rewind.engine.model.placement import adopt_threads
 from rewind.engine.model.tensors import model_tensors
-from rewind.engine.posttrain.grpo_rollouts import sample_rollouts
-from rewind.engine.posttrain.rewards import changed_reward_code
 from rewind.engine.run.checkpointing import checkpoint_groups, tensor_hashes
 from rewind.engine.run.effects import apply_effect
 from rewind.engine.run.entry import Entered
 from rewind.engine.run.loop import execute_step
 from rewind.engine.run.parts import Parts, RunError
+from rewind.engine.step.kinds import KindError, spec_of
 from rewind.states.compare import FieldDifference, first_difference
 from rewind.states.diffing import ComputeSite, compute_site
 from rewind.states.entry import deleted_checkpoints
@@ -135,18 +133,11 @@ def replay(
                 progress(logged.step)
             continue
         if isinstance(logged, RolloutsRecorded) and rtol == 0:
-            # Scored by other code, a batch differs from its record by its file name at best: say why.
-            if changed := changed_reward_code(logged.reward_code, parts.datasets.home.base_dir):
-                raise ReplayError(
-                    f"{changed}; replay scores the batch of step {logged.step} again with the code here, which cannot "
-                    "reproduce the run: restore that code to replay it",
-                    1,
-                )
             # Sampled again from the same weights and keys: the same tokens make the same file name.
-            resampled = sample_rollouts(parts, state, logged.stage, keep=False)
-            if resampled.reward_code.keys() == logged.reward_code.keys():
-                # The same code (checked above), as the record wrote it (one made before imports were covered)
-                resampled = msgspec.structs.replace(resampled, reward_code=logged.reward_code)
+            try:
+                resampled = spec_of(parts.config.stages[logged.stage]).resampled(parts, state, logged)
+            except KindError as exc:
+                raise ReplayError(str(exc), exc.exit_code) from None
             report.num_rollouts += 1
             difference = first_difference(logged, resampled)
             if difference is not None:

@@ -117,7 +117,7 @@ def test_every_setting_of_the_stage_has_its_row(heading, struct):
 def test_trl_s_defaults_written_for_rewind_load_and_are_trl_s():
     (block,) = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S)
     config = loads_config(block)
-    dpo, grpo = config.stages[0].dpo_settings, config.stages[1].grpo_settings
+    dpo, grpo = config.stages[0].dpo, config.stages[1].grpo
     assert (dpo.beta, [dpo.loss], dpo.label_smoothing, dpo.sft_weight) == (
         TRL_DPO["beta"], TRL_DPO["loss_type"], TRL_DPO["label_smoothing"], 0.0,
     )  # fmt: skip
@@ -164,7 +164,7 @@ def test_label_smoothing_with_ipo_or_hinge_is_a_config_error(loss):
     )
     with pytest.raises(ConfigError, match="label_smoothing"):
         loads_config(stage)
-    assert loads_config(stage.replace(", label_smoothing = 0.1", "")).stages[0].dpo_settings.loss == loss
+    assert loads_config(stage.replace(", label_smoothing = 0.1", "")).stages[0].dpo.loss == loss
 
 
 def test_the_logged_dpo_loss_leaves_the_sft_term_out_and_trl_s_is_their_sum():
@@ -341,9 +341,9 @@ def test_a_reward_function_gets_three_lists_by_position_and_the_answer_by_keywor
 def test_a_grpo_step_logs_the_reward_over_scored_completions_and_the_weighted_kl_the_loss_uses():
     from rewind.engine.data.example_batches import completion_batch
     from rewind.engine.model.layout import build_model
-    from rewind.engine.posttrain.grpo_rollouts import logprobs_of
     from rewind.engine.posttrain.grpo_step import grpo_train_step
     from rewind.engine.posttrain.rolloutreader import TrainingRows
+    from rewind.engine.posttrain.rollouts import logprobs_of
     from rewind.engine.step.step import build_optimizer
 
     config = loads_config(

@@ -1,9 +1,9 @@
 """docs/sampling.md says the least temperature a grpo stage accepts, the config check's own
-(rewind.states.check_strategy.MIN_TEMPERATURE), not that only 0 is refused."""
+(rewind.states.stagekinds.rules.MIN_TEMPERATURE), not that only 0 is refused."""
 
 from __future__ import annotations
 
-from rewind.states.check_strategy import MIN_TEMPERATURE
+from rewind.states.stagekinds.rules import MIN_TEMPERATURE
 from tests.docs.readme_figures import REPO
 
 

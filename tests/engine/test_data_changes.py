@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rewind.engine.run import loop
+from rewind.engine.step import mixed_step
 from rewind.states.events import CheckpointCommitted, RunFinished, RunStopped
 from tests.engine.test_loop import events_of, run_cli
 
@@ -72,7 +72,7 @@ def test_a_token_file_rewritten_under_a_run_stops_it_before_the_next_checkpoint(
     assert code == 0, err
 
     original = data.read_bytes()
-    real_train_step = loop.train_step
+    real_train_step = mixed_step.train_step
 
     def rewrites_the_data_before_step_5(*args, step, **kwargs):
         if step == 5:
@@ -80,7 +80,7 @@ def test_a_token_file_rewritten_under_a_run_stops_it_before_the_next_checkpoint(
                 handle.write(np.frombuffer(original, dtype=np.uint16)[::-1].tobytes())
         return real_train_step(*args, step=step, **kwargs)
 
-    monkeypatch.setattr(loop, "train_step", rewrites_the_data_before_step_5)
+    monkeypatch.setattr(mixed_step, "train_step", rewrites_the_data_before_step_5)
     run = tmp_path / "run"
     code, out, err = _train(config, run)
     assert code == 1, out + err
@@ -92,7 +92,7 @@ def test_a_token_file_rewritten_under_a_run_stops_it_before_the_next_checkpoint(
     code, out, err = run_cli("verify", run)
     assert code == 0, out + err
 
-    monkeypatch.setattr(loop, "train_step", real_train_step)
+    monkeypatch.setattr(mixed_step, "train_step", real_train_step)
     code, _, err = _train(config, run)  # the changed data: refused, nothing written
     assert code == 1 and "changed" in err, err
     data.write_bytes(original)

@@ -1,4 +1,4 @@
-"""Evaluation figures (rewind.engine.run.evaluation): loss and accuracy exactly as before, perplexity and bits
+"""Evaluation figures (rewind.engine.step.evaluation): loss and accuracy exactly as before, perplexity and bits
 per byte consistent with the loss, accuracy only where there are answers; and their projection into
 metrics.jsonl / TensorBoard (rewind.stores.metrics), a pure function of the Evaluated event."""
 
@@ -13,7 +13,7 @@ import torch
 from rewind.engine.data.datasets import BuiltinDataset
 from rewind.engine.data.tokenizer import ByteTokenizer
 from rewind.engine.model.model import GPT
-from rewind.engine.run.evaluation import Evaluation, evaluate, evaluate_dataset, validate
+from rewind.engine.step.evaluation import Evaluation, evaluate, evaluate_dataset, validate
 from rewind.kernels.losses import fused_losses
 from rewind.states.config_reading import config_from_dict
 from rewind.states.events import Evaluated
@@ -50,7 +50,7 @@ def model(config):
 
 
 def reference_score(model, dataset, indices, rows) -> tuple[float, float]:
-    """The figures as rewind computed them before bits per byte existed (engine/run/evaluation.py `_score`,
+    """The figures as rewind computed them before bits per byte existed (engine/step/evaluation.py `_score`,
     kept verbatim): loss and accuracy must stay these, bit for bit, so old and new runs compare."""
     total_nll = 0.0
     num_correct = num_tokens = 0

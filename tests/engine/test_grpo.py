@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from rewind.engine.data.example_batches import completion_batch
 from rewind.engine.model.layout import build_model
-from rewind.engine.posttrain import grpo_rollouts
+from rewind.engine.posttrain import rollouts
 from rewind.engine.posttrain.generation import sample_completions
-from rewind.engine.posttrain.grpo_rollouts import logprobs_of
 from rewind.engine.posttrain.grpo_step import WindowRows, grpo_train_step
 from rewind.engine.posttrain.rolloutreader import TrainingRows, off_rows, on_rows, training_rows
+from rewind.engine.posttrain.rollouts import logprobs_of
 from rewind.engine.step.step import build_optimizer
 from rewind.states.config_reading import loads_config
 from rewind.states.events import RolloutsRecorded
@@ -121,7 +121,7 @@ def test_a_step_logs_the_mean_reward_of_its_scored_completions_and_the_kl_its_lo
     rows = _rows(model, seed=5)
     rows = as_rows(**{field.name: getattr(rows, field.name) for field in dataclasses.fields(rows)})
     rows = with_reference_and_unscored(rows)
-    grpo = msgspec.structs.replace(CONFIG.stages[2].grpo_settings, kl_beta=0.1, epsilon_low=0.2, epsilon_high=0.2)
+    grpo = msgspec.structs.replace(CONFIG.stages[2].grpo, kl_beta=0.1, epsilon_low=0.2, epsilon_high=0.2)
     stage = msgspec.structs.replace(CONFIG.stages[2], grpo=grpo)
     optimizer = build_optimizer(model, CONFIG)
     mask = rows.mask
@@ -162,7 +162,7 @@ def test_a_run_started_before_scored_figures_logs_the_figures_it_always_had():
     rows = with_reference_and_unscored(rows)
     held = {field.name: getattr(rows, field.name) for field in dataclasses.fields(rows)}
     old, new = WindowRows(**held, scored_figures=False), WindowRows(**held)
-    grpo = msgspec.structs.replace(CONFIG.stages[2].grpo_settings, kl_beta=0.1, epsilon_low=0.2, epsilon_high=0.2)
+    grpo = msgspec.structs.replace(CONFIG.stages[2].grpo, kl_beta=0.1, epsilon_low=0.2, epsilon_high=0.2)
     stage = msgspec.structs.replace(CONFIG.stages[2], grpo=grpo)
     models = [build_model(CONFIG, None) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
@@ -196,7 +196,7 @@ def test_with_mask_truncated_completions_the_file_holds_zero_log_probs_for_the_c
             for n, c in enumerate(drawn)
         ]  # fmt: skip
 
-    monkeypatch.setattr(grpo_rollouts, "sample_completions", some_end)
+    monkeypatch.setattr(rollouts, "sample_completions", some_end)
     stage = (
         '\n[[stages]]\nstrategy = "grpo"\ntokens = 4_096\ndatasets = [{ name = "reverse", rate = 1.0 }]\n'
         "refresh_reference = true\n"

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from rewind.engine.model import layout as layouts
 from rewind.engine.model import tensors
 from rewind.engine.run import loop
+from rewind.engine.step import mixed_step
 from rewind.engine.step import step as step_module
 from rewind.states.config import Config
 from rewind.states.events import (
@@ -301,7 +302,7 @@ def poison_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> dict:
     """Make the step with index `bad_step` see a NaN loss; returns what the model and optimizer held
     just before and just after that step (filled in when it runs)."""
     seen: dict = {}
-    real_train_step, real_losses = loop.train_step, step_module.fused_losses
+    real_train_step, real_losses = mixed_step.train_step, step_module.fused_losses
 
     def nan_losses(*args, **kwargs):
         losses = real_losses(*args, **kwargs)
@@ -321,7 +322,7 @@ def poison_step(monkeypatch: pytest.MonkeyPatch, bad_step: int) -> dict:
         seen["after"] = held(model, optimizer)
         return result
 
-    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(mixed_step, "train_step", train_step)
     return seen
 
 
@@ -427,7 +428,7 @@ SHORT = (*OVERRIDES[1:], "training.tokens=[1280,512,512]", 'training.on_nonfinit
 def poison_steps(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int], quantity: str = "loss") -> None:
     """Make `quantity` non-finite in the steps with the given indices (the others run as they are)."""
     real_train_step, real_losses, real_clip = (
-        loop.train_step,
+        mixed_step.train_step,
         step_module.fused_losses,
         torch.nn.utils.clip_grad_norm_,
     )
@@ -451,7 +452,7 @@ def poison_steps(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int], quantity:
                 patch.setattr(step_module, "fused_losses", nan_losses)
             return real_train_step(model, optimizer, *args, step=step, **kwargs)
 
-    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(mixed_step, "train_step", train_step)
 
 
 @pytest.mark.parametrize("quantity", ["loss", "kl", "grad_norm"])

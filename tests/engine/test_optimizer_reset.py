@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rewind.engine.run import effects, loop
+from rewind.engine.step import mixed_step
 from rewind.states.events import OptimizerReset, RunResumed, StepCommitted
 from rewind.states.fold import fold
 from tests.engine.test_loop import (
@@ -42,7 +43,7 @@ def _one_thread():
 def straight(tmp_path_factory) -> tuple[Path, dict]:
     """The reset run trained straight through, with the optimizer state seen around the first reset."""
     seen: dict = {}
-    real_train_step, real_clear = loop.train_step, effects.clear_optimizer_state
+    real_train_step, real_clear = mixed_step.train_step, effects.clear_optimizer_state
 
     def train_step(model, optimizer, *args, step, **kwargs):
         if step in (10, 11):
@@ -58,7 +59,7 @@ def straight(tmp_path_factory) -> tuple[Path, dict]:
 
     run = tmp_path_factory.mktemp("reset") / "straight"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "train_step", train_step)
+        patch.setattr(mixed_step, "train_step", train_step)
         patch.setattr(effects, "clear_optimizer_state", clear)
         code, _, err = run_cli(*train_args(run, overrides=RESETS))
     assert code == 0, err

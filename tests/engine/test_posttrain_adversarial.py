@@ -179,12 +179,13 @@ def test_a_rollout_file_linked_out_of_the_run_is_refused(mid_window, tmp_path):
 # ("after"): what a kill at that moment leaves.
 LAUNCHER = """
 import os, signal, sys
+from rewind.engine.posttrain import grpo_kind
 from rewind.engine.run import loop
 from rewind.states.events import RolloutsRecorded
 moment, target = sys.argv[1], 4
-sample, record = loop.sample_rollouts, loop.record
-def sample_then_die(parts, state, stage):
-    event = sample(parts, state, stage)
+sample, record = grpo_kind.sample_rollouts, loop.record
+def sample_then_die(parts, state, stage, keep=True):
+    event = sample(parts, state, stage, keep=keep)
     if moment == "before" and state.step == target:
         os.kill(os.getpid(), signal.SIGKILL)
     return event
@@ -194,7 +195,7 @@ def record_then_die(run, state, event):
         run.journal.commit()
         os.kill(os.getpid(), signal.SIGKILL)
     return state
-loop.sample_rollouts, loop.record = sample_then_die, record_then_die
+grpo_kind.sample_rollouts, loop.record = sample_then_die, record_then_die
 from rewind.tools.cli import main
 sys.exit(main(sys.argv[2:]))
 """

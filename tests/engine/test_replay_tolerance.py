@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rewind.engine.run import loop
 from rewind.engine.run.replay import ATOL, compare_tensors, tensor_difference
+from rewind.engine.step import mixed_step
 from rewind.states.events import CheckpointCommitted, CheckpointDeleted
 from rewind.states.history import effective
 from rewind.stores.runs import read_seq_events
@@ -47,7 +47,7 @@ def replay_json(*args: object) -> tuple[int, dict, str]:
 
 def after_every_step(monkeypatch: pytest.MonkeyPatch, change, only_step: int | None = None) -> None:
     """Run `change(model, optimizer)` after every step of the replay (or only after step index `only_step`)."""
-    real = loop.train_step
+    real = mixed_step.train_step
 
     def train_step(model, optimizer, *args, step, **kwargs):
         result = real(model, optimizer, *args, step=step, **kwargs)
@@ -55,7 +55,7 @@ def after_every_step(monkeypatch: pytest.MonkeyPatch, change, only_step: int | N
             change(model, optimizer)
         return result
 
-    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(mixed_step, "train_step", train_step)
 
 
 def device_noise(model, optimizer) -> None:

@@ -80,7 +80,7 @@ def test_what_shapes_a_batch_is_in_its_settings_digest_and_what_only_updates_on_
 
     def with_grpo(**changes):
         stage = GRPO.stages[2]
-        settings = msgspec.structs.replace(stage.grpo_settings, **changes)
+        settings = msgspec.structs.replace(stage.grpo, **changes)
         stages = [*GRPO.stages[:2], msgspec.structs.replace(stage, grpo=settings)]
         return msgspec.structs.replace(GRPO, stages=stages)
 
@@ -99,7 +99,7 @@ def test_a_config_that_samples_otherwise_samples_the_window_again_and_one_that_o
 
     def with_grpo(**changes):
         stage = GRPO.stages[2]
-        stages = [*GRPO.stages[:2], msgspec.structs.replace(stage, grpo=msgspec.structs.replace(stage.grpo_settings, **changes))]
+        stages = [*GRPO.stages[:2], msgspec.structs.replace(stage, grpo=msgspec.structs.replace(stage.grpo, **changes))]
         return msgspec.structs.replace(GRPO, stages=stages)
 
     log = simulate_run(GRPO)

@@ -1,5 +1,5 @@
 """Every number of a post-training stage's settings is checked at the range the stage computes with it
-(rewind.states.check_strategy): a value the config check accepts never breaks the stage's math, and
+(rewind.states.stagekinds): a value the config check accepts never breaks the stage's math, and
 one it refuses is said with its path before anything is recorded (issue 33, point 11:
 grpo temperature = 1e-300 and epsilon_high = 1e308 passed the check and crashed at the stage).
 
@@ -22,9 +22,10 @@ from rewind.engine.posttrain.dpo_losses import DPO_VARIANTS, dpo_loss
 from rewind.engine.posttrain.generation import _draw
 from rewind.engine.posttrain.grpo_losses import KL_ESTIMATORS, LOSS_TYPES, grpo_loss, weighted_rewards
 from rewind.engine.posttrain.response_logprobs import token_logprobs
-from rewind.states.check_strategy import FLOAT32_MAX, FLOAT32_TINY, IPO_MIN_BETA, MIN_TEMPERATURE
 from rewind.states.config_error import ConfigError
 from rewind.states.config_reading import loads_config
+from rewind.states.stagekinds.dpo import IPO_MIN_BETA
+from rewind.states.stagekinds.rules import FLOAT32_MAX, FLOAT32_TINY, MIN_TEMPERATURE
 from tests.conftest import EXAMPLES
 
 TINY = (
@@ -179,7 +180,7 @@ def test_any_accepted_grpo_setting_keeps_the_sampler_and_the_loss_finite(
     )
     if problems(text):
         return
-    s = loads_config(text).stages[2].grpo_settings
+    s = loads_config(text).stages[2].grpo
     generator = torch.Generator().manual_seed(seed)
     logits = _logits(4, generator)
     drawn = _draw(logits[:, 0], s.temperature, [(seed, 2, 0, row, 0) for row in range(4)], 0)
@@ -202,7 +203,7 @@ def test_any_accepted_dpo_setting_keeps_the_first_step_s_loss_finite(
     text = dpo_text(beta=beta, label_smoothing=label_smoothing, sft_weight=sft_weight, loss=variant)
     if problems(text):
         return
-    s = loads_config(text).stages[2].dpo_settings
+    s = loads_config(text).stages[2].dpo
     generator = torch.Generator().manual_seed(seed)
     chosen, rejected = -torch.rand(4, generator=generator) * 50, -torch.rand(4, generator=generator) * 50
     lengths = torch.tensor([3, 5, 7, 9])

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rewind.states.config import Config, Sampling, Stage
+from rewind.states.config import Config, Sampling
 from rewind.states.data_identity import DataIdentity, SourceFile
 from rewind.states.events import (
     EVENT_TYPES,
@@ -46,6 +46,7 @@ from rewind.states.events import (
     Validated,
 )
 from rewind.states.stageform import to_stage_form
+from rewind.states.stages import PretrainStage
 from rewind.states.state import ForkSeed, Reference
 from rewind.stores.codec import FRAME_FORMAT, MAGIC, MAGIC_V1
 from rewind.stores.eventlog import EventLog, verify_log
@@ -62,6 +63,7 @@ GOLDEN_RUNS = {
     7: GOLDEN_DIR / "run-v7-f2",
     8: GOLDEN_DIR / "run-v8-f2",
     9: GOLDEN_DIR / "run-v9-f2",
+    10: GOLDEN_DIR / "run-v10-f2",
 }  # 1, 2: frame format 1
 # By frame format: format 2 marks the end of each commit group (stores/codec.py).
 GOLDEN_FRAME_RUNS = {1: GOLDEN_DIR / "run-v2", 2: GOLDEN_DIR / "run-v3-f2"}
@@ -78,8 +80,8 @@ DEFAULT_CONFIG_HASH = "2681743c22da3700b8e183de0efd5455a19104f36fdd23bdbf1b4a1fd
 
 # The stages the logs of schema 8 on carry (as records; the older ones' config has none, as flat lists).
 GOLDEN_STAGES = [
-    Stage(name="A", tokens=51200, datasets=[Sampling(name="grammar")], beta=0.0, overlap=0.25),
-    Stage(
+    PretrainStage(name="A", tokens=51200, datasets=[Sampling(name="grammar")], beta=0.0, overlap=0.25),
+    PretrainStage(
         tokens=25600,
         datasets=[Sampling(name="reverse", rate=0.75), Sampling(name="grammar", rate=0.25)],
         beta=0.1,

@@ -137,7 +137,7 @@ NONSENSE = [
     (
         "sft",
         "stages[1].strategy=rl",
-        "stages[1].strategy: expected one of dpo, grpo, pretrain, sft, got 'rl'",
+        "stages[1].strategy: expected one of distill, dpo, grpo, pretrain, sft, got 'rl'",
     ),
     ("sft", "stages[1].dpo.beta=0.1", "stages[1].dpo: settings of "),
     (

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rewind.engine.run import loop
+from rewind.engine.step import mixed_step
 from rewind.states.events import CheckpointCommitted, ConfigChanged, RunResumed
 from rewind.states.history import effective
 from rewind.stores.runs import read_seq_events
@@ -30,13 +31,13 @@ def replay_json(*args: object) -> tuple[int, dict, str]:
 
 def perturb_at(monkeypatch: pytest.MonkeyPatch, step_index: int, change) -> None:
     """Run `change(model, optimizer, result) -> result` around the step with index `step_index`."""
-    real = loop.train_step
+    real = mixed_step.train_step
 
     def train_step(model, optimizer, *args, step, **kwargs):
         result = real(model, optimizer, *args, step=step, **kwargs)
         return change(model, optimizer, result) if step == step_index else result
 
-    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(mixed_step, "train_step", train_step)
 
 
 def nudge_the_weights(model, optimizer, result):

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from rewind.engine.run import loop
+from rewind.engine.step import mixed_step
 from rewind.states.events import RunResumed, RunStarted, StepCommitted
 from tests.engine.test_loop import events_of, run_cli, train_args
 from tests.tools.rundir_forgery import rewrite_log
@@ -40,7 +40,7 @@ def computed_on(source: Path, dest: Path, device: str = "", world_size: int = 0,
 
 def nudge_after(monkeypatch: pytest.MonkeyPatch, step_index: int) -> None:
     """The replay's weights off by 1e-3 after step index `step_index`: a bitwise mismatch at the next step."""
-    real = loop.train_step
+    real = mixed_step.train_step
 
     def train_step(model, optimizer, *args, step, **kwargs):
         result = real(model, optimizer, *args, step=step, **kwargs)
@@ -50,7 +50,7 @@ def nudge_after(monkeypatch: pytest.MonkeyPatch, step_index: int) -> None:
                     parameter.view(-1)[0] += 1e-3
         return result
 
-    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(mixed_step, "train_step", train_step)
 
 
 def replay(*args: object) -> tuple[int, str, dict]:

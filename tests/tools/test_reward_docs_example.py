@@ -171,5 +171,5 @@ def test_a_stage_s_budget_counts_rows_times_context():
         assert steps == stage.tokens // per_step
         quoted = f"{stage.strategy} {stage.tokens:,} / {per_step:,} = {steps} {said[stage.strategy]}"
         assert quoted in FLAT, quoted
-    grpo = config.stages[-1].grpo_settings
+    grpo = config.stages[-1].grpo
     assert config.training.batch_size // grpo.group_size == 8 and grpo.group_size == 4

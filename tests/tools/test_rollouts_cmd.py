@@ -298,18 +298,18 @@ def test_a_rollout_file_lost_inside_its_window_stops_a_resume_before_it_records_
 def test_replay_samples_each_batch_again_and_finds_one_sampled_differently(tmp_path, monkeypatch):
     import json as json_module
 
-    from rewind.engine.posttrain import grpo_rollouts
+    from rewind.engine.posttrain import rollouts
     from tests.engine.test_loop import run_cli
 
     run = _grpo_run(tmp_path, "run")
     code, out, err = run_cli("replay", run, "--json", "--no-progress")
     assert code == 0 and json_module.loads(out)["num_rollouts_resampled"] == 2, err
-    sample = grpo_rollouts.sample_completions  # a sampler that draws at another temperature than recorded
+    sample = rollouts.sample_completions  # a sampler that draws at another temperature than recorded
 
     def hotter(*args, **kwargs):
         return sample(*args, **{**kwargs, "temperature": kwargs["temperature"] * 1.5})
 
-    monkeypatch.setattr(grpo_rollouts, "sample_completions", hotter)
+    monkeypatch.setattr(rollouts, "sample_completions", hotter)
     code, out, err = run_cli("replay", run, "--no-progress")
     assert code == 1, err
     assert "FIRST MISMATCH at step 10 (seq" in out and "RolloutsRecorded.path" in out, out

@@ -89,17 +89,18 @@ def _bare_step_times(config, num_steps: int) -> list[float]:
 def _without_the_model_step() -> Iterator[None]:
     """Both loops call `train_step` through their module; swap in one that computes nothing, so what
     is timed is everything around the model's step."""
-    from rewind.engine.run import loop
+    from rewind.engine.step import mixed_step
+
     def nothing(*args, **kwargs) -> StepResult:
         return StepResult(loss=1.0, kl=0.0, grad_norm=1.0, num_correct=0, num_target_tokens=1, finite=True)
 
     here = globals()
     real = here["train_step"]
-    here["train_step"], loop.train_step = nothing, nothing
+    here["train_step"], mixed_step.train_step = nothing, nothing
     try:
         yield
     finally:
-        here["train_step"], loop.train_step = real, real
+        here["train_step"], mixed_step.train_step = real, real
 
 
 def _rewind_step_times(config, num_steps: int) -> list[float]:

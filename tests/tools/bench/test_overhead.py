@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rewind.engine.run import loop
+from rewind.engine.step import mixed_step
 from rewind.engine.step.step import train_step
 from rewind.tools.bench import overhead as bench_overhead
 
@@ -15,4 +15,4 @@ def test_the_overhead_bench_reports_its_figures_and_restores_the_step():
     assert abs(result["bookkeeping_share"] - result["bookkeeping_ms"] / result["bare_step_ms"]) < 1e-9
     assert result["ratio"] > 0 and result["total_ratio"] > 0
     # The bench swaps the model's step out to time what surrounds it; training must get it back.
-    assert loop.train_step is train_step and bench_overhead.train_step is train_step
+    assert mixed_step.train_step is train_step and bench_overhead.train_step is train_step
