@@ -41,31 +41,21 @@ def opening_records(
     if entry.how == "started":
         return (started_record(entry.config, computed, version, list(RUN_FEATURES), pretrained, data),)
     point = entry.point
-    assert point is not None
+    if point is None or entry.how not in ("resumed", "forked"):
+        return ()
     try:
         if entry.how == "resumed":
-            changed = entry.config if entry.changed else None
-            return resume_records(entry.state, point, entry.end_seq, computed, changed, data)
-        if entry.how == "forked":
-            assert entry.started is not None and entry.logged is not None
-            origin = ForkOrigin(
-                run=parent,
-                step=point.state.step,
-                checkpoint=point.checkpoint,
-                config_hash=point.state.config_hash,
+            return resume_records(
+                entry.state, point, entry.end_seq, computed, entry.config if entry.changed else None, data
             )
-            threads = entry.ask.threads if isinstance(entry.ask, Fork) else 0
-            return fork_records(
-                entry.started, point, entry.logged, entry.config, origin, threads, data, version
-            )
+        assert entry.started is not None and entry.logged is not None
+        state = point.state
+        origin = ForkOrigin(run=parent, step=state.step, checkpoint=point.checkpoint, config_hash=state.config_hash)
+        threads = entry.ask.threads if isinstance(entry.ask, Fork) else 0
+        return fork_records(entry.started, point, entry.logged, entry.config, origin, threads, data, version)
     except EntryRefused as exc:
-        where = (
-            f"{entry.run}: "
-            if entry.how == "resumed"
-            else f"cannot fork {entry.run} at step {point.state.step}: "
-        )
+        where = f"{entry.run}: " if entry.how == "resumed" else f"cannot fork {entry.run} at step {point.state.step}: "
         raise EntryRefused(f"{where}{exc}", exc.exit_code) from None
-    return ()
 
 
 def started_record(

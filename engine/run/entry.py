@@ -46,6 +46,7 @@ from rewind.states.events import Event, RunStarted
 from rewind.states.fold import fold
 from rewind.states.history import RestorePoint, config_in_force, effective
 from rewind.states.opening import Computed, opening_records
+from rewind.states.state import State
 from rewind.stores.checkpoints import CheckpointError, CheckpointStore
 from rewind.stores.eventlog import EventLog, LogError, LogNotFoundError
 from rewind.stores.folding import FoldedLog, fold_log
@@ -77,9 +78,14 @@ class Entered:
     folded: FoldedLog | None = None
 
 
+class RunTokenizerError(Exception):
+    """The run's own tokenizer file (RUN/data/tokenizer.json) does not read: the run's state, not its config."""
+
+
 # What an entry can raise that is a line for the user, not a bug: `one_line` says each.
 ENTRY_ERRORS = (
-    RunError, EntryRefused, DataChanged, *DATA_ERRORS, PlacementError, CheckpointError, RolloutError, LogError,
+    RunError, EntryRefused, DataChanged, RunTokenizerError, *DATA_ERRORS, PlacementError, CheckpointError,
+    RolloutError, LogError,
 )  # fmt: skip
 
 
@@ -115,9 +121,17 @@ def one_line(exc: BaseException, run: str, entry: Entry | None) -> RunError:
         return RunError(f"{run}: cannot load checkpoint{named}: {exc}", 1)
     if isinstance(exc, RolloutError | LogError):  # the run's own files: damaged, or not what they say
         return RunError(f"{run}: {exc}", 1)
-    if isinstance(exc, TokenizerError) and entry is not None and entry.how != "started":
-        return RunError(f"{run}: the run's tokenizer: {exc}", 1)  # its own, not the config's
+    if isinstance(exc, RunTokenizerError):
+        return RunError(f"{run}: the run's tokenizer: {exc}", 1)
     return RunError(str(exc), 2)  # the config names data or a device that is not what it says
+
+
+def _run_home(run: str, state: State, *, base_dir: str | None = None, read_only: bool = False) -> DataHome:
+    """The data home of an existing run (rewind.engine.data.rundata.home_of, or read_only_home)."""
+    try:
+        return read_only_home(run, state) if read_only else home_of(run, state, base_dir=base_dir)
+    except TokenizerError as exc:
+        raise RunTokenizerError(str(exc)) from None
 
 
 @contextlib.contextmanager
@@ -168,7 +182,7 @@ def _check_nothing_lost(entry: Entry, folded: FoldedLog | None, log: EventLog | 
 def _carry_out(entry: Entry, view: LogView, folded: FoldedLog | None, base_dir: str | None) -> Entered:
     run, point, ask = entry.run, entry.point, entry.ask
     if entry.how == "finished":  # nothing to compute: the live objects of its config, for the caller to close
-        home = home_of(run, entry.state, base_dir=base_dir)
+        home = _run_home(run, entry.state, base_dir=base_dir)
         return Entered(entry, view, parts=fresh_parts(entry.config, run, open_datasets(entry.config, home)))
     if isinstance(ask, ReadCheckpoint):
         return _read(entry, view)
@@ -205,11 +219,11 @@ def _home(entry: Entry, base_dir: str | None) -> DataHome:
     if entry.how == "started":
         return start_home(entry.config, entry.run, base_dir=base_dir)
     if entry.how == "resumed":
-        return home_of(entry.run, entry.state, base_dir=base_dir)
+        return _run_home(entry.run, entry.state, base_dir=base_dir)
     assert entry.point is not None
     if entry.how == "forked":
-        return dataclasses.replace(read_only_home(entry.run, entry.point.state), base_dir=base_dir)
-    return home_of(entry.run, entry.point.state)
+        return dataclasses.replace(_run_home(entry.run, entry.point.state, read_only=True), base_dir=base_dir)
+    return _run_home(entry.run, entry.point.state)
 
 
 def _data(entry: Entry, home: DataHome) -> dict | None:
@@ -250,7 +264,7 @@ def open_checkpoint_data(entered: Entered, name: str):
     point = entry.point
     assert point is not None
     try:
-        home = read_only_home(entry.run, point.state)
+        home = _run_home(entry.run, point.state, read_only=True)
         scored = msgspec.structs.replace(entry.config, data={k: v for k, v in entry.config.data.items() if k == name})
         if changes := check_data(scored, point.state, home):
             raise DataChanged(changes)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.test_loop import one_line, run_cli
-from tests.tools.test_data_runs import flip_byte, token_setup, train
+from tests.tools.test_data_runs import documents_setup, flip_byte, token_setup, train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,6 +52,20 @@ def test_changed_data_is_one_line_worded_once_for_every_entry(stopped):
         assert not (stopped.parent / "child").exists()
     finally:
         data.write_bytes(original)
+
+
+def test_an_unreadable_run_tokenizer_is_the_runs_state_for_every_entry(tmp_path):
+    """Before, a resume, a fork and a replay said it as a config problem (exit 2, the bare message), eval as
+    the run's (exit 1, the run named)."""
+    code, _, err = train(documents_setup(tmp_path), tmp_path / "run", "--max-steps", "4")
+    assert code == 0, err
+    run = tmp_path / "run"
+    (run / "data" / "tokenizer.json").write_bytes(b"\xff\xfe not a tokenizer")
+    for name, args in ENTRIES.items():
+        code, _, err = run_cli(*args(run))
+        line = one_line(err)
+        assert code == 1 and line.startswith(f"rewind: {run}: the run's tokenizer: "), (name, line)
+        assert "not a tokenizer.json" in line, (name, line)
 
 
 def test_a_missing_run_is_one_line_for_every_entry(tmp_path):
