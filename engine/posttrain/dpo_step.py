@@ -33,7 +33,7 @@ from rewind.engine.step.step import StepResult, apply_update, compute_precision,
 from rewind.states.config import Config, Stage
 
 if TYPE_CHECKING:
-    from rewind.engine.run.parts import Parts
+    from rewind.engine.step.live import Parts
     from rewind.states.schedule import StepPlan
     from rewind.states.state import State
 

@@ -16,7 +16,7 @@ from rewind.states.plan import rollouts_due
 
 if TYPE_CHECKING:
     from rewind.engine.data.registry import DatasetRegistry
-    from rewind.engine.run.parts import Parts
+    from rewind.engine.step.live import Parts
     from rewind.engine.step.step import StepResult
     from rewind.states.events import RolloutsRecorded
     from rewind.states.schedule import StepPlan

@@ -30,7 +30,7 @@ from rewind.states.plan import rollout_settings
 from rewind.states.state import State
 
 if TYPE_CHECKING:
-    from rewind.engine.run.parts import Parts
+    from rewind.engine.step.live import Parts
 
 
 def sample_rollouts(parts: Parts, state: State, stage_index: int, *, keep: bool = True) -> RolloutsRecorded:

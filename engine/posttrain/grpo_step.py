@@ -34,7 +34,7 @@ from rewind.states.config import Config, Stage
 from rewind.states.state import State
 
 if TYPE_CHECKING:
-    from rewind.engine.run.parts import Parts
+    from rewind.engine.step.live import Parts
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from rewind.states.stagekinds import rules_of
 from rewind.states.stages import DpoStage, GrpoStage
 
 if TYPE_CHECKING:
-    from rewind.engine.run.parts import Parts
+    from rewind.engine.step.live import Parts
 
 Figures = dict[str, dict[str, float]]  # dataset -> figure name -> value
 

@@ -33,7 +33,7 @@ from rewind.states.state import State
 from rewind.stores.rollouts import rollout_name, write_rollouts
 
 if TYPE_CHECKING:
-    from rewind.engine.run.parts import Parts
+    from rewind.engine.step.live import Parts
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from rewind.engine.model import layout as layouts
 from rewind.engine.model.checkpoint_model import Groups
 from rewind.engine.model.ranks import is_writer, shared_event
 from rewind.engine.model.tensors import model_tensors, optimizer_tensors
-from rewind.engine.run.parts import Parts
+from rewind.engine.step.live import Parts
 from rewind.states.events import CheckpointCommitted
 from rewind.states.state import CheckpointReason, State, control_summary
 from rewind.stores.checkpoints import (

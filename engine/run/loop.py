@@ -27,10 +27,10 @@ from rewind.engine.model.ranks import any_rank, check_same_state, is_writer, los
 from rewind.engine.run.checkpointing import write_checkpoint
 from rewind.engine.run.effects import apply_effect
 from rewind.engine.run.journal import Journal
-from rewind.engine.run.parts import Parts
 from rewind.engine.run.trunkcache import write_cache
 from rewind.engine.step.evaluation import evaluate, validate
 from rewind.engine.step.kinds import posttraining_figures, spec_of
+from rewind.engine.step.live import Parts
 from rewind.engine.step.step import nonfinite_quantity
 from rewind.states.events import (
     CheckpointDeleted,

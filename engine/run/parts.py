@@ -1,4 +1,4 @@
-"""The live objects of a run, and how they are built from the folded state.
+"""How the live objects of a run (`Parts`, rewind.engine.step.live) are built from the folded state.
 
 `Parts` holds what computes (model, optimizer, reference, datasets) and where tensors live (the
 checkpoint store); it holds no control state (that is `fold(events)`) and nothing that writes the log
@@ -11,8 +11,7 @@ resumed process holds exactly what the one that never stopped held.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -28,8 +27,8 @@ from rewind.engine.model.placement import place
 from rewind.engine.model.pretrained import Pretrained, PretrainedError, apply_pretrained, load_pretrained
 from rewind.engine.model.reference import reference_at
 from rewind.engine.model.tensors import load_optimizer_tensors
-from rewind.engine.model.trunkreader import TrunkReader
 from rewind.engine.step.kinds import spec_of
+from rewind.engine.step.live import Parts
 from rewind.engine.step.step import apply_hyperparameters, build_optimizer
 from rewind.states.config import Config
 from rewind.states.schedule import Schedule
@@ -44,32 +43,6 @@ class RunError(Exception):
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-@dataclass(frozen=True)
-class Parts:
-    """The live objects of a run (see the module docstring for what is not here, and why). Immutable: a
-    transition that changes which objects the run computes with returns new Parts (dataclasses.replace);
-    the model and optimizer are torch objects that compute in place, as they must."""
-
-    config: Config
-    run_dir: str
-    schedule: Schedule
-    model: GPT
-    optimizer: AdamW
-    datasets: DatasetRegistry
-    store: CheckpointStore
-    reference: nn.Module | None = None
-    param_names: dict[nn.Parameter, str] = field(default_factory=dict)
-    # For each stack whose base is frozen or quantised, its float base weights under their unwrapped
-    # names: what checkpoints store of it (once, stores.trunks) and what NF4 is quantised from.
-    # trunk_hashes: the sha256 of each one's file. (The model's structure is the folded state's layout.)
-    trunk_sources: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    trunk_hashes: dict[int, str] = field(default_factory=dict)
-    trunk_reader: TrunkReader = field(default_factory=TrunkReader)
-    # What a stage kind keeps across the steps of this process, by name (a rollout stage: its window's
-    # batch, read from its file once; a distill stage: its teacher). Caches of what the state names only.
-    kind_state: dict[str, Any] = field(default_factory=dict)
 
 
 def trunk_digests(sources: dict[int, dict[str, torch.Tensor]], known: dict[int, str]) -> dict[int, str]:

@@ -29,7 +29,7 @@ from rewind.engine.data.example_batches import step_rows
 from rewind.engine.model.placement import in_sharded_run, model_device
 from rewind.engine.model.ranks import is_writer, shared_event
 from rewind.engine.model.trunkreader import cache_url
-from rewind.engine.run.parts import Parts
+from rewind.engine.step.live import Parts
 from rewind.engine.step.step import dropout_seed, micro_batches
 from rewind.states.config import Config
 from rewind.states.config_identity import config_hash

@@ -23,7 +23,7 @@ from rewind.states.stages import STAGE_KINDS, Stage
 
 if TYPE_CHECKING:
     from rewind.engine.data.registry import DatasetRegistry
-    from rewind.engine.run.parts import Parts
+    from rewind.engine.step.live import Parts
     from rewind.engine.step.step import StepResult
     from rewind.states.config import Config
     from rewind.states.events import RolloutsRecorded

@@ -12,7 +12,7 @@ from rewind.engine.step.step import StepResult, train_step
 from rewind.states.growth import current_layout, depth_of_training
 
 if TYPE_CHECKING:
-    from rewind.engine.run.parts import Parts
+    from rewind.engine.step.live import Parts
     from rewind.states.schedule import StepPlan
     from rewind.states.state import State
 

@@ -13,7 +13,7 @@ import torch
 
 from rewind.stores import trunks
 from rewind.stores.activations import ActivationCache, CacheSpec
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, REPO
 from tests.engine.test_loop import run_cli, train_args
 
 # `rewind ARGS...` in this interpreter, then (last line on stderr) its exit code and which of the
@@ -29,6 +29,11 @@ HEAVY = ("torch", "matplotlib")
 # What a run of the tiny example does not use. (triton is left out: torch imports it by itself where
 # it is installed, when an optimizer's constructor imports torch._dynamo.)
 UNUSED_BY_TINY = ("peft", "bitsandbytes", "transformers", "zarr")
+# Every post-training module (the sampler, rewards, rollouts, the dpo/grpo/distill steps): a pretraining
+# run's stage kinds never ask for them (rewind.engine.step.kinds imports a kind's spec on first use).
+POSTTRAIN_MODULES = tuple(
+    f"rewind.engine.posttrain.{p.stem}" for p in sorted((REPO / "engine" / "posttrain").glob("*.py")) if p.stem != "__init__"
+)
 
 
 def probe(args: list[str], watched: tuple[str, ...], timeout: int = 300) -> dict:
@@ -97,5 +102,7 @@ def test_a_restart_of_the_tiny_example_imports_none_of_what_it_does_not_use(tmp_
     code, _, err = run_cli(*train_args(run, "--max-steps", "3"))
     assert code == 0, err
     # torch is watched too: the probe sees what a restart does import.
-    loaded = probe(["resume", str(run), "--max-steps", "1", "--no-progress"], ("torch", *UNUSED_BY_TINY))
+    watched = ("torch", *UNUSED_BY_TINY, *POSTTRAIN_MODULES)
+    assert len(POSTTRAIN_MODULES) > 10
+    loaded = probe(["resume", str(run), "--max-steps", "1", "--no-progress"], watched)
     assert loaded == {"code": 0, "loaded": ["torch"]}
