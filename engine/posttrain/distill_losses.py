@@ -33,7 +33,7 @@ def reverse_kl(
         raise ValueError(f"normaliser must be positive, got {normaliser}")
     student = F.log_softmax(student_logits.float(), dim=-1)
     teacher = F.log_softmax(teacher_logits.detach().float(), dim=-1)
-    per_token = (student.exp() * (student - teacher)).sum(dim=-1) * mask
+    per_token = (student.exp() * (student - teacher)).sum(dim=-1) * mask.to(student.dtype)
     return per_token.sum() / normaliser, per_token.detach()
 
 
