@@ -273,9 +273,10 @@ def replay_start(records: Sequence[SeqEvent], checkpoint: str | None) -> Restore
     parent = records[0][1].parent if isinstance(records[0][1], RunStarted) else None
     from_seed = parent is None or not parent.checkpoint
     has_steps = any(isinstance(e, StepCommitted) for _, e in records)
-    points = checkpoint_points(records)
+    every = restore_points(records)
+    points = made_by_checkpoints(every)
     if from_seed and has_steps:
-        start = choose_point([p for p in restore_points(records) if not p.checkpoint], step=0, first=True)
+        start = choose_point([p for p in every if not p.checkpoint], step=0, first=True)
         points = sorted([start, *points] if start else points, key=lambda p: p.index)
     deleted = deleted_checkpoints(records)
     usable = [p for p in points if p.checkpoint not in deleted]
@@ -346,11 +347,16 @@ def choose_live_point(run: str, points: Sequence[RestorePoint], at_step: int | N
 def checkpoint_points(records: Sequence[SeqEvent]) -> list[RestorePoint]:
     """Every restore point a checkpoint makes, once per checkpoint, as of where it was made (a later
     resume from it and a config change there are in what follows), in log order."""
-    points: dict[str, RestorePoint] = {}
-    for point in restore_points(records):
+    return made_by_checkpoints(restore_points(records))
+
+
+def made_by_checkpoints(points: Sequence[RestorePoint]) -> list[RestorePoint]:
+    """Of a history's restore `points`, those a checkpoint makes, once per checkpoint (the first)."""
+    made: dict[str, RestorePoint] = {}
+    for point in points:
         if point.checkpoint:
-            points.setdefault(point.checkpoint, point)
-    return list(points.values())
+            made.setdefault(point.checkpoint, point)
+    return list(made.values())
 
 
 def choose_point(

@@ -38,7 +38,7 @@ from rewind.engine.data.rundata import (
 from rewind.engine.data.tokenizer import TokenizerError
 from rewind.engine.data.userdata import DataHome
 from rewind.engine.model.checkpoint_model import load_model
-from rewind.engine.model.placement import PlacementError, device_record
+from rewind.engine.model.placement import PlacementError, device_record, join_process_group
 from rewind.engine.run.assemble import adopt_site, assemble, enter_site
 from rewind.engine.run.parts import Parts, RunError, fresh_parts, open_datasets
 from rewind.states.entry import Ask, Entry, EntryRefused, LogView, ReadCheckpoint, Train, decide
@@ -182,6 +182,8 @@ def _check_nothing_lost(entry: Entry, folded: FoldedLog | None, log: EventLog | 
 def _carry_out(entry: Entry, view: LogView, folded: FoldedLog | None, base_dir: str | None) -> Entered:
     run, point, ask = entry.run, entry.point, entry.ask
     if entry.how == "finished":  # nothing to compute: the live objects of its config, for the caller to close
+        if entry.compute is not None:
+            join_process_group(entry.compute)  # (a sharded run's model is placed in its group)
         home = _run_home(run, entry.state, base_dir=base_dir)
         return Entered(entry, view, parts=fresh_parts(entry.config, run, open_datasets(entry.config, home)))
     if isinstance(ask, ReadCheckpoint):

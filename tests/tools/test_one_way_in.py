@@ -5,6 +5,8 @@ reads the same from every command, and the records an entry appends are built in
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,30 @@ def test_an_unreadable_run_tokenizer_is_the_runs_state_for_every_entry(tmp_path)
         line = one_line(err)
         assert code == 1 and line.startswith(f"rewind: {run}: the run's tokenizer: "), (name, line)
         assert "not a tokenizer.json" in line, (name, line)
+
+
+def test_a_replay_reads_its_log_and_adopts_its_site_once(stopped, monkeypatch):
+    """Before, `rewind replay` adopted the compute site twice (the command the run's latest, then the
+    replay its start's) and folded the log twice."""
+    from rewind.engine.run import assemble
+    from rewind.states import fold as folding
+
+    adopted, adopt = [], assemble.adopt_cpu_capability
+    monkeypatch.setattr(assemble, "adopt_cpu_capability", lambda recorded: adopted.append(recorded) or adopt(recorded))
+    folds, fold = [], folding.fold
+
+    def counted(events, state=None):
+        events = list(events)
+        if len(events) > 2:  # a log's, not an entry's own few records
+            folds.append(len(events))
+        return fold(events) if state is None else fold(events, state)
+
+    for name in ("rewind.states.fold", "rewind.engine.run.entry", "rewind.engine.run.replay"):
+        if importlib.util.find_spec(name) is not None:  # (whichever modules bind it, before and after)
+            monkeypatch.setattr(importlib.import_module(name), "fold", counted, raising=False)
+    code, out, err = run_cli("replay", stopped, "--no-progress")
+    assert code == 0 and out.endswith("replay: reproducible\n"), err
+    assert len(adopted) == 1 and len(folds) == 1
 
 
 def test_a_missing_run_is_one_line_for_every_entry(tmp_path):
