@@ -189,7 +189,6 @@ def _train_here(
     from rewind.engine.run.session import RunError, open_run
     from rewind.stores.eventlog import LogLockedError
 
-    speaks = is_writer()
     notes: list[str] = []  # said after the line that says where the run resumes
     try:
         run, state, how = open_run(config, run_dir, fork=fork, threads=threads, note=notes.append, base_dir=base_dir)
@@ -197,6 +196,7 @@ def _train_here(
         raise CommandError(str(exc), exc.exit_code) from None
     except LogLockedError as exc:
         raise CommandError(str(exc), 1) from None
+    speaks = is_writer()  # (asked once the run is entered: a sharded one's process group is joined then)
     if how == "finished":  # (under another config: refused as it was entered)
         run.journal.close()
         if speaks:
