@@ -39,8 +39,11 @@ class DistillRules(StageRules):
         return stage.distill.num_iterations
 
     def rollout_shaping(self, config: Config, stage: DistillStage) -> dict:
+        # How a batch is sampled and scored: the teacher too (its log-probs and the rewards row are the
+        # teacher's), so a fork that names another teacher mid-window samples the window's batch again;
+        # a change of only the updates (their number) trains on the batch held.
         d = stage.distill
-        return {"distill": [d.group_size, d.temperature, d.max_new_tokens]}
+        return {"distill": [d.group_size, d.temperature, d.max_new_tokens, d.teacher]}
 
     def reference_tie(self, stage: DistillStage) -> KlTerm:
         if stage.distill.teacher == REFERENCE_TEACHER:
