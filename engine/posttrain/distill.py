@@ -7,6 +7,14 @@ completion's tokens (how the teacher rates it; the record's mean_reward is their
 the student's and "reference_logprobs" the teacher's per-token log-probs of the sampled tokens, and no
 advantages (zeros). A resume inside the window reads the batch back and samples nothing.
 
+A file's hash only says it is the one its record names; `rollout_problems` says it is a distill batch a
+run could have written: its shape the record's and the stage's, token ids within the vocabulary, prompts
+within the context, completions ended by their first end token or cut at max_new_tokens, log-probs 0 past
+each completion, no advantages, the rewards row and the record's mean exactly what the teacher's log-probs
+make of them (`teacher_rewards`), the record's teacher of the stage's kind. The window's steps read the
+batch through it, so a resume checks it before it records anything, as `rewind verify` does
+(`batch_problem`). The log-probs themselves need the models' forwards: the file's sha256 vouches for them.
+
 Each update is the per-token reverse KL(student || teacher) over the vocabulary at every completion
 token (rewind.engine.posttrain.distill_losses), token mean over the step's micro-batches and ranks.
 
@@ -32,83 +40,109 @@ from rewind.engine.model.placement import is_sharded, place, placement_for
 from rewind.engine.model.ranks import sum_over_ranks
 from rewind.engine.model.tensors import TensorFitError, load_model_tensors
 from rewind.engine.posttrain.distill_losses import reverse_kl
-from rewind.engine.posttrain.rolloutreader import off_rows, training_rows
+from rewind.engine.posttrain.rolloutreader import TrainingRows, off_rows, run_end_id, training_rows
 from rewind.engine.posttrain.rollouts import kept, logprobs_of, rank_slices, sample_window
 from rewind.engine.step.kinds import KindError, KindSpec
 from rewind.engine.step.step import StepResult, apply_update, compute_precision
 from rewind.states.events import RolloutsRecorded
-from rewind.states.plan import rollout_settings
+from rewind.states.plan import rollout_settings, rollouts_due
 from rewind.states.stagekinds.distill import REFERENCE_TEACHER
+from rewind.states.stages import DistillStage
 from rewind.stores.rollouts import RolloutError, read_rollouts
 
 if TYPE_CHECKING:
     from rewind.engine.data.registry import DatasetRegistry
-    from rewind.engine.run.parts import Parts
+    from rewind.engine.step.live import Parts
     from rewind.states.config import Config
+    from rewind.states.features import Features
     from rewind.states.schedule import StepPlan
-    from rewind.states.stages import DistillStage
     from rewind.states.state import State
 
 TEACHER_FILE = "model.safetensors"
+TEACHER_ROW = "teacher"  # the batch's one row of "rewards" (its metadata's reward_functions)
 
 
 def teacher_file(stage: DistillStage, base_dir: str | None) -> Path:
     """The teacher's weights file: `distill.teacher`/model.safetensors, a relative path beside the config
     first, then in the working directory."""
     given = Path(stage.distill.teacher).expanduser()
-    beside = Path(base_dir) / given if base_dir and not given.is_absolute() else None
-    directory = beside if beside is not None and beside.exists() else given
+    places = [Path(base_dir) / given] if base_dir and not given.is_absolute() else []
+    places.append(given)
+    directory = next((place for place in places if place.exists()), places[0])  # none: the first looked in
     return directory / TEACHER_FILE if directory.is_dir() else directory
 
 
-def load_teacher(config: Config, path: Path) -> tuple[nn.Module, str]:
-    """(the teacher, placed and in eval mode, sha256 of its file), from a safetensors file of the run's
-    architecture as a run starts; KindError (one line) when it is missing or does not fit."""
-    from safetensors import SafetensorsError
+def teacher_weights(config: Config, path: Path) -> tuple[nn.Module, str]:
+    """(the teacher on the CPU, sha256 of its file), from a safetensors file of the run's architecture as a
+    run starts, hashed from the very bytes loaded; KindError (one line) when it is missing or does not fit."""
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
     try:
         data = path.read_bytes()
         tensors = load(data)
-    except (OSError, SafetensorsError) as exc:
-        raise KindError(f"distill.teacher: cannot read {path}: {exc}", 2) from None
+    except OSError as exc:
+        raise KindError(
+            f"distill.teacher: cannot read {path}: {exc.strerror or exc} (a directory holding {TEACHER_FILE}, "
+            "beside the config or in the working directory)",
+            2,
+        ) from None
+    except SafetensorError as exc:
+        raise KindError(f"distill.teacher: {path} is not a safetensors file: {exc}", 2) from None
     model = build_model(config, None)
     try:
         load_model_tensors(model, tensors)
     except TensorFitError as exc:
         raise KindError(f"distill.teacher: {path} is not a model of this run's architecture: {exc}", 2) from None
-    return eval_mode(place(model, config)), hashlib.sha256(data).hexdigest()
+    return model.requires_grad_(False), hashlib.sha256(data).hexdigest()
 
 
 def teacher_of(parts: Parts, stage: DistillStage) -> tuple[nn.Module, str]:
-    """The stage's teacher and its identity on record ("" for the run's reference), loaded once a process."""
+    """The stage's teacher, placed and in eval mode, and its identity on record ("" for the run's
+    reference), loaded once a process."""
     if stage.distill.teacher == REFERENCE_TEACHER:
         assert parts.reference is not None  # the config rule: a refresh at or before the stage
         return parts.reference, ""
     path = teacher_file(stage, parts.datasets.home.base_dir)
     held = parts.kind_state.get("teacher")
     if held is None or held[0] != path:
-        held = (path, *load_teacher(parts.config, path))
+        model, sha256 = teacher_weights(parts.config, path)
+        held = (path, eval_mode(place(model, parts.config)), sha256)
         parts.kind_state["teacher"] = held
     return held[1], held[2]
+
+
+def teacher_rewards(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's (1, N) "rewards" row: each completion's mean teacher log-prob over its tokens."""
+    lengths = tensors["completion_lengths"].clamp(min=1).to(torch.float32)
+    return (tensors["reference_logprobs"].sum(dim=1) / lengths).unsqueeze(0)
+
+
+def _teacher_name(identity: str) -> str:
+    return f"the file of sha256 {identity[:12]}" if identity else "the run's KL reference"
 
 
 class DistillSpec(KindSpec):
     def check(self, stage: DistillStage, datasets: DatasetRegistry, base_dir: str | None) -> None:
         super().check(stage, datasets, base_dir)
         if stage.distill.teacher != REFERENCE_TEACHER:  # its file reads and fits, before anything is recorded
-            load_teacher(datasets.config, teacher_file(stage, base_dir))
+            teacher_weights(datasets.config, teacher_file(stage, base_dir))
 
     def check_held(self, parts: Parts, state: State) -> None:
         held, stage = state.rollouts, parts.config.stages[state.stage]
         if held is None or held.stage != state.stage:
             return
+        if not rollouts_due(state, parts.schedule, state.step):  # the batch the next steps read, checked now:
+            window_rows(parts, state)  # before a resume records anything
+        if held.settings not in ("", rollout_settings(parts.config, state.stage)):
+            return  # shaped otherwise now (a fork in place): sampled again at once, by the teacher named now
         _, teacher = teacher_of(parts, stage)
         if teacher != held.teacher:
+            named = teacher_file(stage, parts.datasets.home.base_dir) if teacher else REFERENCE_TEACHER
             raise KindError(
-                f"{parts.run_dir}: distill.teacher {stage.distill.teacher!r} is not the teacher that scored the "
-                f"batch of step {held.step} (sha256 {held.teacher[:12] or 'the reference'}, now "
-                f"{teacher[:12] or 'the reference'}): restore it, or fork from before the window",
+                f"{parts.run_dir}: distill.teacher {str(named)!r} is {_teacher_name(teacher)}, not "
+                f"{_teacher_name(held.teacher)}, which scored the batch of step {held.step}: restore that teacher, "
+                f"or go on in a fork from before the window, `rewind fork {parts.run_dir} --at-step {held.step} NEW_RUN`",
                 1,
             )
 
@@ -127,9 +161,8 @@ class DistillSpec(KindSpec):
         width = settings.max_new_tokens
         for name, model in (("old_logprobs", parts.model), ("reference_logprobs", teacher)):
             tensors[name] = off_rows(logprobs_of(model, rows.tokens, rows.mask, config, 1.0), rows.mask, width)
-        lengths = tensors["completion_lengths"].clamp(min=1).to(torch.float32)
-        tensors["rewards"] = (tensors["reference_logprobs"].sum(dim=1) / lengths).unsqueeze(0)
-        metadata = {"reward_functions": "teacher", "group_size": str(group), "policy_step": str(state.step)}
+        tensors["rewards"] = teacher_rewards(tensors)
+        metadata = {"reward_functions": TEACHER_ROW, "group_size": str(group), "policy_step": str(state.step)}
         path, sha256 = kept(parts, tensors, metadata, keep)
         return RolloutsRecorded(
             step=state.step, tokens=state.tokens, stage=stage_index, path=path, sha256=sha256,
@@ -138,33 +171,169 @@ class DistillSpec(KindSpec):
             teacher=identity,
         )  # fmt: skip
 
+    def resampled(self, parts: Parts, state: State, logged: RolloutsRecorded) -> RolloutsRecorded:
+        # Scored by another teacher, a batch differs from its record: say why rather than where.
+        _, teacher = teacher_of(parts, parts.config.stages[logged.stage])
+        if teacher != logged.teacher:
+            raise KindError(
+                f"distill.teacher is {_teacher_name(teacher)}, not {_teacher_name(logged.teacher)}, which scored "
+                f"the batch of step {logged.step}; replay scores it again with the teacher here, which cannot "
+                "reproduce the run: restore that teacher to replay it",
+                1,
+            )
+        return self.sample(parts, state, logged.stage, keep=False)
+
     def train(self, parts: Parts, state: State, plan: StepPlan, lr: float) -> tuple[StepResult, dict[str, int]]:
-        stage, record = parts.config.stages[plan.stage], state.rollouts
-        if record is None:  # the plan samples before any step of a window: unreachable in a run
-            raise RuntimeError(f"step {state.step} of a distill stage has no rollout batch on record")
-        held = parts.kind_state.get("rollouts")
-        if held is None or held[0] != record.sha256:
-            tensors, _ = read_rollouts(parts.run_dir, record.path, record.sha256)
-            held = (record.sha256, _rows(tensors, parts.config, parts.datasets.examples))
-            parts.kind_state["rollouts"] = held
-        teacher, _ = teacher_of(parts, stage)
-        result = distill_train_step(parts.model, parts.optimizer, teacher, held[1].tokens, held[1].mask, parts.config, lr)
+        rows, (teacher, _) = window_rows(parts, state), teacher_of(parts, parts.config.stages[plan.stage])
+        result = distill_train_step(parts.model, parts.optimizer, teacher, rows.tokens, rows.mask, parts.config, lr)
         return result, state.cursors  # the prompts moved the cursors when the batch was sampled
 
+    def batch_problem(
+        self, run_dir: str, record: RolloutsRecorded, config: Config, end_id: int | None, features: Features | None
+    ) -> str:
+        return batch_problem(run_dir, record, config, end_id, features)
 
-def _rows(tensors: dict[str, torch.Tensor], config: Config, examples):
-    """The batch's training rows (prompt + completion, the completion tokens masked in); RolloutError for
-    a batch no run of this config writes (a token outside the vocabulary, a row past the context)."""
-    vocab = config.architecture.vocab_size
-    if any(t.numel() and not 0 <= int(t.min()) <= int(t.max()) < vocab for t in (tensors["prompts"], tensors["completions"])):
-        raise RolloutError(f"a rollout batch holds a token outside the vocabulary [0, {vocab})")
-    try:
-        return training_rows(
-            tensors, end_id=examples.end_id, pad_id=examples.pad_id, block_size=config.architecture.block_size,
-            drop_truncated=False,
+
+def window_rows(parts: Parts, state: State) -> TrainingRows:
+    """The training rows of the batch the state's window updates on, read once per window and checked
+    first (`rollout_problems`): RolloutError, one line with the way forward."""
+    record, run_dir = state.rollouts, parts.run_dir
+    if record is None:  # the plan samples before any step of a window: unreachable in a run
+        raise RuntimeError(f"step {state.step} of a distill stage has no rollout batch on record")
+    held = parts.kind_state.get("rollouts")
+    if held is None or held[0] != record.sha256:
+        tensors, metadata = read_rollouts(run_dir, record.path, record.sha256)
+        config, examples = parts.config, parts.datasets.examples
+        if problems := rollout_problems(tensors, metadata, record, config, examples.end_id):
+            raise RolloutError(
+                f"{run_dir}: {record.path}: not a batch a run writes: {_first(problems)}; nothing trains on it: "
+                f"go on in a fork from before its window, `rewind fork {run_dir} --at-step {record.step} NEW_RUN`"
+            )
+        held = (record.sha256, _rows(tensors, config, examples))
+        parts.kind_state["rollouts"] = held
+    return held[1]
+
+
+def rollout_problems(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], record: RolloutsRecorded, config: Config, end_id: int | None
+) -> list[str]:
+    """Every rule of the module doc the batch (tensors and metadata as rewind.stores.rollouts read them, its
+    format checked) breaks, given its record and the config in force when it was recorded ([] if none).
+    `end_id`: the run's end token (None: the rules about it are not checked)."""
+    stages = config.stages
+    if not 0 <= record.stage < len(stages) or not isinstance(stages[record.stage], DistillStage):
+        return [f"its record names stage {record.stage}, not a distill stage of the run's config"]
+    settings, arch = stages[record.stage].distill, config.architecture
+    prompts, completions = tensors["prompts"], tensors["completions"]
+    num_prompts, group = prompts.shape[0], completions.shape[0] // prompts.shape[0]
+    problems = []
+    if (num_prompts, group) != (record.num_prompts, record.group_size):
+        problems.append(
+            f"it holds {num_prompts} prompts x {group} completions, but its record says {record.num_prompts} x "
+            f"{record.group_size}"
+        )
+    if (num_prompts, group) != (config.training.batch_size // settings.group_size, settings.group_size):
+        problems.append(
+            f"it holds {num_prompts} prompts x {group} completions, not the stage's "
+            f"{config.training.batch_size // settings.group_size} x {settings.group_size}"
+        )
+    if metadata["reward_functions"] != TEACHER_ROW:
+        problems.append(f"its reward functions {metadata['reward_functions']!r} are not a distill batch's {TEACHER_ROW!r}")
+    if metadata["policy_step"] != str(record.step):
+        problems.append(f"sampled by the weights of step {metadata['policy_step']}, not of its record's {record.step}")
+    if "reference_logprobs" not in tensors:
+        problems.append("no reference_logprobs: a distill batch holds the teacher's log-probs")
+    if completions.shape[1] != settings.max_new_tokens:
+        problems.append(f"completions are {completions.shape[1]} wide, not max_new_tokens = {settings.max_new_tokens}")
+    if (settings.teacher == REFERENCE_TEACHER) != (not record.teacher):
+        problems.append(
+            f"its record's teacher is {_teacher_name(record.teacher)}, but the stage's distill.teacher is "
+            f"{settings.teacher!r}"
+        )
+    if problems:
+        return problems  # the rules below read the batch as the stage shapes it
+    room, lengths = arch.block_size - settings.max_new_tokens, tensors["completion_lengths"]
+    longest = int(tensors["prompt_lengths"].max())
+    if longest > room or int(tensors["prompt_lengths"].min()) < 1:
+        problems.append(
+            f"a prompt holds {longest} tokens, more than block_size - max_new_tokens = {room}" if longest > room
+            else "a prompt holds no token"
         )  # fmt: skip
-    except ValueError as exc:
-        raise RolloutError(f"a rollout batch no run writes: {exc}") from None
+    for name, counts in (("prompts", "prompt_lengths"), ("completions", "completion_lengths")):
+        ids = tensors[name][torch.arange(tensors[name].shape[1]) < tensors[counts].unsqueeze(1)]
+        if ids.numel() and int(ids.max()) >= arch.vocab_size:
+            problems.append(f"{name} hold token id {int(ids.max())}, outside the vocabulary ({arch.vocab_size} ids)")
+    if end_id is not None:
+        problems += _finish_problems(tensors, settings.max_new_tokens, end_id)
+    past = torch.arange(settings.max_new_tokens).unsqueeze(0) >= lengths.unsqueeze(1)
+    for name in ("old_logprobs", "reference_logprobs"):
+        if bool((tensors[name][past] != 0).any()):
+            problems.append(f"its {name} hold a value past a completion's end (0 there)")
+    rewards, stored = teacher_rewards(tensors), tensors["rewards"]
+    same = rewards.shape == stored.shape and bool(
+        ((rewards.view(torch.int32) == stored.view(torch.int32)) | (rewards.isnan() & stored.isnan())).all()
+    )
+    if not same:
+        problems.append("its rewards are not each completion's mean teacher log-prob (reference_logprobs)")
+    elif not _same_float(float(rewards.mean()), record.mean_reward) or record.unscored:
+        problems.append(
+            f"its record's mean_reward {record.mean_reward!r} ({record.unscored} unscored) is not its rewards' "
+            f"{float(rewards.mean())!r} (none unscored)"
+        )
+    if bool((tensors["advantages"].view(torch.int32) != 0).any()):
+        problems.append("it holds advantages: a distill batch's are 0")
+    return problems
+
+
+def batch_problem(
+    run_dir: str, record: RolloutsRecorded, config: Config, end_id: int | None = None, features: Features | None = None
+) -> str:
+    """Why the rollout file a distill stage's `record` names is not a batch a run writes ("" if it is):
+    missing, damaged or not in the format (rewind.stores.rollouts), or a rule of `rollout_problems` broken;
+    what a resume checks (`window_rows`), for `rewind verify` and `rewind rollouts`. `end_id`: the run's end
+    token (None: `run_end_id`); `features`: the run's behaviours (no figure of a distill batch depends on
+    them: the signature of rewind.engine.posttrain.rolloutreader.batch_problem)."""
+    try:
+        tensors, metadata = read_rollouts(run_dir, record.path, record.sha256)
+    except RolloutError as exc:
+        return str(exc)
+    end = run_end_id(run_dir) if end_id is None else end_id
+    if problems := rollout_problems(tensors, metadata, record, config, end):
+        return f"{record.path}: not a batch a run writes: {_first(problems)}"
+    return ""
+
+
+def _finish_problems(tensors: dict[str, torch.Tensor], max_new_tokens: int, end_id: int) -> list[str]:
+    """A completion ends at its first end token (finished 1) or at max_new_tokens without one (finished 0).
+    (The rule of every sampled batch, grpo's too: rewind.engine.posttrain.rolloutreader holds it privately.)"""
+    completions, lengths, finished = tensors["completions"], tensors["completion_lengths"], tensors["finished"]
+    positions = torch.arange(completions.shape[1]).unsqueeze(0)
+    ends = (completions == end_id) & (positions < lengths.unsqueeze(1))
+    last = (positions == (lengths - 1).clamp(min=0).unsqueeze(1)) & (lengths > 0).unsqueeze(1)
+    checks = (
+        ((ends & ~last).any(dim=1), "goes on after its end token"),
+        ((finished == 1) & ~(ends & last).any(dim=1), "is marked finished but does not end with the end token"),
+        ((finished == 0) & (lengths != max_new_tokens), f"is cut before max_new_tokens = {max_new_tokens} without an end token"),
+        ((finished == 0) & ends.any(dim=1), "ends with the end token but is marked cut at max_new_tokens"),
+    )  # fmt: skip
+    return [f"completion {int(torch.nonzero(broken)[0])} {what}" for broken, what in checks if bool(broken.any())]
+
+
+def _first(problems: list[str]) -> str:
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
+def _same_float(a: float, b: float) -> bool:
+    return a == b or (a != a and b != b)  # NaN is the same NaN
+
+
+def _rows(tensors: dict[str, torch.Tensor], config: Config, examples) -> TrainingRows:
+    """The batch's training rows (prompt + completion, the completion tokens masked in; a batch
+    `rollout_problems` passed, or one just sampled)."""
+    return training_rows(
+        tensors, end_id=examples.end_id, pad_id=examples.pad_id, block_size=config.architecture.block_size,
+        drop_truncated=False,
+    )  # fmt: skip
 
 
 def distill_train_step(
