@@ -139,10 +139,12 @@ class DistillSpec(KindSpec):
         _, teacher = teacher_of(parts, stage)
         if teacher != held.teacher:
             named = teacher_file(stage, parts.datasets.home.base_dir) if teacher else REFERENCE_TEACHER
+            entry = parts.schedule.stage_entry_step(held.stage)  # before its first batch: no batch of the stage
             raise KindError(
                 f"{parts.run_dir}: distill.teacher {str(named)!r} is {_teacher_name(teacher)}, not "
                 f"{_teacher_name(held.teacher)}, which scored the batch of step {held.step}: restore that teacher, "
-                f"or go on in a fork from before the window, `rewind fork {parts.run_dir} --at-step {held.step} NEW_RUN`",
+                f"or go on under this one in a fork from the stage's start, `rewind fork {parts.run_dir} --at-step "
+                f"{entry} NEW_RUN`",
                 1,
             )
 

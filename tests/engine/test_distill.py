@@ -211,27 +211,44 @@ def test_a_resume_or_a_replay_under_a_changed_teacher_is_one_line_and_records_no
     home = tmp_path / "home"
     shutil.copytree(configs, home)
     run = tmp_path / "run"
-    code, _, err = train(home / "teacher.toml", run, "--max-steps", 5)
+    code, _, err = train(home / "teacher.toml", run, "--max-steps", 7)  # inside the stage's second window
     assert code == 0, err
     teacher = home / "teacher" / "model.safetensors"
     kept = teacher.read_bytes()
-    teacher_weights(home / "teacher", seed=2)  # another teacher of the same architecture
+    digest = teacher_weights(home / "teacher", seed=2)  # another teacher of the same architecture
     before = log_bytes(run)
     code, _, err = train(home / "teacher.toml", run)
     line = one_line(err)
     assert code == 1 and "Traceback" not in err
-    assert str(teacher) in line and "distill.teacher" in line and "scored the batch of step 4" in line, line
+    assert f"distill.teacher '{teacher}' is the file of sha256 {digest[:12]}, not the file of sha256" in line, line
+    assert "which scored the batch of step 6" in line
+    assert f"a fork from the stage's start, `rewind fork {run} --at-step 4 NEW_RUN`" in line  # (its first batch's step)
     assert log_bytes(run) == before
-    monkeypatch.chdir(home)  # replay has no config beside which to look: the working directory
+    monkeypatch.chdir(home)  # replay and fork have no config beside which to look: the working directory
     code, _, err = run_cli("replay", run, "--from-checkpoint", 4)  # it samples the window's batch again
     line = err.replace("\r", "\n").splitlines()[-1]  # (replay's progress bar comes before)
-    assert code == 1 and "distill.teacher is the file of sha256" in line, err
+    assert code == 1 and f"distill.teacher is the file of sha256 {digest[:12]}, not the file of sha256" in line, err
     assert "which scored the batch of step 4; replay scores it again with the teacher here" in line
     assert log_bytes(run) == before
+    code, _, err = run_cli("fork", run, tmp_path / "fork", "--at-step", 4)  # the way on the line gives
+    assert code == 0, err
+    assert {r.teacher for r in raw_rollouts(tmp_path / "fork")} == {digest}
     teacher.write_bytes(kept)  # restored: it goes on as if it had never stopped
     code, _, err = train(home / "teacher.toml", run)
     assert code == 0, err
     assert records(run) == records(taught) and final_tensors(run) == final_tensors(taught)
+
+
+def test_a_run_exported_by_rewind_export_is_a_teacher(straight, tmp_path):
+    exported = tmp_path / "exported" / "model.safetensors"
+    code, _, err = run_cli("export", straight, "--to", exported)
+    assert code == 0, err
+    config = tmp_path / "run.toml"  # named by its absolute path: found wherever the config is
+    config.write_text(TEACHER.replace('teacher = "teacher"', f'teacher = "{exported.parent}"'))
+    code, _, err = train(config, tmp_path / "run", "--max-steps", 5)
+    assert code == 0, err
+    digest = hashlib.sha256(exported.read_bytes()).hexdigest()
+    assert [r.teacher for r in raw_rollouts(tmp_path / "run")] == [digest]
 
 
 @pytest.mark.parametrize("teacher", ["missing", "another architecture", "not safetensors"])
