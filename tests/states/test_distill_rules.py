@@ -15,7 +15,6 @@ from rewind.states.config_identity import config_hash
 from rewind.states.config_reading import loads_config
 from rewind.states.plan import rollout_settings
 from rewind.states.stagekinds import rules_of
-from rewind.states.stagekinds.rules import KlTerm
 from rewind.states.stages import DistillSettings, DistillStage
 
 # 2 pretraining steps, 2 sft steps on sort (entering it refreshes the reference: the teacher), then 6
@@ -81,7 +80,9 @@ def test_the_small_run_loads_as_a_distill_stage_with_its_settings():
     assert stage.distill == DistillSettings(teacher="reference", group_size=2, max_new_tokens=8, num_iterations=2)
     rules = rules_of(stage)
     assert rules.reads == "prompts" and not rules.mixes and rules.rollout_window(stage) == 2
-    assert rules.reference_tie(stage) == KlTerm("distill.teacher", 1.0, 0.0, is_loss=True)
+    tie = rules.reference_tie(stage)  # the loss is the tie: no KL penalty on top
+    assert (tie.setting, tie.value, tie.penalty) == ("distill.teacher", 1.0, 0.0)
+    assert tie.text() == "distill.teacher 1 (its loss; no KL penalty added)"
     assert rules.loss_label(stage) == "reverse KL to the teacher"
 
 
@@ -91,7 +92,8 @@ def test_a_teacher_from_a_file_is_not_tied_to_the_reference_and_needs_no_refresh
     )
     stage = loads_config(text).stages[2]
     assert stage.distill.teacher == "teachers/expert"
-    assert rules_of(stage).reference_tie(stage) == KlTerm("beta", 0.0, 0.0)
+    tie = rules_of(stage).reference_tie(stage)
+    assert (tie.setting, tie.value, tie.penalty, tie.text()) == ("beta", 0.0, 0.0, "beta 0")
 
 
 def test_the_reference_as_teacher_without_a_refresh_at_or_before_the_stage_is_a_problem():
