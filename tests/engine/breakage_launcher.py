@@ -72,7 +72,7 @@ def resume_from_start(marks: Marks) -> None:
     The folded state it resumes from is the start's, so the RunResumed it writes is a legal one and the
     run goes on to finish (a resume from the start retrains every step the same way): only where the
     resume restarted gives the bug away."""
-    from rewind.engine.run import session
+    from rewind.engine.run import entry
     from rewind.states.events import CheckpointCommitted
     from rewind.states.fold import fold
     from rewind.stores.folding import FoldedLog
@@ -84,7 +84,7 @@ def resume_from_start(marks: Marks) -> None:
         started = records[:1]
         return FoldedLog(fold(e for _, e in started), started[0][1].config, started, records[-1][0], -1)
 
-    session.fold_log = fold_from_start
+    entry.fold_log = fold_from_start  # the one reader of a resume's log (rewind.engine.run.entry.read_log)
 
 
 @breakage("effective-counts-superseded")

@@ -141,7 +141,7 @@ def test_a_checkpoint_committed_twice_is_named_by_verify_and_refused_by_a_resume
     before = tree_state(run)
     code, _, err = run_cli(*train_args(run))
     assert code == 1 and one_line(err) == (
-        f"rewind: event log record {at + 1} (CheckpointCommitted at step {records[at][1].step}): checkpoint {name} "
+        f"rewind: {run}: event log record {at + 1} (CheckpointCommitted at step {records[at][1].step}): checkpoint {name} "
         f"committed a second time (it is live since step {records[at][1].step}); a run commits a checkpoint once: "
         "the log was edited"
     )
