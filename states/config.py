@@ -118,7 +118,7 @@ class KlSection(Struct):
 
 class OptimizationSection(Struct):
     lr: float = 3e-4  # the peak learning rate
-    schedule: LrScheduleName = "wsd"  # the LR's curve over the run's steps (README, "The schedule")
+    schedule: LrScheduleName = "wsd"  # the LR's curve over the run's steps (docs/schedule.md)
     warmup_pct: float = 0.01  # the warmup's share of the steps (cosine_rewarm: of each stage's; not constant)
     constant_pct: float = 0.0  # wsds: the share held at decay_lr_mult x lr after the decay
     decay_pct: float = 0.1  # wsd, wsds: the linear decay's share of the steps

@@ -117,6 +117,10 @@ class Stage(Struct, tag_field="strategy"):
     # The name of its settings table, "" for none (the kind's own field of that name holds it).
     settings_table: ClassVar[str] = ""
 
+    def __post_init__(self) -> None:
+        if type(self) is Stage:  # its tag would be no strategy at all
+            raise TypeError("a stage is one of its kinds (PretrainStage, SftStage, ...), not a bare Stage")
+
     @property
     def strategy(self) -> str:
         """How it trains: pretrain, sft, dpo, grpo or distill (its record's tag, for people and tables)."""
@@ -135,28 +139,28 @@ class PretrainStage(Stage, tag="pretrain"):
 class SftStage(Stage, tag="sft"):
     """`strategy = "sft"`: prompt/response examples, the loss on the response."""
 
-    sft: SftSettings = SftSettings()
+    sft: SftSettings = SftSettings()  # strategy "sft": its settings ([stages.sft]; not set: the defaults)
     settings_table: ClassVar[str] = "sft"
 
 
 class DpoStage(Stage, tag="dpo"):
     """`strategy = "dpo"`: prompt/chosen/rejected examples against the KL reference."""
 
-    dpo: DpoSettings = DpoSettings()
+    dpo: DpoSettings = DpoSettings()  # strategy "dpo": its settings ([stages.dpo]; not set: the defaults)
     settings_table: ClassVar[str] = "dpo"
 
 
 class GrpoStage(Stage, tag="grpo"):
     """`strategy = "grpo"`: rollouts sampled by the policy, scored by reward functions, kept on record."""
 
-    grpo: GrpoSettings = GrpoSettings()
+    grpo: GrpoSettings = GrpoSettings()  # strategy "grpo": its settings ([stages.grpo]; not set: the defaults)
     settings_table: ClassVar[str] = "grpo"
 
 
 class DistillStage(Stage, tag="distill"):
     """`strategy = "distill"`: rollouts sampled by the student, each token scored by a teacher."""
 
-    distill: DistillSettings = DistillSettings()
+    distill: DistillSettings = DistillSettings()  # strategy "distill": its settings ([stages.distill]; not set: the defaults)
     settings_table: ClassVar[str] = "distill"
 
 

@@ -24,7 +24,15 @@ from dataclasses import dataclass
 import msgspec
 
 from rewind.states import config as config_module
+from rewind.states import stages as stages_module
 from rewind.states.config import Config
+from rewind.states.stages import STAGE_KINDS, Stage
+
+# What a stage's `strategy` says (the record's kind, not a field of it).
+STRATEGY_MEANING = (
+    "how it trains: pretrain, sft, dpo, grpo or distill (docs/posttraining.md); the kind of its record, which "
+    "holds that strategy's settings table alone"
+)
 
 COMMAND = ".venv/bin/python -m rewind.tools.config_reference > docs/config.md"
 
@@ -40,7 +48,7 @@ takes its default. `rewind schedule CONFIG` checks one without torch and prints 
 each named by its path (`stages[1].tokens`), the path `--set PATH=VALUE` takes. An inline table
 (`sft = {{ packing = true }}`) must fit on one line (TOML's rule); a longer one is a table of its own,
 `[stages.grpo]` after its `[[stages]]` record. Configs written with the older flat per-stage lists
-(`training.tokens`, `training.datasets`, `optimization.kl.betas`, ...) are still read: see the README.
+(`training.tokens`, `training.datasets`, `optimization.kl.betas`, ...) are still read: see docs/configuring.md.
 """
 
 
@@ -53,9 +61,11 @@ class Section:
 
 
 def field_meanings(source: str | None = None) -> dict[tuple[str, str], str]:
-    """(class name, field name) -> the field's comment in `source` (states/config.py's by default): the
-    comment-only lines just above it, then the comment on its own line(s), joined into one paragraph."""
-    source = inspect.getsource(config_module) if source is None else source
+    """(class name, field name) -> the field's comment in `source` (states/config.py's and
+    states/stages.py's by default): the comment-only lines just above it, then the comment on its own
+    line(s), joined into one paragraph."""
+    if source is None:
+        return field_meanings(inspect.getsource(config_module)) | field_meanings(inspect.getsource(stages_module))
     comments: dict[int, tuple[str, bool]] = {}  # line -> (text, whether code precedes it on the line)
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
@@ -67,6 +77,8 @@ def field_meanings(source: str | None = None) -> dict[tuple[str, str], str]:
             continue
         for statement in node.body:
             if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
+                continue
+            if "ClassVar" in ast.unparse(statement.annotation):  # a constant of the class, not a field
                 continue
             above: list[str] = []
             line = statement.lineno - 1
@@ -86,6 +98,8 @@ def _struct_in(annotation: typing.Any) -> tuple[type | None, str]:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1 and all(isinstance(a, type) and issubclass(a, Stage) for a in inner):
+            return Stage, ""  # a stage of any kind: its common record, each kind's table beside it
         return _struct_in(inner[0]) if len(inner) == 1 else (None, "")
     if origin is list and args:
         found, _ = _struct_in(args[0])
@@ -112,6 +126,16 @@ def sections(meanings: dict[tuple[str, str], str] | None = None) -> list[Section
             at = {"": at, "list": f"{at}[i]", "dict": f"{at}.NAME"}[how]
             found.append(Section(header, at, inner, meanings.get((struct.__name__, field.name), "")))
             walk(inner, dotted + (".NAME" if how == "dict" else ""), at)
+            if inner is Stage:  # each kind's settings table, a field of that kind's record alone
+                for kind in STAGE_KINDS.values():
+                    if kind.settings_table:
+                        walk_one(kind, kind.settings_table, dotted, at)
+
+    def walk_one(struct: type, name: str, header_path: str, path: str) -> None:
+        field = next(f for f in msgspec.structs.fields(struct) if f.name == name)
+        inner, _ = _struct_in(field.type)
+        found.append(Section(f"[{header_path}.{name}]", f"{path}.{name}", inner, meanings.get((struct.__name__, name), "")))
+        walk(inner, f"{header_path}.{name}", f"{path}.{name}")
 
     walk(Config, "", "")
     return found
@@ -194,6 +218,9 @@ def render() -> str:
             text = " ".join((section.struct.__doc__ or "").split()) or section.meaning
             out += ["", text]
         out += ["", "| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+        if section.struct is Stage:  # its kind: the record's tag, not one of its fields
+            kinds = " or ".join(f"`{json.dumps(tag)}`" for tag in STAGE_KINDS)
+            out.append(f"| `strategy` | {kinds} | `\"pretrain\"` | {_cell(STRATEGY_MEANING)} |")
         for field in msgspec.structs.fields(section.struct):
             inner, _ = _struct_in(field.type)
             kind = type_text(field.type) + (f" `{headers[inner]}`" if inner is not None else "")

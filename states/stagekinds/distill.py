@@ -47,7 +47,7 @@ class DistillRules(StageRules):
 
     def reference_tie(self, stage: DistillStage) -> KlTerm:
         if stage.distill.teacher == REFERENCE_TEACHER:
-            return KlTerm("distill.teacher", 1.0, 0.0, is_loss=True)
+            return KlTerm("distill.teacher", 1.0, 0.0)
         return KlTerm("beta", 0.0, 0.0)
 
     def loss_label(self, stage: DistillStage) -> str:

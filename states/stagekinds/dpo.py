@@ -42,7 +42,7 @@ class DpoRules(StageRules):
         return problems
 
     def reference_tie(self, stage: DpoStage) -> KlTerm:
-        return KlTerm("dpo.beta", stage.dpo.beta, 0.0, is_loss=True)
+        return KlTerm("dpo.beta", stage.dpo.beta, 0.0)
 
     def loss_label(self, stage: DpoStage) -> str:
         return "DPO"

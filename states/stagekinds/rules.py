@@ -29,17 +29,25 @@ MIN_TEMPERATURE = 0.01
 
 class KlTerm(NamedTuple):
     """A stage's tie to the reference: the setting that weighs it (as the config spells it), its value,
-    and the weight of the KL penalty it adds to the loss (0 for none: a stage whose loss is the tie)."""
+    and the weight of the KL penalty it adds to the loss (0 for none: a stage whose loss is the tie, or
+    a weight of 0)."""
 
     setting: str  # "beta", "grpo.kl_beta", "dpo.beta" or "distill.teacher"
     value: float
     penalty: float
-    is_loss: bool = False  # the stage's loss itself compares the policy with the reference (dpo, distill)
+
+    def is_loss(self) -> bool:
+        """Whether the stage's loss itself compares the policy with the reference (dpo, distill)."""
+        return self.setting in LOSS_TIES
 
     def text(self) -> str:
         """'beta 0.2', 'grpo.kl_beta 0.02', 'dpo.beta 0.1 (its loss; no KL penalty added)'."""
         said = f"{self.setting} {self.value:g}"
-        return f"{said} (its loss; no KL penalty added)" if self.is_loss else said
+        return f"{said} (its loss; no KL penalty added)" if self.is_loss() else said
+
+
+# The settings by which a stage's loss itself is its tie to the reference.
+LOSS_TIES = ("dpo.beta", "distill.teacher")
 
 
 class StageRules:

@@ -42,6 +42,20 @@ def reachable() -> dict[str, type]:
                 tp, how = typing.get_args(tp)[1], "[{}.NAME]"
             rest = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_args(tp) else [tp]
             tp = rest[0] if len(rest) == 1 else tp
+            if len(rest) > 1 and all(isinstance(a, type) and issubclass(a, msgspec.Struct) for a in rest):
+                # a record of several kinds (a stage): their common fields under its header, each kind's
+                # own tables beside it
+                common = set.intersection(*({f.name for f in msgspec.structs.fields(a)} for a in rest))
+                base = next(b for b in rest[0].__mro__ if {f.name for f in msgspec.structs.fields(b)} == common)
+                dotted = f"{prefix}{field.name}"
+                found[how.format(dotted)] = base
+                walk(base, f"{dotted}.")
+                for kind in rest:
+                    for own in msgspec.structs.fields(kind):
+                        if own.name not in common and isinstance(own.type, type) and issubclass(own.type, msgspec.Struct):
+                            found[f"[{dotted}.{own.name}]"] = own.type
+                            walk(own.type, f"{dotted}.{own.name}.")
+                continue
             if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
                 dotted = f"{prefix}{field.name}"
                 found[how.format(dotted)] = tp
@@ -73,6 +87,7 @@ def test_every_field_of_every_section_is_listed_in_its_section():
     listed = documented(REFERENCE.read_text())
     expected = {header: [f.name for f in msgspec.structs.fields(s)] for header, s in reachable().items()}
     assert set(listed) == set(expected), "a section is missing, or one is listed that a config cannot hold"
+    expected["[[stages]]"] = ["strategy", *expected["[[stages]]"]]  # its kind, the record's tag
     for header, names in expected.items():
         assert listed[header] == names, f"{header}: fields listed {listed[header]}, the struct has {names}"
     assert {"[stages.grpo]", "[[stages.grpo.rewards]]", "[data.NAME]", "[training.fade]"} <= set(listed)

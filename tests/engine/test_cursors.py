@@ -13,14 +13,15 @@ from hypothesis import strategies as st
 from rewind.engine.data import cursors
 from rewind.engine.data.cursors import assemble_batch, draw, sample_indices, split_rows
 from rewind.engine.data.registry import DatasetRegistry
-from rewind.states.config import ArchitectureSection, Config, Sampling, Stage
+from rewind.states.config import ArchitectureSection, Config, Sampling
+from rewind.states.stages import PretrainStage
 
 seeds = st.integers(0, 2**63 - 1)
 
 
 def make_config(mixtures: list[list[tuple[str, float]]], block_size: int = 32) -> Config:
     datasets = [[Sampling(name=n, rate=r) for n, r in mixture] for mixture in mixtures]
-    stages = [Stage(tokens=1000, datasets=mixture) for mixture in datasets]
+    stages = [PretrainStage(tokens=1000, datasets=mixture) for mixture in datasets]
     return Config(architecture=ArchitectureSection(block_size=block_size), stages=stages)
 
 

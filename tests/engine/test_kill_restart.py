@@ -3,7 +3,7 @@ one is reaped (it is still a zombie): the restart is never refused, and the run 
 (weights and optimizer moments) of a run that never stopped. (Before the kernel lock, `kill(pid, 0)` on
 the zombie said "alive".)
 
-Six rounds (REWIND_KILL_ROUNDS, README: 50 for a soak); each next start meets the zombie the last one
+Six rounds (REWIND_KILL_ROUNDS, docs/developing.md: 50 for a soak); each next start meets the zombie the last one
 left. The first kill comes 0.1-0.5 s after its start, during start-up (torch's import alone takes
 longer): before the process's first record, which is checked. The second comes a random moment (up to
 0.3 s) after its process commits a step, mid-run (mid-step, mid-commit, mid-checkpoint): the log is

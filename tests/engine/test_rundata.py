@@ -40,11 +40,11 @@ from rewind.states.config import (
     Config,
     DataSource,
     Sampling,
-    Stage,
     TokenizerSection,
     TrainingSection,
 )
 from rewind.states.events import RUN_FEATURES
+from rewind.states.stages import PretrainStage
 from rewind.states.state import State
 from rewind.stores.datafiles import (
     FINGERPRINT_BLOCK,
@@ -92,7 +92,7 @@ def write_tokens(path: Path, num_tokens: int, seed: int = 0) -> str:
 def make_config(data: dict[str, DataSource], vocab_size: int = 512, **tokenizer) -> Config:
     return Config(
         architecture=ArchitectureSection(block_size=BLOCK, vocab_size=vocab_size),
-        stages=[Stage(tokens=1024, datasets=[Sampling(name=next(iter(data)))])],
+        stages=[PretrainStage(tokens=1024, datasets=[Sampling(name=next(iter(data)))])],
         data=data,
         tokenizer=TokenizerSection(**tokenizer),
     )
@@ -263,7 +263,7 @@ def token_run(tmp_path):
     }
     config = msgspec.structs.replace(
         make_config(data, vocab_size=256),
-        stages=[Stage(tokens=1024, datasets=[Sampling(name="main", rate=0.5), Sampling(name="docs", rate=0.5)])],
+        stages=[PretrainStage(tokens=1024, datasets=[Sampling(name="main", rate=0.5), Sampling(name="docs", rate=0.5)])],
         training=TrainingSection(evaluations=["spare"]),  # read by evaluations only: on record all the same
     )
     state, _ = started(config, tmp_path / "run")

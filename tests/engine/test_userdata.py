@@ -36,7 +36,8 @@ from rewind.engine.data.tasks import task_sample
 from rewind.engine.data.tokenizer import ByteTokenizer, Tokenizer, train_bpe
 from rewind.engine.data.tokens import RowSplit
 from rewind.engine.data.userdata import DataHome, dataset_identity, open_user_dataset
-from rewind.states.config import ArchitectureSection, Config, DataSource, Sampling, Stage
+from rewind.states.config import ArchitectureSection, Config, DataSource, Sampling
+from rewind.states.stages import PretrainStage
 from rewind.stores.datamanifest import manifest_hash, read_manifest
 from rewind.tools.configfile import load_config
 
@@ -484,7 +485,7 @@ def expected_answer(prompt: str) -> str:
 def test_task_rows_through_a_tokenizer_score_exactly_the_encoded_answers(task_bpe, name):
     config = Config(
         architecture=ArchitectureSection(block_size=40, vocab_size=400),
-        stages=[Stage(tokens=4096, datasets=[Sampling(name=name)])],
+        stages=[PretrainStage(tokens=4096, datasets=[Sampling(name=name)])],
     )
     dataset = DatasetRegistry(config, DataHome(tokenizer=task_bpe))[name]
     assert isinstance(dataset, BuiltinDataset) and dataset.has_answers

@@ -1,6 +1,6 @@
 """The schedule oracle: the spec's invariants, re-derived independently of `rewind.states.schedule`.
 
-`check_schedule(config)` recomputes what the spec (README, "The schedule") defines -- boundaries, ramps,
+`check_schedule(config)` recomputes what the spec (docs/schedule.md) defines -- boundaries, ramps,
 fade weights, rows, LR, KL weight, the control events and when they fall -- from the config alone,
 sharing no code with `Schedule`, and compares it with what `Schedule.step_plan` and `plan` produce. A
 violation means the schedule code disagrees with the spec. This is a test helper: the property tests

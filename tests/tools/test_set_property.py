@@ -42,6 +42,12 @@ def field_paths(info: Any = None, path: str = "") -> list[str]:
         return [path, *field_paths(info.item_type, f"{path}[0]")]
     if isinstance(info, mi.DictType):
         return [path, *field_paths(info.value_type, f"{path}.mine")]
+    if isinstance(info, mi.UnionType) and all(isinstance(t, mi.StructType) and t.tag_field for t in info.types):
+        # a stage: its strategy, and every kind's fields (each kind's own table named on a stage of it)
+        paths = [path, f"{path}.{info.types[0].tag_field}"]
+        for kind in info.types:
+            paths += [p for p in field_paths(kind, path)[1:] if p not in paths]
+        return paths
     return [path]
 
 

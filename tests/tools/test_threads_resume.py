@@ -48,7 +48,7 @@ def opening_counts(run) -> list[tuple[str, int]]:
 
 def test_the_thread_count_changes_the_bits_of_a_layernorm_gradient_and_of_a_long_sum():
     """Why a resume keeps the run's count unless told otherwise (measured with torch 2.13 on the CPU; if
-    this stops failing to differ, README's "What is reproducible where" needs another look)."""
+    this stops failing to differ, docs/resuming.md's "What is reproducible where" needs another look)."""
     generator = torch.Generator().manual_seed(0)
     x, dy = torch.randn(256, 32, generator=generator), torch.randn(256, 32, generator=generator)
     values = torch.randn(300_007, generator=generator)

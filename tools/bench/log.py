@@ -24,9 +24,10 @@ from typing import Any
 
 import msgspec
 
-from rewind.states.config import Config, Sampling, Stage
+from rewind.states.config import Config, Sampling
 from rewind.states.config_identity import config_hash
 from rewind.states.events import AnyEvent, RunStarted, StageEntered, StepCommitted
+from rewind.states.stages import PretrainStage
 from rewind.stores import fsio
 from rewind.stores.codec import HEADER_SIZE, TRAILER, encode_frame
 from rewind.stores.eventlog import EventLog, read_events
@@ -38,7 +39,7 @@ def bench_events(num_steps: int) -> list:
     """A foldable log: RunStarted, StageEntered, then `num_steps` realistic StepCommitted events."""
     base = Config()
     tokens_per_step = base.tokens_per_step
-    stage = Stage(
+    stage = PretrainStage(
         tokens=max(num_steps, 1) * tokens_per_step,
         datasets=[Sampling(name="grammar", rate=0.5), Sampling(name="sort", rate=0.5)],
     )
