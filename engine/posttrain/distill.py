@@ -21,9 +21,10 @@ token (rewind.engine.posttrain.distill_losses), token mean over the step's micro
 The teacher is the run's KL reference (`distill.teacher = "reference"`: the weights a stage at or before
 this one refreshed it to, named on record by ReferenceRefreshed), or a directory holding a
 `model.safetensors` of the run's architecture as a run starts (`rewind export` writes one), resolved
-beside the config first. Its sha256 goes on each RolloutsRecorded (`teacher`); a resume or fork inside
-a window under a teacher whose file changed is refused, and one whose tensors do not fit is refused
-before anything is recorded.
+beside the config first, then in the working directory. Its sha256 goes on each RolloutsRecorded
+(`teacher`); once the stage holds a batch, a resume, fork or replay under a teacher whose file changed is
+refused in one line (a config that names another teacher samples the window's batch again instead), and
+a teacher that is missing or does not fit is refused before anything is recorded.
 """
 
 from __future__ import annotations
