@@ -9,8 +9,8 @@ a line (rewind.engine.run.entry.enter).
 The rules, stated once: whether a run may go on under a config is rewind.states.check_continuation's;
 an entry appends RunStarted (a start, a fork), or RunResumed (+ ConfigChanged when the config differs),
 each built in one place (rewind.states.opening) and checked by the fold before anything is written; a
-run computes where its record says; a start, a resume, a fork, a replay and a read each choose their
-restore point through `choose_point`.
+run computes where its record says; a resume goes on from the fold's own restore anchor, and a fork, a
+replay and a read choose their restore point among the log's through `choose_point`.
 """
 
 from __future__ import annotations

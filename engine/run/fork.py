@@ -8,7 +8,9 @@ parent can go on (or be deleted) without breaking it. Its log begins
     ConfigChanged(config=child's)                                            (only if the config differs)
 
 which is the same shape an in-place `rewind train --fork` leaves, so resuming, replaying and diffing a
-child need nothing special. Nothing is written to the parent.
+child need nothing special. Nothing is written to the parent. Where the child starts, under which config,
+and its first records are decided and built as every entry's are (rewind.engine.run.entry.enter); here
+the child's directory is written.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ the files' values (a hash can only say "not the same bits"), or, once retention 
 the hashes, a checkpoint whose bits differ then being reported as not compared. The reference itself
 is the model of the checkpoint it names. Control events are applied as logged (a reference refresh
 takes the replayed weights, a config change rebuilds the schedule and optimizer), so a window may cross
-resumes and in-place forks. Nothing is written to the run.
+resumes and in-place forks. Nothing is written to the run. Its start point, the config in force there,
+where it computes and its last step are decided as every entry's are (rewind.states.entry.decide), and the
+live objects built by rewind.engine.run.entry.enter, which reads the log once.
 
 Within a tolerance, a checkpoint matches when each of its tensors does, as a whole: ||live - logged|| <=
 rtol * ||logged|| + ATOL * sqrt(numel) (2-norms over the tensor's finite elements; NaN and inf must sit at
