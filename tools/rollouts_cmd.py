@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     recorded_at = [event.step for _, event in records if is_rollouts(event)]
     if not recorded_at:
         raise CommandError(
-            f"{args.run_dir}: no rollout batch on record (the run has trained no grpo step)", 1
+            f"{args.run_dir}: no rollout batch on record (the run has trained no grpo or distill step)", 1
         )
     index = last_rollouts(records, args.step)
     if index is None:
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     stages = config.stages
     datasets = [s.name for s in stages[event.stage].datasets] if 0 <= event.stage < len(stages) else []
     decode = _decoder(run_tokenizer(args.run_dir, state.tokenizer), config.architecture.vocab_size)
-    from rewind.engine.posttrain.rolloutreader import batch_problem  # (torch: only once the record is found)
+    from rewind.engine.step.kinds import batch_problem  # (torch: only once the record is found)
 
     if problem := batch_problem(args.run_dir, event, config, None, state.behaviours):  # what no run writes is not shown
         raise CommandError(f"{args.run_dir}: {problem}", 1)

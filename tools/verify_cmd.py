@@ -223,10 +223,12 @@ def _trunk_problems(run_dir: str, trunks: dict, checked: dict[str, str]) -> list
 
 
 def _rollout_problems(run_dir: str, rollouts: dict[str, tuple]) -> list[str]:
-    """Every rollout file the log names (a grpo stage's batches, kept for the record and read by the steps
-    of their window): present, its bytes hashing to its name, a batch in rewind's format that follows the
-    rules a run's batches follow (rewind.engine.posttrain.rolloutreader.rollout_problems: the check a resume makes)."""
-    from rewind.engine.posttrain.rolloutreader import batch_problem, run_behaviours, run_end_id
+    """Every rollout file the log names (a grpo or distill stage's batches, kept for the record and read by
+    the steps of their window): present, its bytes hashing to its name, a batch in rewind's format that
+    follows the rules its stage's kind's batches follow (rewind.engine.step.kinds.batch_problem: the check a
+    resume makes)."""
+    from rewind.engine.posttrain.rolloutreader import run_behaviours, run_end_id
+    from rewind.engine.step.kinds import batch_problem
 
     end_id, features = run_end_id(run_dir), run_behaviours(run_dir)
     found = []

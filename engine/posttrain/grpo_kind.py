@@ -11,6 +11,7 @@ import msgspec
 from rewind.engine.posttrain.grpo_rollouts import sample_rollouts
 from rewind.engine.posttrain.grpo_step import grpo_train_step, window_rows
 from rewind.engine.posttrain.rewards import RewardError, changed_reward_code, reward_code_changes, try_rewards
+from rewind.engine.posttrain.rolloutreader import batch_problem
 from rewind.engine.step.kinds import KindError, KindSpec
 from rewind.states.plan import rollouts_due
 
@@ -18,7 +19,9 @@ if TYPE_CHECKING:
     from rewind.engine.data.registry import DatasetRegistry
     from rewind.engine.step.live import Parts
     from rewind.engine.step.step import StepResult
+    from rewind.states.config import Config
     from rewind.states.events import RolloutsRecorded
+    from rewind.states.features import Features
     from rewind.states.schedule import StepPlan
     from rewind.states.stages import GrpoStage
     from rewind.states.state import State
@@ -67,6 +70,11 @@ class GrpoSpec(KindSpec):
             # The same code (checked above), as the record wrote it (one made before imports were covered)
             resampled = msgspec.structs.replace(resampled, reward_code=logged.reward_code)
         return resampled
+
+    def batch_problem(
+        self, run_dir: str, record: RolloutsRecorded, config: Config, end_id: int | None, features: Features | None
+    ) -> str:
+        return batch_problem(run_dir, record, config, end_id, features)
 
 
 SPEC = GrpoSpec()

@@ -11,6 +11,7 @@ of a kind (what it must hold, when a rollout batch is due) are `rewind.states.st
     spec_of(stage).train(parts, state, plan, lr)           one step: (StepResult, cursors after it)
     spec_of(stage).sample(parts, state, index, keep=...)   a rollout batch (rollout kinds)
     spec_of(stage).resampled(parts, state, logged)         replay: the batch sampled again, to compare
+    spec_of(stage).batch_problem(run_dir, record, ...)     a rollout file a record names: a batch the kind writes?
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from rewind.engine.step.step import StepResult
     from rewind.states.config import Config
     from rewind.states.events import RolloutsRecorded
+    from rewind.states.features import Features
     from rewind.states.schedule import StepPlan
     from rewind.states.state import State
 
@@ -75,9 +77,27 @@ class KindSpec:
         """The logged batch sampled again from the same weights and keys (`rewind replay` compares them)."""
         return self.sample(parts, state, logged.stage, keep=False)
 
+    def batch_problem(
+        self, run_dir: str, record: RolloutsRecorded, config: Config, end_id: int | None, features: Features | None
+    ) -> str:
+        """Why the rollout file `record` names is not a batch a stage of this kind writes ("" if it is): the
+        check a resume makes of the batch it holds, which `rewind verify` and `rewind rollouts` make too."""
+        return f"{record.path}: not a batch a run writes: its record names stage {record.stage}, which samples none"
+
 
 def spec_of(stage: Stage) -> KindSpec:
     return import_module(_SPECS[stage.strategy]).SPEC
+
+
+def batch_problem(
+    run_dir: str, record: RolloutsRecorded, config: Config, end_id: int | None = None, features: Features | None = None
+) -> str:
+    """Why the rollout file a RolloutsRecorded names is not a batch a run writes ("" if it is), asked of its
+    stage's kind (`KindSpec.batch_problem`) under `config`, the config in force at the record. `end_id`:
+    the run's end token (None: read from the run); `features`: the run's behaviours (None: read too)."""
+    if not 0 <= record.stage < len(config.stages):
+        return f"{record.path}: not a batch a run writes: its record names stage {record.stage}, not a stage of the run's config"
+    return spec_of(config.stages[record.stage]).batch_problem(run_dir, record, config, end_id, features)
 
 
 def posttraining_figures(parts: Parts, boundary: int) -> dict[str, Any]:

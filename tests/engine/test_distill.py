@@ -395,10 +395,6 @@ def test_a_resume_refuses_a_held_batch_forged_with_its_record(configs, stopped, 
 # --- the reading commands -------------------------------------------------------------------------------
 
 
-# `rewind verify` and `rewind rollouts` check a batch with grpo's rules (rolloutreader.batch_problem) until
-# they ask the record's stage's kind (rewind.engine.step.kinds.batch_problem): a request of the tools' and
-# kinds' owners. Strict: once they do, this passes and the mark must go.
-@pytest.mark.xfail(strict=True, reason="verify and rollouts check every batch with grpo's rules")
 def test_verify_and_rollouts_check_a_distill_batch_by_its_kinds_rules(straight, tmp_path):
     code, out, err = run_cli("verify", straight)
     assert code == 0 and "rollouts: 3 file(s), verified" in out and "verify: clean" in out, out + err

@@ -36,7 +36,7 @@ GRPO_SETTINGS = "grpo = { group_size = 4, max_new_tokens = 8, num_iterations = 2
 
 def config_text(strategy: str, settings: str = "", growth: str = "") -> str:
     """2 pretraining steps, then 4 steps of `strategy` (steps 2..5; grpo: windows at steps 2 and 4)."""
-    refresh = "refresh_reference = true\n" if strategy in ("dpo", "grpo") else ""
+    refresh = "refresh_reference = true\n" if strategy in ("dpo", "grpo", "distill") else ""
     stage = f'[[stages]]\nstrategy = "{strategy}"\ntokens = 2048\n{MIXTURE}\n{refresh}{settings}\n'
     return f"{HEAD}\n{PRETRAIN}\n{stage}\n{growth}"
 
@@ -364,6 +364,7 @@ def test_a_post_training_stage_at_a_growth_trains_the_same_bits_with_or_without_
         ("sft", "sft = { packing = true }"),
         ("dpo", "dpo = { sft_weight = 0.1 }"),
         ("grpo", GRPO_SETTINGS % "0.05"),
+        ("distill", 'distill = { group_size = 2, max_new_tokens = 6, num_iterations = 2 }'),
     ],
 )
 def test_every_reading_command_works_on_a_run_of_each_strategy(tmp_path, strategy, settings):
@@ -384,5 +385,5 @@ def test_every_reading_command_works_on_a_run_of_each_strategy(tmp_path, strateg
     assert all(metrics) if strategy != "sft" else not any(metrics)
     code, _, err = run_cli("rollouts", run, "--json")
     assert (
-        (code == 0) if strategy == "grpo" else (code == 1 and "no rollout batch on record" in one_line(err))
+        (code == 0) if strategy in ("grpo", "distill") else (code == 1 and "no rollout batch on record" in one_line(err))
     )
