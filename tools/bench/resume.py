@@ -34,7 +34,7 @@ from rewind.stores.synthetic import write_synthetic_run
 def _open_and_fold(run_dir: str) -> tuple[float, int]:
     started = time.perf_counter()
     with EventLog.open(run_dir, "w", check="tail") as log:  # as resume opens it
-        folded = fold_log(log, run_dir, vouched=True)  # and folds it (engine.session._plan_resume)
+        folded = fold_log(log, run_dir, vouched=True)  # and folds it (engine.run.entry.read_log)
         point_of(folded.state)
     return time.perf_counter() - started, len(folded.tail)
 
