@@ -178,6 +178,7 @@ _DAMAGE = {
     ("rewind.engine.data.tokens", "TokenFileError"),  # a token file cut short while it was read
     ("rewind.stores.rollouts", "RolloutError"),  # a grpo run's rollout file missing or damaged
     ("rewind.engine.posttrain.rewards", "RewardError"),  # a grpo stage's reward function cannot score
+    ("rewind.engine.step.kinds", "KindError"),  # a stage kind's input gone mid-run (a distill stage's teacher file)
 }
 
 

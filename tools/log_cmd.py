@@ -151,7 +151,7 @@ def _with_own_kl(data: dict, stage) -> dict:
             if value != 0:
                 shown[key] = value
             shown[term.setting] = term.value
-        elif not (key == "kl" and term.setting == "dpo.beta" and value == 0):
+        elif not (key == "kl" and term.is_loss() and value == 0):
             shown[key] = value
     return shown
 

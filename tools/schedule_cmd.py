@@ -11,6 +11,7 @@ from rewind.states.config import Stage
 from rewind.states.events import Event, event_to_dict
 from rewind.states.plan import plan
 from rewind.states.schedule import Ramp, Schedule
+from rewind.states.stagekinds.rules import LOSS_TIES
 from rewind.tools.configfile import add_set_option, load_config, read_config_text
 from rewind.tools.errors import UsageError
 from rewind.tools.jsonout import print_json
@@ -282,8 +283,11 @@ def stage_block(row: dict, curve: str) -> list[str]:
     kl = row["kl"]
     if kl["setting"] == "beta":
         tie = [f"  beta      {row['beta']:g}"]
-    elif kl["setting"] == "dpo.beta":
-        tie = [f"  KL        none added: the dpo loss compares the policy with the reference (dpo.beta {kl['value']:g})"]
+    elif kl["setting"] in LOSS_TIES:  # a dpo or distill stage's loss is its tie
+        tie = [
+            f"  KL        none added: the {row['strategy']} loss compares the policy with the reference "
+            f"({kl['setting']} {kl['value']:g})"
+        ]
     elif kl["penalty"] > 0:
         estimate = row["settings"]["kl_estimator"]
         tie = [f"  KL        {kl['setting']} {kl['value']:g} x the {estimate} estimate of the KL to the reference"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rewind.states.stagekinds.rules import LOSS_TIES
 from rewind.tools.errors import CommandError, UsageError
 from rewind.tools.jsonout import NON_FINITE_HELP, print_json
 
@@ -288,7 +289,7 @@ def _kl_line(upcoming: dict) -> str:
     kl = upcoming["kl"]
     if kl["setting"] == "beta":
         return _line("  beta", f"{upcoming['beta']:g}")
-    loss = " (its loss; no KL penalty added)" if kl["setting"] == "dpo.beta" else ""
+    loss = " (its loss; no KL penalty added)" if kl["setting"] in LOSS_TIES else ""
     return _line(f"  {kl['setting']}", f"{kl['value']:g}{loss}")
 
 

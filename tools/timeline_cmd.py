@@ -13,6 +13,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from rewind.states.stagekinds.rules import LOSS_TIES
 from rewind.tools.jsonout import NON_FINITE_HELP, print_json
 from rewind.tools.state_cmd import fold_events, status_text
 
@@ -289,8 +290,8 @@ def render(summary: dict, tables: Sequence[str] = ()) -> list[str]:
 
 def _kl_weight(term: dict) -> str:
     """The weight of a stage's KL penalty: '0.2' (beta), 'grpo.kl_beta 0.02', 'none (dpo)'."""
-    if term["setting"] == "dpo.beta":
-        return "none (dpo)"
+    if term["setting"] in LOSS_TIES:  # 'none (dpo)', 'none (distill)': the loss is the tie
+        return f"none ({term['setting'].split('.')[0]})"
     return f"{term['value']:g}" if term["setting"] == "beta" else f"{term['setting']} {term['value']:g}"
 
 

@@ -157,7 +157,7 @@ def assemble_batch(
     `split_rows`; rows are concatenated in (stage, dataset-in-mixture) order. A dataset mixed into
     several stages reads consecutive positions of its single cursor, in stage order. `cursors` is
     not modified; datasets missing from it start at position 0. `datasets` maps names to opened
-    datasets, typically a `rewind.engine.data.datasets.DatasetRegistry` kept for the whole run."""
+    datasets, typically a `rewind.engine.data.registry.DatasetRegistry` kept for the whole run."""
     mixtures = [stage.datasets for stage in config.stages]
     if len(rows_per_stage) != len(mixtures):
         raise ValueError(f"rows_per_stage has {len(rows_per_stage)} entries for {len(mixtures)} stages")

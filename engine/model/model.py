@@ -14,7 +14,7 @@ by the `dropout_seed` passed to `forward` plus the site's position, so a trainin
 activation checkpointing recomputes exactly the masks of the first pass. Attention-probability
 dropout is left out on purpose: scaled_dot_product_attention would draw it from the global RNG.
 
-Two optional inputs of `forward` change what attention sees (rewind.engine.kvcache): `documents`, for rows
+Two optional inputs of `forward` change what attention sees (rewind.engine.model.attention_inputs): `documents`, for rows
 packed with several documents (each attends within itself, positions restarting at 0), and `cache`, for
 incremental decoding (a prefill, then a token per row per call, each row at its own length). Without
 them a forward computes exactly what it always did.
@@ -349,7 +349,7 @@ class GPT(nn.Module):
 
         `documents` (B, T) ints, non-decreasing along a row: the document of each position of a packed row;
         attention stays within a document (causal or not, as the objective's) and RoPE positions restart
-        at 0 at each document's first position. `cache` (rewind.engine.kvcache.KVCache): idx (B, T) are
+        at 0 at each document's first position. `cache` (rewind.engine.model.attention_inputs.KVCache): idx (B, T) are
         appended to each row of the cache at its own length (a prefill, then a token per call), attend to
         what the cache holds, and the cache is advanced by `valid` (B,) tokens per row (default T; the rest
         right padding); only the whole model, and not in training with dropout."""

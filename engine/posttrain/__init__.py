@@ -1,3 +1,3 @@
-"""rewind.engine.posttrain: the post-training strategies' steps, losses and rollouts (dpo, grpo),
-sampling and generation, reward functions, and post-training figures. A pretraining run imports none
-of it."""
+"""rewind.engine.posttrain: the post-training kinds' engine halves (dpo, grpo, distill: their steps,
+losses and rollouts), the sampler and generation, reward functions, and post-training figures. Reached
+only through rewind.engine.step.kinds, by name: a pretraining run imports none of it."""

@@ -41,7 +41,16 @@ from rewind.engine.model.placement import is_sharded, place, placement_for
 from rewind.engine.model.ranks import sum_over_ranks
 from rewind.engine.model.tensors import TensorFitError, load_model_tensors
 from rewind.engine.posttrain.distill_losses import reverse_kl
-from rewind.engine.posttrain.rolloutreader import TrainingRows, off_rows, run_end_id, training_rows
+from rewind.engine.posttrain.rolloutreader import (
+    TrainingRows,
+    content_problems,
+    first_problem,
+    off_rows,
+    run_end_id,
+    same_float,
+    shape_problems,
+    training_rows,
+)
 from rewind.engine.posttrain.rollouts import kept, logprobs_of, rank_slices, sample_window
 from rewind.engine.step.kinds import KindError, KindSpec
 from rewind.engine.step.step import StepResult, apply_update, compute_precision
@@ -66,11 +75,14 @@ TEACHER_ROW = "teacher"  # the batch's one row of "rewards" (its metadata's rewa
 def teacher_file(stage: DistillStage, base_dir: str | None) -> Path:
     """The teacher's weights file: `distill.teacher`/model.safetensors, a relative path beside the config
     first, then in the working directory."""
-    given = Path(stage.distill.teacher).expanduser()
-    places = [Path(base_dir) / given] if base_dir and not given.is_absolute() else []
-    places.append(given)
-    directory = next((place for place in places if place.exists()), places[0])  # none: the first looked in
-    return directory / TEACHER_FILE if directory.is_dir() else directory
+    try:
+        given = Path(stage.distill.teacher).expanduser()
+        places = [Path(base_dir) / given] if base_dir and not given.is_absolute() else []
+        places.append(given)
+        directory = next((place for place in places if place.exists()), places[0])  # none: the first looked in
+        return directory / TEACHER_FILE if directory.is_dir() else directory
+    except (RuntimeError, ValueError, OSError) as exc:  # "~nosuchuser/...", a NUL, a name too long
+        raise KindError(f"distill.teacher: {stage.distill.teacher!r} names no file this machine has: {exc}", 2) from None
 
 
 def teacher_weights(config: Config, path: Path) -> tuple[nn.Module, str]:
@@ -82,9 +94,9 @@ def teacher_weights(config: Config, path: Path) -> tuple[nn.Module, str]:
     try:
         data = path.read_bytes()
         tensors = load(data)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # (ValueError: a name no file can have, a NUL in it)
         raise KindError(
-            f"distill.teacher: cannot read {path}: {exc.strerror or exc} (a directory holding {TEACHER_FILE}, "
+            f"distill.teacher: cannot read {path}: {getattr(exc, 'strerror', None) or exc} (a directory holding {TEACHER_FILE}, "
             "beside the config or in the working directory)",
             2,
         ) from None
@@ -203,17 +215,17 @@ def window_rows(parts: Parts, state: State) -> TrainingRows:
     record, run_dir = state.rollouts, parts.run_dir
     if record is None:  # the plan samples before any step of a window: unreachable in a run
         raise RuntimeError(f"step {state.step} of a distill stage has no rollout batch on record")
-    held = parts.kind_state.get("rollouts")
+    held = parts.kind_state.get("distill batch")
     if held is None or held[0] != record.sha256:
         tensors, metadata = read_rollouts(run_dir, record.path, record.sha256)
         config, examples = parts.config, parts.datasets.examples
         if problems := rollout_problems(tensors, metadata, record, config, examples.end_id):
             raise RolloutError(
-                f"{run_dir}: {record.path}: not a batch a run writes: {_first(problems)}; nothing trains on it: "
+                f"{run_dir}: {record.path}: not a batch a run writes: {first_problem(problems)}; nothing trains on it: "
                 f"go on in a fork from before its window, `rewind fork {run_dir} --at-step {record.step} NEW_RUN`"
             )
         held = (record.sha256, _rows(tensors, config, examples))
-        parts.kind_state["rollouts"] = held
+        parts.kind_state["distill batch"] = held
     return held[1]
 
 
@@ -226,28 +238,10 @@ def rollout_problems(
     stages = config.stages
     if not 0 <= record.stage < len(stages) or not isinstance(stages[record.stage], DistillStage):
         return [f"its record names stage {record.stage}, not a distill stage of the run's config"]
-    settings, arch = stages[record.stage].distill, config.architecture
-    prompts, completions = tensors["prompts"], tensors["completions"]
-    num_prompts, group = prompts.shape[0], completions.shape[0] // prompts.shape[0]
-    problems = []
-    if (num_prompts, group) != (record.num_prompts, record.group_size):
-        problems.append(
-            f"it holds {num_prompts} prompts x {group} completions, but its record says {record.num_prompts} x "
-            f"{record.group_size}"
-        )
-    if (num_prompts, group) != (config.training.batch_size // settings.group_size, settings.group_size):
-        problems.append(
-            f"it holds {num_prompts} prompts x {group} completions, not the stage's "
-            f"{config.training.batch_size // settings.group_size} x {settings.group_size}"
-        )
-    if metadata["reward_functions"] != TEACHER_ROW:
-        problems.append(f"its reward functions {metadata['reward_functions']!r} are not a distill batch's {TEACHER_ROW!r}")
-    if metadata["policy_step"] != str(record.step):
-        problems.append(f"sampled by the weights of step {metadata['policy_step']}, not of its record's {record.step}")
+    settings = stages[record.stage].distill
+    problems = shape_problems(tensors, metadata, record, config, settings.group_size, settings.max_new_tokens, TEACHER_ROW)
     if "reference_logprobs" not in tensors:
         problems.append("no reference_logprobs: a distill batch holds the teacher's log-probs")
-    if completions.shape[1] != settings.max_new_tokens:
-        problems.append(f"completions are {completions.shape[1]} wide, not max_new_tokens = {settings.max_new_tokens}")
     if (settings.teacher == REFERENCE_TEACHER) != (not record.teacher):
         problems.append(
             f"its record's teacher is {_teacher_name(record.teacher)}, but the stage's distill.teacher is "
@@ -255,19 +249,8 @@ def rollout_problems(
         )
     if problems:
         return problems  # the rules below read the batch as the stage shapes it
-    room, lengths = arch.block_size - settings.max_new_tokens, tensors["completion_lengths"]
-    longest = int(tensors["prompt_lengths"].max())
-    if longest > room or int(tensors["prompt_lengths"].min()) < 1:
-        problems.append(
-            f"a prompt holds {longest} tokens, more than block_size - max_new_tokens = {room}" if longest > room
-            else "a prompt holds no token"
-        )  # fmt: skip
-    for name, counts in (("prompts", "prompt_lengths"), ("completions", "completion_lengths")):
-        ids = tensors[name][torch.arange(tensors[name].shape[1]) < tensors[counts].unsqueeze(1)]
-        if ids.numel() and int(ids.max()) >= arch.vocab_size:
-            problems.append(f"{name} hold token id {int(ids.max())}, outside the vocabulary ({arch.vocab_size} ids)")
-    if end_id is not None:
-        problems += _finish_problems(tensors, settings.max_new_tokens, end_id)
+    problems += content_problems(tensors, config, settings.max_new_tokens, end_id)
+    lengths = tensors["completion_lengths"]
     past = torch.arange(settings.max_new_tokens).unsqueeze(0) >= lengths.unsqueeze(1)
     for name in ("old_logprobs", "reference_logprobs"):
         if bool((tensors[name][past] != 0).any()):
@@ -278,7 +261,7 @@ def rollout_problems(
     )
     if not same:
         problems.append("its rewards are not each completion's mean teacher log-prob (reference_logprobs)")
-    elif not _same_float(float(rewards.mean()), record.mean_reward) or record.unscored:
+    elif not same_float(float(rewards.mean()), record.mean_reward) or record.unscored:
         problems.append(
             f"its record's mean_reward {record.mean_reward!r} ({record.unscored} unscored) is not its rewards' "
             f"{float(rewards.mean())!r} (none unscored)"
@@ -302,32 +285,8 @@ def batch_problem(
         return str(exc)
     end = run_end_id(run_dir) if end_id is None else end_id
     if problems := rollout_problems(tensors, metadata, record, config, end):
-        return f"{record.path}: not a batch a run writes: {_first(problems)}"
+        return f"{record.path}: not a batch a run writes: {first_problem(problems)}"
     return ""
-
-
-def _finish_problems(tensors: dict[str, torch.Tensor], max_new_tokens: int, end_id: int) -> list[str]:
-    """A completion ends at its first end token (finished 1) or at max_new_tokens without one (finished 0).
-    (The rule of every sampled batch, grpo's too: rewind.engine.posttrain.rolloutreader holds it privately.)"""
-    completions, lengths, finished = tensors["completions"], tensors["completion_lengths"], tensors["finished"]
-    positions = torch.arange(completions.shape[1]).unsqueeze(0)
-    ends = (completions == end_id) & (positions < lengths.unsqueeze(1))
-    last = (positions == (lengths - 1).clamp(min=0).unsqueeze(1)) & (lengths > 0).unsqueeze(1)
-    checks = (
-        ((ends & ~last).any(dim=1), "goes on after its end token"),
-        ((finished == 1) & ~(ends & last).any(dim=1), "is marked finished but does not end with the end token"),
-        ((finished == 0) & (lengths != max_new_tokens), f"is cut before max_new_tokens = {max_new_tokens} without an end token"),
-        ((finished == 0) & ends.any(dim=1), "ends with the end token but is marked cut at max_new_tokens"),
-    )  # fmt: skip
-    return [f"completion {int(torch.nonzero(broken)[0])} {what}" for broken, what in checks if bool(broken.any())]
-
-
-def _first(problems: list[str]) -> str:
-    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-
-
-def _same_float(a: float, b: float) -> bool:
-    return a == b or (a != a and b != b)  # NaN is the same NaN
 
 
 def _rows(tensors: dict[str, torch.Tensor], config: Config, examples) -> TrainingRows:

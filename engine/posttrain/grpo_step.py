@@ -48,7 +48,7 @@ class WindowRows(TrainingRows):
 def window_rows(parts: Parts, state: State) -> WindowRows:
     """The training rows of the rollout batch the state's grpo window updates on (read once per window)."""
     config, examples = parts.config, parts.datasets.examples
-    reader = parts.kind_state.setdefault("rollouts", RolloutReader())
+    reader = parts.kind_state.setdefault("grpo batch", RolloutReader())
     rows = reader.rows(
         parts.run_dir, state, config, end_id=examples.end_id, pad_id=examples.pad_id,
         block_size=config.architecture.block_size,

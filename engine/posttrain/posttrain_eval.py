@@ -1,8 +1,8 @@
 """Post-training figures of a model on an embedded task's held-out prompts: greedy pass@1, pass@k, the
 mean exact-match reward of sampled completions, and the win rate of one model against another.
 
-The prompts are the task's validation split (rewind.engine.data.task_rows.task_prompt_row), never trained on;
-a completion is judged by rewind.engine.data.task_rows.exact_match_reward on its text without the end token
+The prompts are the task's validation split (rewind.engine.data.examples.task_prompt_row), never trained on;
+a completion is judged by rewind.engine.data.examples.exact_match_reward on its text without the end token
 (`decode`: the run's tokenizer's decode, or UTF-8 bytes when None), as a grpo stage scores its rollouts.
 Completions come from the rollout sampler (rewind.engine.posttrain.generation), each draw keyed by (seed, stage
 EVAL_STAGE, step 0, prompt id, sample index, position) and never by global RNG state, so every figure is
@@ -22,7 +22,7 @@ from rewind.engine.data.tasks import Encoder, num_task_samples
 from rewind.engine.posttrain.generation import Completion, sample_completions
 
 EVAL_STAGE = "eval"  # the stage part of the draws' keys: no training stage (an index) draws these
-NEWLINE = 10  # the end token of UTF-8 bytes (rewind.engine.data.rows.end_token)
+NEWLINE = 10  # the end token of UTF-8 bytes (rewind.engine.data.examples.end_token)
 Decoder = Callable[[Iterable[int]], str]
 
 

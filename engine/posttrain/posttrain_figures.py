@@ -13,7 +13,7 @@ G, T and the new-token limit are the run's first grpo stage's (GrpoSettings' def
 the same at every boundary, and every draw is keyed by (seed, "rollout", "eval", 0, row, sample,
 position) (docs/sampling.md), so each boundary answers the same questions with the same randomness and the rows compare. A run with
 only pretrain stages records none of this. The prompts are the first training.eval_samples validation
-rows, never trained on; the judge is rewind.engine.data.task_rows.exact_match_reward, as a grpo stage's.
+rows, never trained on; the judge is rewind.engine.data.examples.exact_match_reward, as a grpo stage's.
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from rewind.engine.posttrain.posttrain_eval import completion_rewards, greedy_co
 from rewind.engine.posttrain.response_logprobs import sequence_logprobs
 from rewind.engine.step.evaluation import evaluation_tasks, rows_per_forward
 from rewind.engine.step.step import compute_precision
-from rewind.states.config import Config, GrpoSettings, Stage
+from rewind.states.config import Config, DistillSettings, GrpoSettings, Stage
 from rewind.states.stagekinds import rules_of
-from rewind.states.stages import DpoStage, GrpoStage
 
 if TYPE_CHECKING:
     from rewind.engine.step.live import Parts
@@ -43,11 +42,12 @@ if TYPE_CHECKING:
 Figures = dict[str, dict[str, float]]  # dataset -> figure name -> value
 
 
-def sampling_settings(config: Config) -> GrpoSettings | None:
+def sampling_settings(config: Config) -> GrpoSettings | DistillSettings | None:
     """The G, T and new-token limit the figures are measured with; None for a run without post-training."""
     if not any(rules_of(stage).reads for stage in config.stages):
         return None
-    return next((s.grpo for s in config.stages if isinstance(s, GrpoStage)), GrpoSettings())
+    # the first stage that samples (grpo, distill: each settings table has G, T and the new-token limit)
+    return next((s.settings for s in config.stages if rules_of(s).rollout_window(s)), GrpoSettings())
 
 
 def boundary_figures(parts: Parts, boundary: int) -> Figures:
@@ -61,7 +61,7 @@ def boundary_figures(parts: Parts, boundary: int) -> Figures:
     figures: Figures = {}
     for name in _answered(config, "prompts"):
         figures[name] = _sampled(parts, name, settings)
-    if isinstance(stage, DpoStage) and parts.reference is not None:
+    if stage is not None and rules_of(stage).reads == "preferences" and parts.reference is not None:
         for name in _answered(config, "preferences"):
             figures.setdefault(name, {}).update(_preferences(parts, name, stage))
     return figures

@@ -3,7 +3,7 @@
 
 The file keeps what was sampled in the completions' own coordinates (rewind.stores.rollouts: completion
 n's tokens and per-token values in row n, its first completion_lengths[n]); the updates compute on
-training rows, prompt + completion (rewind.engine.data.row_batches.completion_batch), whose completion mask
+training rows, prompt + completion (rewind.engine.data.example_batches.completion_batch), whose completion mask
 covers exactly those tokens in the same order. `on_rows` and `off_rows` move per-token values between
 the two, exactly (a copy, no arithmetic), so old log-probs computed on training rows and kept in the file
 come back bit for bit.
@@ -126,47 +126,17 @@ def rollout_problems(
     stages = config.stages
     if not 0 <= record.stage < len(stages) or not isinstance(stages[record.stage], GrpoStage):
         return [f"its record names stage {record.stage}, not a grpo stage of the run's config"]
-    settings, arch = stages[record.stage].grpo, config.architecture
-    prompts, completions = tensors["prompts"], tensors["completions"]
-    num_prompts, group = prompts.shape[0], completions.shape[0] // prompts.shape[0]
+    settings = stages[record.stage].grpo
     names = ",".join(r.function for r in settings.rewards)
-    problems = []
-    if (num_prompts, group) != (record.num_prompts, record.group_size):
-        problems.append(
-            f"it holds {num_prompts} prompts x {group} completions, but its record says "
-            f"{record.num_prompts} x {record.group_size}"
-        )
-    if (num_prompts, group) != (config.training.batch_size // settings.group_size, settings.group_size):
-        problems.append(
-            f"it holds {num_prompts} prompts x {group} completions, not the stage's "
-            f"{config.training.batch_size // settings.group_size} x {settings.group_size}"
-        )
-    if metadata["reward_functions"] != names:
-        problems.append(f"its reward functions {metadata['reward_functions']!r} are not the stage's {names!r}")
-    if metadata["policy_step"] != str(record.step):
-        problems.append(f"sampled by the weights of step {metadata['policy_step']}, not of its record's {record.step}")
+    problems = shape_problems(tensors, metadata, record, config, settings.group_size, settings.max_new_tokens, names)
     if ("reference_logprobs" in tensors) != (settings.kl_beta > 0):
         problems.append(
             "it holds reference_logprobs, but the stage has no KL reference" if settings.kl_beta <= 0
             else "no reference_logprobs, but the stage has a KL reference"
         )
-    if completions.shape[1] != settings.max_new_tokens:
-        problems.append(f"completions are {completions.shape[1]} wide, not max_new_tokens = {settings.max_new_tokens}")
     if problems:
         return problems  # the rules below read the batch as the stage shapes it
-    room = arch.block_size - settings.max_new_tokens
-    longest = int(tensors["prompt_lengths"].max())
-    if longest > room or int(tensors["prompt_lengths"].min()) < 1:
-        problems.append(
-            f"a prompt holds {longest} tokens, more than block_size - max_new_tokens = {room}" if longest > room
-            else "a prompt holds no token"
-        )
-    for name, lengths in (("prompts", "prompt_lengths"), ("completions", "completion_lengths")):
-        ids = tensors[name][torch.arange(tensors[name].shape[1]) < tensors[lengths].unsqueeze(1)]
-        if ids.numel() and int(ids.max()) >= arch.vocab_size:
-            problems.append(f"{name} hold token id {int(ids.max())}, outside the vocabulary ({arch.vocab_size} ids)")
-    if end_id is not None:
-        problems += _finish_problems(tensors, settings.max_new_tokens, end_id)
+    problems += content_problems(tensors, config, settings.max_new_tokens, end_id)
     scores = tensors["rewards"]
     if bool(torch.isinf(scores).any()):
         problems.append("rewards hold an infinite value (a reward is a finite number, or NaN where unscored)")
@@ -180,11 +150,62 @@ def rollout_problems(
             f"its advantages do not follow from the rewards (scale_rewards = {settings.scale_rewards!r}, the "
             f"stage's weights): completion {n} holds {float(stored[n])!r}, its rewards give {float(advantages[n])!r}"
         )
-    if unscored != record.unscored or not _same_float(mean_reward, record.mean_reward):
+    if unscored != record.unscored or not same_float(mean_reward, record.mean_reward):
         problems.append(
             f"its record's mean_reward {record.mean_reward!r} ({record.unscored} unscored) is not its rewards' "
             f"{mean_reward!r} ({unscored} unscored)"
         )
+    return problems
+
+
+def shape_problems(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], record: RolloutsRecorded, config: Config,
+    group_size: int, max_new_tokens: int, row_names: str,
+) -> list[str]:
+    """What any rollout stage's batch must hold as its record and its stage shape it: its prompts and
+    group, the rows of its rewards (`row_names`: its metadata's reward_functions), the weights that sampled
+    it, its completions' width."""
+    prompts, completions = tensors["prompts"], tensors["completions"]
+    num_prompts, group = prompts.shape[0], completions.shape[0] // prompts.shape[0]
+    problems = []
+    if (num_prompts, group) != (record.num_prompts, record.group_size):
+        problems.append(
+            f"it holds {num_prompts} prompts x {group} completions, but its record says "
+            f"{record.num_prompts} x {record.group_size}"
+        )
+    if (num_prompts, group) != (config.training.batch_size // group_size, group_size):
+        problems.append(
+            f"it holds {num_prompts} prompts x {group} completions, not the stage's "
+            f"{config.training.batch_size // group_size} x {group_size}"
+        )
+    if metadata["reward_functions"] != row_names:
+        problems.append(f"its reward functions {metadata['reward_functions']!r} are not the stage's {row_names!r}")
+    if metadata["policy_step"] != str(record.step):
+        problems.append(f"sampled by the weights of step {metadata['policy_step']}, not of its record's {record.step}")
+    if completions.shape[1] != max_new_tokens:
+        problems.append(f"completions are {completions.shape[1]} wide, not max_new_tokens = {max_new_tokens}")
+    return problems
+
+
+def content_problems(
+    tensors: dict[str, torch.Tensor], config: Config, max_new_tokens: int, end_id: int | None
+) -> list[str]:
+    """What any rollout batch's tokens must be: prompts that leave the completions room, ids within the
+    vocabulary, completions that end as the sampler ends them (`end_id` None: not checked)."""
+    arch, problems = config.architecture, []
+    room = arch.block_size - max_new_tokens
+    longest = int(tensors["prompt_lengths"].max())
+    if longest > room or int(tensors["prompt_lengths"].min()) < 1:
+        problems.append(
+            f"a prompt holds {longest} tokens, more than block_size - max_new_tokens = {room}" if longest > room
+            else "a prompt holds no token"
+        )
+    for name, lengths in (("prompts", "prompt_lengths"), ("completions", "completion_lengths")):
+        ids = tensors[name][torch.arange(tensors[name].shape[1]) < tensors[lengths].unsqueeze(1)]
+        if ids.numel() and int(ids.max()) >= arch.vocab_size:
+            problems.append(f"{name} hold token id {int(ids.max())}, outside the vocabulary ({arch.vocab_size} ids)")
+    if end_id is not None:
+        problems += finish_problems(tensors, max_new_tokens, end_id)
     return problems
 
 
@@ -201,7 +222,7 @@ def batch_problem(
     end = run_end_id(run_dir) if end_id is None else end_id
     scored = (run_behaviours(run_dir) if features is None else features).scored_reward_figures
     if problems := rollout_problems(tensors, metadata, record, config, end, scored_figures=scored):
-        return f"{record.path}: not a batch a run writes: {_first(problems)}"
+        return f"{record.path}: not a batch a run writes: {first_problem(problems)}"
     return ""
 
 
@@ -224,7 +245,7 @@ def run_behaviours(run_dir: str) -> Features:
     return first.behaviours if isinstance(first, RunStarted) else Features()
 
 
-def _finish_problems(tensors: dict[str, torch.Tensor], max_new_tokens: int, end_id: int) -> list[str]:
+def finish_problems(tensors: dict[str, torch.Tensor], max_new_tokens: int, end_id: int) -> list[str]:
     """A completion ends at its first end token (finished 1) or at max_new_tokens without one (finished 0)."""
     completions, lengths, finished = tensors["completions"], tensors["completion_lengths"], tensors["finished"]
     positions = torch.arange(completions.shape[1]).unsqueeze(0)
@@ -239,11 +260,11 @@ def _finish_problems(tensors: dict[str, torch.Tensor], max_new_tokens: int, end_
     return [f"completion {int(torch.nonzero(broken)[0])} {what}" for broken, what in checks if bool(broken.any())]
 
 
-def _first(problems: list[str]) -> str:
+def first_problem(problems: list[str]) -> str:
     return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
 
 
-def _same_float(a: float, b: float) -> bool:
+def same_float(a: float, b: float) -> bool:
     return a == b or (a != a and b != b)  # NaN is the same NaN
 
 
@@ -265,7 +286,7 @@ class RolloutReader:
             scored = state.behaviours.scored_reward_figures
             if problems := rollout_problems(tensors, metadata, record, config, layout["end_id"], scored_figures=scored):
                 raise RolloutError(
-                    f"{run_dir}: {record.path}: not a batch a run writes: {_first(problems)}; nothing trains on "
+                    f"{run_dir}: {record.path}: not a batch a run writes: {first_problem(problems)}; nothing trains on "
                     f"it: go on in a fork from before its window, `rewind fork {run_dir} --at-step {record.step} NEW_RUN`"
                 )
             self._held = (record.sha256, training_rows(tensors, **layout))

@@ -1,3 +1,4 @@
-"""rewind.engine.run: entering a run and driving it. The loop asks `rewind.states` what is due, records
-the event through the journal and applies its effect; session, fork and replay enter a run through one
-assembler of live objects; ranks and evaluation serve the loop."""
+"""rewind.engine.run: entering a run and driving it. `entry.enter` is the one way in (start, resume,
+fork, replay and the read-only opens), building the live objects through `parts`; the loop asks
+`rewind.states` what is due, records the event through the journal and applies its effect (`effects`,
+`growth`, `checkpointing`, `trunkcache`)."""

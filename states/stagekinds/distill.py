@@ -5,7 +5,7 @@ vocabulary at every completion token. Never mixed."""
 from __future__ import annotations
 
 from rewind.states.config import Config
-from rewind.states.stagekinds.rules import KlTerm, StageRules, sampling_problems, unmixed_problems
+from rewind.states.stagekinds.rules import KlTerm, StageRules, unmixed_problems, window_problems
 from rewind.states.stages import DistillStage
 
 REFERENCE_TEACHER = "reference"  # distill.teacher naming the run's KL reference
@@ -23,16 +23,7 @@ class DistillRules(StageRules):
         add = problems.append
         if not settings.teacher.strip():
             add(f'{at}.teacher: "reference" or the directory of a model.safetensors of this architecture')
-        if settings.group_size < 1:
-            add(f"{at}.group_size: at least 1, got {settings.group_size}")
-        elif config.training.batch_size % settings.group_size:
-            add(
-                f"{at}.group_size: training.batch_size {config.training.batch_size} (completions a step) is not a "
-                f"multiple of group_size {settings.group_size}"
-            )
-        problems += sampling_problems(config, at, settings.temperature, settings.max_new_tokens)
-        if settings.num_iterations < 1:
-            add(f"{at}.num_iterations: must be >= 1, got {settings.num_iterations}")
+        problems += window_problems(config, at, settings, 1)
         return problems
 
     def rollout_window(self, stage: DistillStage) -> int:

@@ -11,8 +11,8 @@ from rewind.states.stagekinds.rules import (
     KlTerm,
     StageRules,
     float32_problems,
-    sampling_problems,
     unmixed_problems,
+    window_problems,
 )
 from rewind.states.stages import GrpoStage
 
@@ -30,16 +30,7 @@ class GrpoRules(StageRules):
         tie = "KL to the reference is grpo.kl_beta"
         problems = unmixed_problems(config, stage, i, needs_reference=settings.kl_beta > 0, tie=tie)
         add = problems.append
-        if settings.group_size < 2:
-            add(f"{at}.group_size: at least 2 (an advantage compares a completion with its group), got {settings.group_size}")
-        elif config.training.batch_size % settings.group_size:
-            add(
-                f"{at}.group_size: training.batch_size {config.training.batch_size} (completions a step) is not a "
-                f"multiple of group_size {settings.group_size}"
-            )
-        problems += sampling_problems(config, at, settings.temperature, settings.max_new_tokens)
-        if settings.num_iterations < 1:
-            add(f"{at}.num_iterations: must be >= 1, got {settings.num_iterations}")
+        problems += window_problems(config, at, settings, 2, "an advantage compares a completion with its group")
         if not 0.0 <= settings.epsilon_low <= 1.0:
             add(f"{at}.epsilon_low: must be in [0, 1], got {settings.epsilon_low}")
         if settings.epsilon_high < 0:

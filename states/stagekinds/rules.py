@@ -140,7 +140,25 @@ def unmixed_problems(config: Config, stage: Stage, i: int, needs_reference: bool
     return problems
 
 
-def sampling_problems(config: Config, at: str, temperature: float, max_new_tokens: int) -> list[str]:
+def window_problems(config: Config, at: str, settings, least: int, why: str = "") -> list[str]:
+    """A rollout stage's window (`settings`: its group_size, temperature, max_new_tokens, num_iterations):
+    whole groups of at least `least` completions (`why` says why), a usable temperature, a completion that
+    leaves the prompt room, at least one update on each batch."""
+    problems, group = [], settings.group_size
+    if group < least:
+        problems.append(f"{at}.group_size: at least {least}{f' ({why})' if why else ''}, got {group}")
+    elif config.training.batch_size % group:
+        problems.append(
+            f"{at}.group_size: training.batch_size {config.training.batch_size} (completions a step) is not a "
+            f"multiple of group_size {group}"
+        )
+    problems += _sampling_problems(config, at, settings.temperature, settings.max_new_tokens)
+    if settings.num_iterations < 1:
+        problems.append(f"{at}.num_iterations: must be >= 1, got {settings.num_iterations}")
+    return problems
+
+
+def _sampling_problems(config: Config, at: str, temperature: float, max_new_tokens: int) -> list[str]:
     """A rollout stage's sampling: a usable temperature, and a completion that leaves the prompt room."""
     problems, block = [], config.architecture.block_size
     if not temperature > 0:

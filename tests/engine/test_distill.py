@@ -271,6 +271,15 @@ def test_a_teacher_that_cannot_be_read_or_does_not_fit_is_one_line_at_the_start(
     assert not run.exists()  # nothing recorded, no run directory left behind
 
 
+@pytest.mark.parametrize("named", ["~no_such_user_of_rewind/teacher", "tea\\u0000cher"])
+def test_a_teacher_name_no_file_can_have_is_one_line_at_the_start(tmp_path, named):
+    config = tmp_path / "teacher.toml"
+    config.write_text(TEACHER.replace('teacher = "teacher"', f'teacher = "{named}"'))
+    code, _, err = train(config, tmp_path / "run")
+    assert code == 2 and "Traceback" not in err and one_line(err).startswith("rewind: "), err
+    assert "distill.teacher" in one_line(err) and not (tmp_path / "run").exists()
+
+
 def test_a_fork_in_place_that_names_another_teacher_mid_window_samples_the_windows_batch_again(
     configs, stopped, tmp_path
 ):
@@ -342,7 +351,7 @@ FORGERIES = {
     "stage": (lambda t, m, r: None, lambda r: msgspec.structs.replace(r, stage=1),
               "its record names stage 1, not a distill stage of the run's config"),
     "functions": (lambda t, m, r: m.update(reward_functions="exact_match"), lambda r: r,
-                  "its reward functions 'exact_match' are not a distill batch's 'teacher'"),
+                  "its reward functions 'exact_match' are not the stage's 'teacher'"),
     "policy": (lambda t, m, r: m.update(policy_step="3"), lambda r: r, "sampled by the weights of step 3"),
     "group": (lambda t, m, r: None, lambda r: msgspec.structs.replace(r, group_size=4, num_prompts=2),
               "it holds 4 prompts x 2 completions, but its record says 2 x 4"),
@@ -419,3 +428,28 @@ def test_verify_and_rollouts_check_a_distill_batch_by_its_kinds_rules(straight, 
     assert f"{path}: not a batch a run writes: it holds advantages" in out  # (and the state digests after it)
     code, _, err = run_cli("rollouts", run, "--step", 4)
     assert code == 1 and "it holds advantages" in one_line(err)
+
+
+GRPO_STAGE = (
+    '[[stages]]\nstrategy = "grpo"\ntokens = 1_024\ndatasets = [{ name = "sort", rate = 1.0 }]\n'
+    "grpo = { group_size = 4, max_new_tokens = 8, num_iterations = 2 }\n"
+)
+
+
+@pytest.mark.parametrize("grpo_first", [True, False])
+def test_a_grpo_stage_and_a_distill_stage_train_in_one_run_and_resume_inside_each_window(tmp_path, grpo_first):
+    """Each rollout kind keeps its own window's batch (a grpo stage beside a distill one shares nothing)."""
+    head, distill = DISTILL.split('[[stages]]\nstrategy = "distill"')
+    distill = '[[stages]]\nstrategy = "distill"' + distill
+    text = head + (GRPO_STAGE + "\n" + distill if grpo_first else distill + "\n" + GRPO_STAGE)
+    config = tmp_path / "run.toml"
+    config.write_text(text)
+    code, _, err = train(config, tmp_path / "straight")
+    assert code == 0, err
+    kinds = {e.stage for e in raw_rollouts(tmp_path / "straight")}
+    assert len(kinds) == 2  # both stages sampled their windows
+    code, _, err = train(config, tmp_path / "stopped", "--max-steps", "9")  # inside the second kind's first window
+    assert code == 0, err
+    code, _, err = train(config, tmp_path / "stopped")
+    assert code == 0, err
+    assert final_tensors(tmp_path / "stopped") == final_tensors(tmp_path / "straight")
