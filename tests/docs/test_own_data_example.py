@@ -18,7 +18,8 @@ from tests.conftest import REPO
 from tests.engine.test_loop import one_line, run_cli
 
 PAGE = (REPO / "docs" / "posttraining.md").read_text()
-SECTION = PAGE[PAGE.index("## Your own data") : PAGE.index("## Figures")]
+_START = PAGE.index("## Your own data")
+SECTION = PAGE[_START : PAGE.index("\n## ", _START + 1)]  # to the next section
 
 
 def block(language: str, text: str = SECTION) -> str:
