@@ -48,6 +48,7 @@ NormName = Literal["rmsnorm", "layernorm"]
 NonFiniteAction = Literal["stop", "skip"]
 DataKind = Literal["tokens", "jsonl", "text", "parquet"]
 MlpName = Literal["gelu", "swiglu"]
+RopeScalingName = Literal["none", "linear", "llama3"]
 SplitMode = Literal["", "random", "tail"]
 EpochEndPolicy = Literal["reshuffle", "repeat"]
 StackPosition = Literal["append", "prepend"]
@@ -71,6 +72,17 @@ class RunSection(Struct):
     name: str = "run"  # the run's name in plots' titles and `rewind state` / `rewind timeline --json`
 
 
+class RopeScalingSection(Struct):
+    # RoPE's inverse frequencies as transformers computes them: none (1 / base^(2i / head_dim)), linear (each
+    # divided by factor), llama3 (Llama 3.1: wavelengths above original_max_position_embeddings / low_freq_factor
+    # divided by factor, below original_max_position_embeddings / high_freq_factor kept, smoothed between).
+    type: RopeScalingName = "none"
+    factor: float = 8.0  # linear, llama3: how much longer a context the frequencies stretch to
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_position_embeddings / it are slowed
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_position_embeddings / it are kept
+    original_max_position_embeddings: int = 8192  # llama3: the context the model was first trained on
+
+
 class ArchitectureSection(Struct):
     block_size: int = 64  # the context: tokens per row (a step trains training.batch_size rows of it)
     vocab_size: int = 256  # the embedding's and the head's rows: token ids are below it (256: UTF-8 bytes)
@@ -85,6 +97,15 @@ class ArchitectureSection(Struct):
     dropout: float = 0.0  # the dropout probability in training (evaluation and sampling never drop)
     rope_base: float = 10000.0  # the rotary position embedding's base (theta)
     activation_checkpointing: bool = False  # recompute each block's activations in the backward: less memory
+    # key/value heads, grouped-query attention as in Llama 3 and Qwen (they divide num_heads); 0 = num_heads
+    num_kv_heads: int = 0
+    head_dim: int = 0  # each head's width (even, for RoPE); 0 = d_model / num_heads
+    norm_eps: float = 1e-5  # the epsilon of every norm (the blocks', the final one's, qk_norm's)
+    qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2)
+    qk_norm: bool = False  # an RMSNorm of each head's q and k after their projection, before RoPE (Qwen3)
+    tie_embeddings: bool = False  # the output head is the embedding matrix (one parameter, embed.weight)
+    # RoPE's frequencies stretched for a longer context than the model was trained on (Llama 3.1's llama3)
+    rope_scaling: RopeScalingSection = RopeScalingSection()
 
 
 class FadeSection(Struct):

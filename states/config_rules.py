@@ -14,7 +14,7 @@ from rewind.states.check_data import data_problems
 from rewind.states.check_growth import growth_problems
 from rewind.states.check_stages import MAX_TOKENS, stage_problems
 from rewind.states.check_types import non_finite_floats, show_int, unrecordable_ints
-from rewind.states.config import Config
+from rewind.states.config import Config, RopeScalingSection
 from rewind.states.stagekinds import strategy_problems
 from rewind.states.stagekinds.rules import FLOAT32_MAX
 
@@ -39,9 +39,13 @@ def architecture_problems(config: Config) -> list[str]:
     for name in ("block_size", "vocab_size", "num_layers", "num_heads", "d_model"):
         if getattr(arch, name) <= 0:
             add(f"architecture.{name}: must be positive, got {getattr(arch, name)}")
-    if arch.num_heads > 0 and arch.d_model % arch.num_heads:
+    if arch.head_dim < 0:
+        add(f"architecture.head_dim: must be >= 0 (0 = d_model / num_heads), got {arch.head_dim}")
+    elif arch.head_dim > 0 and arch.head_dim % 2:
+        add(f"architecture.head_dim: must be even for RoPE, got {arch.head_dim}")
+    elif arch.head_dim == 0 and arch.num_heads > 0 and arch.d_model % arch.num_heads:
         add(f"architecture.d_model: {arch.d_model} is not divisible by num_heads={arch.num_heads}")
-    elif arch.num_heads > 0 and (arch.d_model // arch.num_heads) % 2:
+    elif arch.head_dim == 0 and arch.num_heads > 0 and (arch.d_model // arch.num_heads) % 2:
         add("architecture.d_model: head size must be even for RoPE")
     if arch.d_ff < 0:
         add(f"architecture.d_ff: must be >= 0 (0 = 4 * d_model), got {arch.d_ff}")
@@ -49,8 +53,30 @@ def architecture_problems(config: Config) -> list[str]:
         add(f"architecture.dropout: must be in [0, 1), got {arch.dropout}")
     if not arch.rope_base > 0:
         add(f"architecture.rope_base: must be positive, got {arch.rope_base}")
+    if arch.num_kv_heads < 0:
+        add(f"architecture.num_kv_heads: must be >= 0 (0 = num_heads), got {arch.num_kv_heads}")
+    elif arch.num_kv_heads > 0 and arch.num_heads > 0 and arch.num_heads % arch.num_kv_heads:
+        add(f"architecture.num_kv_heads: {arch.num_kv_heads} does not divide num_heads={arch.num_heads}")
+    if not arch.norm_eps > 0:
+        add(f"architecture.norm_eps: must be positive, got {arch.norm_eps}")
+    problems += rope_scaling_problems(arch.rope_scaling)
     if not 0 <= config.run.seed < 1 << 64:
         add(f"run.seed: must be in [0, 2**64), got {show_int(config.run.seed)}")
+    return problems
+
+
+def rope_scaling_problems(scaling: RopeScalingSection) -> list[str]:
+    """`architecture.rope_scaling`: numbers transformers' formulas can compute with (llama3 divides by
+    high_freq_factor - low_freq_factor and by low_freq_factor)."""
+    where, problems = "architecture.rope_scaling", []
+    for name in ("factor", "low_freq_factor", "original_max_position_embeddings"):
+        if not getattr(scaling, name) > 0:
+            problems.append(f"{where}.{name}: must be positive, got {getattr(scaling, name)}")
+    if not scaling.high_freq_factor > scaling.low_freq_factor:
+        problems.append(
+            f"{where}.high_freq_factor: must be above low_freq_factor={scaling.low_freq_factor}, "
+            f"got {scaling.high_freq_factor}"
+        )
     return problems
 
 

@@ -22,8 +22,42 @@ from collections.abc import Callable
 
 import torch
 
+from rewind.states.config import ArchitectureSection
+from rewind.states.model_size import head_width
+
 # Writes a block's new keys and values into the cache; returns every key and value its queries may see.
 KeysValues = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def rope_tables(arch: ArchitectureSection) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (block_size, head_dim / 2), float32, of every position's angles by each frequency."""
+    # float64 for the angles: position * frequency loses digits in float32 at long contexts.
+    angles = torch.outer(torch.arange(arch.block_size, dtype=torch.float64), inverse_frequencies(arch))
+    return angles.cos().float(), angles.sin().float()
+
+
+def inverse_frequencies(arch: ArchitectureSection) -> torch.Tensor:
+    """RoPE's (head_dim / 2,) inverse frequencies 1 / base^(2i / head_dim), float64, scaled by
+    `architecture.rope_scaling` with transformers' formulas (modeling_rope_utils:
+    `_compute_linear_scaling_rope_parameters`, `_compute_llama3_parameters`), in float64 where it uses float32."""
+    head_size = head_width(arch)
+    exponents = torch.arange(0, head_size, 2, dtype=torch.float64) / head_size
+    inverse = 1.0 / (arch.rope_base**exponents)
+    scaling = arch.rope_scaling
+    if scaling.type == "linear":
+        return inverse / scaling.factor
+    if scaling.type == "llama3":
+        factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+        old_context = scaling.original_max_position_embeddings
+        low_wavelength, high_wavelength = old_context / low, old_context / high
+        wavelength = 2 * math.pi / inverse
+        # Long wavelengths slowed by factor, short ones kept, those between smoothed from one to the other.
+        llama = torch.where(wavelength > low_wavelength, inverse / factor, inverse)
+        smooth = (old_context / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * llama / factor + smooth * llama
+        medium = ~(wavelength < high_wavelength) * ~(wavelength > low_wavelength)
+        return torch.where(medium, smoothed, llama)
+    return inverse
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,11 @@ Two optional inputs of `forward` change what attention sees (rewind.engine.model
 packed with several documents (each attends within itself, positions restarting at 0), and `cache`, for
 incremental decoding (a prefill, then a token per row per call, each row at its own length). Without
 them a forward computes exactly what it always did.
+
+A block's attention, with the options of today's open models (grouped-query attention, a head width of its
+own, q/k/v biases, q/k norms), is rewind.engine.model.attention's; RoPE's tables, scaled or not, are
+rewind.engine.model.attention_inputs'. `tie_embeddings` makes the head's weight the embedding's parameter.
+With every option at its default the model is the one above, parameter for parameter and bit for bit.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rewind.engine.model.attention_inputs import KeysValues, KVCache, check_cached, rope_and_mask
+from rewind.engine.model.attention import Attention
+from rewind.engine.model.attention import rotate as rotate  # (re-exported: a block's RoPE)
+from rewind.engine.model.attention_inputs import KeysValues, KVCache, check_cached, rope_and_mask, rope_tables
 from rewind.engine.model.rng import derive_seed, torch_generator
 from rewind.states.config import ArchitectureSection
 from rewind.states.model_size import mlp_width
@@ -40,15 +47,15 @@ from rewind.states.model_size import mlp_width
 HeadFunction = Callable[[torch.Tensor, torch.Tensor], Any]
 
 INIT_STD = 0.02
-NORM_EPS = 1e-5
+NORM_EPS = ArchitectureSection().norm_eps  # architecture.norm_eps's default, which exports compare with
 # Output projections that write into the residual stream: scaled down with depth (GPT-2).
 _RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight")
 
 
 def _make_norm(arch: ArchitectureSection) -> nn.Module:
     if arch.norm == "layernorm":
-        return nn.LayerNorm(arch.d_model, eps=NORM_EPS)
-    return nn.RMSNorm(arch.d_model, eps=NORM_EPS)
+        return nn.LayerNorm(arch.d_model, eps=arch.norm_eps)
+    return nn.RMSNorm(arch.d_model, eps=arch.norm_eps)
 
 
 def _dropout(x: torch.Tensor, p: float, seed: int | None, site: str) -> torch.Tensor:
@@ -82,45 +89,6 @@ def _init_parameters(module: nn.Module, seed: int, purpose: tuple[str | int, ...
                 generator = torch_generator(seed, *purpose, name)
                 values = torch.empty(parameter.shape, dtype=torch.float32)
                 parameter.copy_(values.normal_(0.0, std, generator=generator))
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding on the last dim of x (B, H, T, D), halves convention (GPT-NeoX)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, arch: ArchitectureSection):
-        super().__init__()
-        self.num_heads = arch.num_heads
-        self.qkv = nn.Linear(arch.d_model, 3 * arch.d_model, bias=False)
-        self.proj = nn.Linear(arch.d_model, arch.d_model, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        causal: bool = True,
-        mask: torch.Tensor | None = None,
-        kv: KeysValues | None = None,
-    ) -> torch.Tensor:
-        """`mask` (B, 1, T, S), added to the scores (0 or -inf), in place of `causal`; `kv` stores the new
-        keys and values in a cache and gives back every key and value the queries may see."""
-        batch, length, width = x.shape
-        head_size = width // self.num_heads
-        qkv = self.qkv(x).view(batch, length, 3, self.num_heads, head_size).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # each (B, H, T, D)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if kv is not None:
-            k, v = kv(k, v)
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
-        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 
 
 class MLP(nn.Module):
@@ -246,6 +214,8 @@ class GPT(nn.Module):
             self.stacks = nn.ModuleDict({str(i): Stack(arch, n) for i, n in sorted(zip(ids, sizes, strict=True))})
             self.norm = _make_norm(arch)
             self.head = nn.Linear(arch.d_model, vocab, bias=False)
+            if arch.tie_embeddings:  # one parameter, named embed.weight (named_parameters lists it once)
+                self.head.weight = self.embed.weight
         self.order: list[int] = ids
         self.causal = True  # the objective's attention (masked objectives attend both ways)
         cos, sin = self._rope_tables(arch)
@@ -256,12 +226,7 @@ class GPT(nn.Module):
 
     @staticmethod
     def _rope_tables(arch: ArchitectureSection) -> tuple[torch.Tensor, torch.Tensor]:
-        head_size = arch.d_model // arch.num_heads
-        # float64 for the angles: position * frequency loses digits in float32 at long contexts.
-        exponents = torch.arange(0, head_size, 2, dtype=torch.float64) / head_size
-        inverse_frequencies = 1.0 / (arch.rope_base**exponents)
-        angles = torch.outer(torch.arange(arch.block_size, dtype=torch.float64), inverse_frequencies)
-        return angles.cos().float(), angles.sin().float()
+        return rope_tables(arch)
 
     def stack(self, stack_id: int) -> Stack:
         return self.stacks[str(stack_id)]  # type: ignore[return-value]
