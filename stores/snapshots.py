@@ -90,12 +90,6 @@ def _directory(run_dir: str) -> str | None:
     return os.path.join(location.path, SNAPSHOTS_DIR) if location.is_local else None
 
 
-def kept_for(run_dir: str) -> bool:
-    """Whether snapshots are kept for this run (local run directories only: object stores fold from
-    the start)."""
-    return _directory(run_dir) is not None
-
-
 def _name(seq: int) -> str:
     return f"{seq:012d}{_SUFFIX}"
 
