@@ -43,7 +43,10 @@ FORMAT_KEY, FORMAT = "rewind.format", "1"
 ARCHITECTURE_KEY, OBJECTIVE_KEY, LAYOUT_KEY = "rewind.architecture", "rewind.objective", "layout"
 TOKENIZER_KEY = "rewind.tokenizer"  # sha256 of the tokenizer the ids belong to ("" = UTF-8 bytes)
 # What a rewind export must agree on with the run (block_size apart: a shorter context is fine).
-_SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "norm", "mlp", "rope_base")
+_SHAPE_FIELDS = (
+    "vocab_size", "d_model", "num_layers", "num_heads", "norm", "mlp", "rope_base",
+    "num_kv_heads", "head_dim", "norm_eps", "qkv_bias", "qk_norm", "tie_embeddings", "rope_scaling",
+)  # fmt: skip
 _MAX_NAMES_SHOWN = 3
 
 @dataclasses.dataclass(frozen=True)

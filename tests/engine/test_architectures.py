@@ -322,3 +322,15 @@ def test_cached_decoding_and_packed_rows_serve_every_option():
         packed = model(tokens, documents=torch.tensor([[0] * 5 + [1] * 7]))
         alone = model(tokens[:, 5:])
     torch.testing.assert_close(packed[:, 5:], alone)
+
+
+def test_an_export_to_transformers_refuses_an_option_it_cannot_write_yet_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    _train(run, OPTIONS["gqa"], "--max-steps", "2")
+    done = subprocess.run(
+        [sys.executable, "-m", "rewind.tools.cli", "export", str(run), "--hf", str(tmp_path / "hf")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "architecture.num_kv_heads" in lines[0], done.stderr
+    assert not (tmp_path / "hf").exists()
