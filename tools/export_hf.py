@@ -1,7 +1,8 @@
 """`rewind export RUN --hf DIR`: the run's model as a transformers model directory.
 
 The architecture is the one that computes the run's block exactly (rewind.engine.model.hf_models:
-LlamaForCausalLM for RMSNorm + SwiGLU, ArceeForCausalLM for RMSNorm + GELU, Starcoder2ForCausalLM for
+LlamaForCausalLM for RMSNorm + SwiGLU (Qwen2ForCausalLM with q, k, v biases, Qwen3ForCausalLM with q/k
+norms: rewind.engine.model.hf_families), ArceeForCausalLM for RMSNorm + GELU, Starcoder2ForCausalLM for
 LayerNorm + GELU, StableLmForCausalLM for LayerNorm + SwiGLU). DIR gets `config.json`, `model.safetensors`
 (float32, metadata {"format": "pt"} as transformers writes it), `generation_config.json` (the model's end
 token when it has one, and no length: a length there would make every `generate(max_new_tokens=...)`

@@ -38,17 +38,26 @@ _BLOCK = re.compile(r"stacks\.(\d+)\.blocks\.(\d+)\.(.+)")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Buffers some transformers releases saved with the weights: functions of the config, which is checked.
 _DERIVED = (".rotary_emb.inv_freq",)
+# rewind's rope_scaling fields of each scaled rope type (transformers names them the same).
+ROPE_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Names:
     """A transformers architecture's names for rewind's tensors. `block`: a name within a block -> the
     names within its layer (`model.layers.<k>.`) of the tensor's row chunks, in order (a fused qkv or
-    gate-and-up weight is split into equal chunks); `outside`: the tensors outside the blocks."""
+    gate-and-up weight is split into equal chunks, or into `rows`' counts where it names the tensor: q, k
+    and v of grouped-query heads); `outside`: the tensors outside the blocks; `tied`: the head is the
+    embedding (tie_word_embeddings), written once as it."""
 
     architecture: str
     block: dict[str, tuple[str, ...]]
     outside: dict[str, str]
+    rows: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    tied: bool = False
 
 
 LLAMA = Names(
@@ -75,7 +84,7 @@ def causal_lm_config(
     """The config.json keys every transformers architecture rewind writes shares (a model of `arch` with
     `num_layers` blocks in all; the norm's and the MLP's keys are each architecture's own). The rope base
     is written as transformers 5 spells it (`rope_parameters.rope_theta`) and as earlier releases and
-    other readers do (`rope_theta`); 5.x reads either. bos / eos are None unless the tokenizer has an
+    other readers do (`rope_theta`, and a scaling as `rope_scaling`); 5.x reads either. bos / eos are None unless the tokenizer has an
     end-of-text token: the bytes vocabulary has no special tokens, and defaults such as Llama's (1, 2)
     would make two ordinary bytes stop generation."""
     return {
@@ -86,13 +95,14 @@ def causal_lm_config(
         "intermediate_size": mlp_width(arch),
         "num_hidden_layers": num_layers,
         "num_attention_heads": arch.num_heads,
-        "num_key_value_heads": arch.num_heads,
-        "head_dim": arch.d_model // arch.num_heads,
+        "num_key_value_heads": kv_heads(arch),
+        "head_dim": head_width(arch),
         "max_position_embeddings": arch.block_size,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(arch.rope_base)},
+        "rope_parameters": rope_parameters(arch),
         "rope_theta": float(arch.rope_base),
+        **({} if arch.rope_scaling.type == "none" else {"rope_scaling": rope_scaling(arch)}),
         "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": arch.tie_embeddings,
         "initializer_range": INIT_STD,
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
@@ -117,9 +127,13 @@ def llama_config(
 
 
 def unexported_options(arch: ArchitectureSection) -> list[str]:
-    """The architecture options of `arch` that `causal_lm_config` and `to_hf` do not write yet (their names
-    for transformers are issue 35's next slice): a model with any is not the model they would describe.
-    Tied embeddings are not among them: the head is written as its own lm_head, which computes the same."""
+    """The architecture options of `arch` that no transformers model rewind writes or reads computes: a
+    model with any is not the model they would describe. A Llama block (RMSNorm + SwiGLU) has them all
+    (rewind.engine.model.hf_families: Llama, Qwen2 for qkv_bias, Qwen3 for qk_norm) but qkv_bias with
+    qk_norm; the other block kinds' families are written with none yet. Tied embeddings are every
+    family's tie_word_embeddings."""
+    if (arch.norm, arch.mlp) == ("rmsnorm", "swiglu"):
+        return ["architecture.qkv_bias with architecture.qk_norm"] if arch.qkv_bias and arch.qk_norm else []
     default = ArchitectureSection()
     unwritten = {
         "num_kv_heads": kv_heads(arch) != arch.num_heads,
@@ -130,6 +144,24 @@ def unexported_options(arch: ArchitectureSection) -> list[str]:
         "rope_scaling": arch.rope_scaling.type != "none",
     }
     return [f"architecture.{name}" for name, unwritten_here in unwritten.items() if unwritten_here]
+
+
+def rope_parameters(arch: ArchitectureSection) -> dict[str, object]:
+    """transformers' rope_parameters of `arch`'s RoPE: its type ("default" when unscaled), base, and the
+    scaled type's fields under the names transformers gives them (the same as rewind's)."""
+    scaling = arch.rope_scaling
+    kind = "default" if scaling.type == "none" else scaling.type
+    return {"rope_type": kind, "rope_theta": float(arch.rope_base), **rope_fields(arch)}
+
+
+def rope_scaling(arch: ArchitectureSection) -> dict[str, object]:
+    """The rope_scaling key of releases before transformers 5 (the scaled type and its fields)."""
+    return {"rope_type": arch.rope_scaling.type, **rope_fields(arch)}
+
+
+def rope_fields(arch: ArchitectureSection) -> dict[str, object]:
+    scaling = arch.rope_scaling
+    return {name: getattr(scaling, name) for name in ROPE_FIELDS.get(scaling.type, ())}
 
 
 def block_prefixes(layout: ModelLayout) -> list[str]:
@@ -161,6 +193,8 @@ def to_hf(flat: dict[str, torch.Tensor], names: Names) -> dict[str, torch.Tensor
     out: dict[str, torch.Tensor] = {}
     for name, tensor in flat.items():
         tensor = tensor.detach().float()
+        if names.tied and name == "head.weight":  # the embedding, written once under its own name
+            continue
         if name in names.outside:
             out[names.outside[name]] = tensor.contiguous()
             continue
@@ -168,9 +202,15 @@ def to_hf(flat: dict[str, torch.Tensor], names: Names) -> dict[str, torch.Tensor
         parts = names.block.get(match[3]) if match is not None and match[1] == "0" else None
         if parts is None:
             raise Unmapped(f"tensor {name} has no place in a {names.architecture}")
-        for part, piece in zip(parts, tensor.chunk(len(parts), dim=0), strict=True):
+        for part, piece in zip(parts, split_rows(tensor, match[3], names), strict=True):
             out[f"model.layers.{match[2]}.{part}"] = piece.contiguous()
     return out
+
+
+def split_rows(tensor: torch.Tensor, name: str, names: Names) -> tuple[torch.Tensor, ...]:
+    """A fused tensor (`name` within a block) as the row chunks of its parts under `names`."""
+    rows = names.rows.get(name)
+    return tensor.split(list(rows), dim=0) if rows else tensor.chunk(len(names.block[name]), dim=0)
 
 
 def to_llama(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -179,17 +219,22 @@ def to_llama(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def from_llama(tensors: dict[str, torch.Tensor], *, tied: bool = False) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM tensors under flat rewind names (q, k, v and gate, up fused back), float32.
-    `tied`: the checkpoint shares embedding and head (tie_word_embeddings), so lm_head may be absent
-    and the head starts as a copy of the embedding (rewind's head is its own parameter). Saved rotary
-    frequency buffers are skipped; other names outside the mapping and missing pieces are ValueErrors
-    naming one."""
-    inverse = {v: k for k, v in LLAMA.outside.items()}
-    part_of = {part: (fused, i) for fused, parts in LLAMA.block.items() for i, part in enumerate(parts)}
+    """LlamaForCausalLM tensors under flat rewind names (`from_hf` with LLAMA)."""
+    return from_hf(tensors, LLAMA, tied=tied)
+
+
+def from_hf(tensors: dict[str, torch.Tensor], names: Names, *, tied: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors under `names`' transformers names as flat rewind names (q, k, v and gate, up fused back),
+    float32. `tied`: the checkpoint shares embedding and head (tie_word_embeddings), so lm_head may be
+    absent and the head starts as a copy of the embedding (a run's untied head is its own parameter;
+    a tied run's is the embedding). Saved rotary frequency buffers are skipped; other names outside the
+    mapping and missing pieces are ValueErrors naming one."""
+    inverse = {v: k for k, v in names.outside.items()}
+    part_of = {part: (fused, i) for fused, parts in names.block.items() for i, part in enumerate(parts)}
     flat: dict[str, torch.Tensor] = {}
     pieces: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (block, rewind name) -> part index -> tensor
     for name, tensor in tensors.items():
-        if name.endswith(_DERIVED):
+        if name.endswith(_DERIVED) or (names.tied and name == "lm_head.weight"):  # tied: the embedding's copy
             continue
         tensor = tensor.detach().float()
         if name in inverse:
@@ -197,11 +242,11 @@ def from_llama(tensors: dict[str, torch.Tensor], *, tied: bool = False) -> dict[
             continue
         match = _LAYER.fullmatch(name)
         if match is None or match[2] not in part_of:
-            raise ValueError(f"tensor {name} is not one of LlamaForCausalLM's")
+            raise ValueError(f"tensor {name} is not one of {names.architecture}'s")
         fused, index = part_of[match[2]]
         pieces.setdefault((f"stacks.0.blocks.{int(match[1])}.", fused), {})[index] = tensor
     for (block, fused), parts in pieces.items():
-        wanted = LLAMA.block[fused]
+        wanted = names.block[fused]
         if len(parts) != len(wanted):
             layer = block.removeprefix("stacks.0.blocks.").rstrip(".")
             missing = ", ".join(f"model.layers.{layer}.{wanted[i]}" for i in range(len(wanted)) if i not in parts)

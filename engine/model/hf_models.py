@@ -15,6 +15,9 @@ no biases, no dropout and full rotary heads:
     layernorm  swiglu  StableLmForCausalLM      gate_proj, up_proj, down_proj  partial_rotary_factor 1
 
 All four name the rest as Llama does (rewind.engine.model.hf_llama), a LayerNorm's bias beside its weight.
+The attention options of today's open models (grouped-query heads, head_dim, norm_eps, q/k/v biases, q/k
+norms, tied embeddings, rope scaling) are written for the Llama block, as Llama, Qwen2 (qkv_bias) or Qwen3
+(qk_norm): rewind.engine.model.hf_families; the other three are written with none of them yet.
 A masked objective (mlm, diffusion) attends both ways and adds a mask token: no causal LM computes it.
 """
 
@@ -24,7 +27,7 @@ import dataclasses
 
 import torch
 
-from rewind.engine.model import hf_llama
+from rewind.engine.model import hf_families, hf_llama
 from rewind.engine.model.hf_llama import LLAMA, Names
 from rewind.engine.model.model import NORM_EPS
 from rewind.states.config import ArchitectureSection, Config
@@ -96,7 +99,8 @@ FAMILIES: dict[tuple[str, str], Family] = {
 
 
 def family_of(config: Config) -> Family:
-    """The transformers architecture that computes a run of `config`; NotExpressible when none does."""
+    """The transformers architecture that computes a run of `config` (a Llama block's family follows its
+    attention options: rewind.engine.model.hf_families); NotExpressible when none does."""
     objective = config.objective
     if objective.kind != "clm":
         extra = " and a time embedding" if objective.kind == "diffusion" and objective.time == "input" else ""
@@ -104,10 +108,19 @@ def family_of(config: Config) -> Family:
             f"objective.kind is {objective.kind!r}: its model attends both ways and adds a mask token{extra}, "
             "which no transformers causal LM has"
         )
-    unwritten = hf_llama.unexported_options(config.architecture)
+    arch = config.architecture
+    unwritten = hf_llama.unexported_options(arch)
     if unwritten:
-        raise NotExpressible(f"{', '.join(unwritten)} not written under transformers' names yet (issue 35's next slice)")
-    return FAMILIES[(config.architecture.norm, config.architecture.mlp)]
+        raise NotExpressible(f"{', '.join(unwritten)}: no transformers model rewind writes computes it")
+    if (arch.norm, arch.mlp) == ("rmsnorm", "swiglu"):
+        model_type = hf_families.written_model_type(arch)
+        names = hf_families.family_names(model_type, arch)
+        return Family(names, model_type, hf_families.family_keys(model_type, arch))
+    family = FAMILIES[(arch.norm, arch.mlp)]
+    if not arch.tie_embeddings:
+        return family
+    outside = {k: v for k, v in family.names.outside.items() if k != "head.weight"}
+    return dataclasses.replace(family, names=dataclasses.replace(family.names, outside=outside, tied=True))
 
 
 def hf_config(
@@ -153,7 +166,7 @@ def hf_adapters(
         if kind not in ("A.weight", "B.weight") or prefix not in position or parts is None:
             raise ValueError(f"adapter {name} has no place in a {family.names.architecture}")
         spec = specs[int(stack.removeprefix("stacks."))]
-        pieces = [tensor] * len(parts) if kind == "A.weight" else tensor.chunk(len(parts), dim=0)
+        pieces = [tensor] * len(parts) if kind == "A.weight" else hf_llama.split_rows(tensor, f"{layer}.weight", family.names)
         for part, piece in zip(parts, pieces, strict=True):
             target = f"model.layers.{position[prefix]}.{part.removesuffix('.weight')}"
             tensors[f"{target}.lora_{kind}"] = piece.clone()  # copies: safetensors refuses shared memory

@@ -16,8 +16,11 @@ import re
 from typing import Annotated
 
 import msgspec
+import torch
 
-from rewind.engine.model.hf_llama import LLAMA, block_prefixes
+from rewind.engine.model.hf_llama import LLAMA, Names, block_prefixes, split_rows
+from rewind.states.config import ArchitectureSection
+from rewind.states.model_size import head_width, mlp_width, qkv_rows
 from rewind.states.state import ModelLayout
 
 # A dimension, a count of layers or heads, a context length: 2**31 - 1 is past any real model's.
@@ -34,6 +37,10 @@ class RopeParameters(msgspec.Struct, kw_only=True):
     rope_theta: Positive = 10000.0
     rope_type: str | msgspec.UnsetType = UNSET
     type: str | msgspec.UnsetType = UNSET
+    factor: Positive | msgspec.UnsetType = UNSET
+    low_freq_factor: Positive | msgspec.UnsetType = UNSET
+    high_freq_factor: Positive | msgspec.UnsetType = UNSET
+    original_max_position_embeddings: Size | msgspec.UnsetType = UNSET
 
 
 class LlamaJson(msgspec.Struct, kw_only=True):
@@ -59,6 +66,8 @@ class LlamaJson(msgspec.Struct, kw_only=True):
     attention_bias: bool | msgspec.UnsetType = UNSET
     mlp_bias: bool | msgspec.UnsetType = UNSET
     tie_word_embeddings: bool | msgspec.UnsetType = UNSET
+    use_sliding_window: bool | msgspec.UnsetType | None = UNSET
+    sliding_window: Size | msgspec.UnsetType | None = UNSET
 
 
 def typed(value: object, kind: type, where: str, field: str = "") -> tuple[object, str]:
@@ -88,19 +97,43 @@ def layout_problem(layout: ModelLayout, num_layers: int, where: str) -> str:
     return ""
 
 
-def llama_shapes(flat: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The shapes of a model's tensors (flat rewind names) under LlamaForCausalLM's names: a fused qkv
-    or gate-and-up weight as its equal row chunks."""
+def llama_shapes(flat: dict[str, tuple[int, ...]], names: Names = LLAMA) -> dict[str, tuple[int, ...]]:
+    """The shapes of a model's tensors (flat rewind names) under `names` (LlamaForCausalLM's by default):
+    a fused qkv or gate-and-up weight as its row chunks."""
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in flat.items():
-        if name in LLAMA.outside:
-            shapes[LLAMA.outside[name]] = shape
+        if name in names.outside:
+            shapes[names.outside[name]] = shape
             continue
         match = _FLAT_BLOCK.fullmatch(name)
-        parts = LLAMA.block.get(match[2]) if match is not None else None
-        for part in parts or ():
-            shapes[f"model.layers.{match[1]}.{part}"] = (shape[0] // len(parts), *shape[1:])
+        parts = names.block.get(match[2]) if match is not None else None
+        if parts:
+            pieces = split_rows(torch.empty(shape[0], 0), match[2], names)
+            for part, piece in zip(parts, pieces, strict=True):
+                shapes[f"model.layers.{match[1]}.{part}"] = (piece.shape[0], *shape[1:])
     return shapes
+
+
+def causal_shapes(arch: ArchitectureSection) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a fresh one-stack causal model of a Llama-block `arch` (its attention options
+    included) and its shape, flat names (rewind.engine.model.model's GPT, computed without building it)."""
+    d, d_ff, width = arch.d_model, mlp_width(arch), head_width(arch)
+    block = {
+        "attn_norm.weight": (d,),
+        "attn.qkv.weight": (qkv_rows(arch), d),
+        "attn.proj.weight": (d, arch.num_heads * width),
+        "mlp_norm.weight": (d,),
+        "mlp.fc.weight": (2 * d_ff, d),
+        "mlp.proj.weight": (d, d_ff),
+    }
+    if arch.qkv_bias:
+        block["attn.qkv.bias"] = (qkv_rows(arch),)
+    if arch.qk_norm:
+        block.update({"attn.q_norm.weight": (width,), "attn.k_norm.weight": (width,)})
+    shapes = {"embed.weight": (arch.vocab_size, d)}
+    for k in range(arch.num_layers):
+        shapes.update({f"stacks.0.blocks.{k}.{name}": shape for name, shape in block.items()})
+    return {**shapes, "norm.weight": (d,), "head.weight": (arch.vocab_size, d)}
 
 
 def export_shapes(flat: dict[str, tuple[int, ...]], layout: ModelLayout) -> dict[str, tuple[int, ...]]:

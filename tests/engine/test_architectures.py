@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
 
@@ -281,6 +282,7 @@ def test_a_model_with_the_option_trains_and_resumes_bit_for_bit(tmp_path, option
 
 
 def test_the_exports_name_the_options_they_do_not_write_yet():
+    """The other block kinds' families are written with none of the options yet."""
     assert (
         unexported_options(ArchitectureSection(**BASE, num_kv_heads=4, head_dim=8, tie_embeddings=True)) == []
     )
@@ -297,6 +299,11 @@ def test_the_exports_name_the_options_they_do_not_write_yet():
         f"architecture.{name}"
         for name in ("num_kv_heads", "head_dim", "norm_eps", "qkv_bias", "qk_norm", "rope_scaling")
     ]
+    # A Llama block writes them all (Llama, Qwen2 for qkv_bias, Qwen3 for qk_norm) but qkv_bias with qk_norm.
+    llama_block = msgspec.structs.replace(arch, mlp="swiglu")
+    assert unexported_options(msgspec.structs.replace(llama_block, qk_norm=False)) == []
+    assert unexported_options(msgspec.structs.replace(llama_block, qkv_bias=False)) == []
+    assert unexported_options(llama_block) == ["architecture.qkv_bias with architecture.qk_norm"]
 
 
 def test_cached_decoding_and_packed_rows_serve_every_option():
