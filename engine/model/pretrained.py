@@ -35,7 +35,7 @@ from rewind.engine.model.pretrained_files import PretrainedError
 from rewind.engine.model.pretrained_llama import CONFIG_NAME, llama_directory
 from rewind.states.check_continuation import model_vocab_size, num_time_levels
 from rewind.states.config import ArchitectureSection, Config, ObjectiveSection
-from rewind.states.model_size import mlp_width
+from rewind.states.model_size import head_width, mlp_width, qkv_rows
 from rewind.states.state import ModelLayout
 from rewind.stores.untrusted import decode_json
 
@@ -102,11 +102,15 @@ def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     if levels:
         shapes["time_embed.weight"] = (levels, d)
     block = {
-        "attn.qkv.weight": (3 * d, d),
-        "attn.proj.weight": (d, d),
+        "attn.qkv.weight": (qkv_rows(arch), d),
+        "attn.proj.weight": (d, arch.num_heads * head_width(arch)),
         "mlp.fc.weight": (2 * d_ff if arch.mlp == "swiglu" else d_ff, d),
         "mlp.proj.weight": (d, d_ff),
     }
+    if arch.qkv_bias:
+        block["attn.qkv.bias"] = (qkv_rows(arch),)
+    if arch.qk_norm:
+        block.update({"attn.q_norm.weight": (head_width(arch),), "attn.k_norm.weight": (head_width(arch),)})
     for k in range(arch.num_layers):
         prefix = f"stacks.0.blocks.{k}."
         for norm_name in ("attn_norm", "mlp_norm"):

@@ -207,19 +207,7 @@ def test_an_export_is_the_family_that_computes_the_run(tmp_path, case):
         assert relative(back(tokens()).logits, ours(tokens())) <= 1e-5
 
 
-# engine/model/pretrained.py's expected_shapes does not yet count the attention options (a request is out):
-# a run with them is refused after the directory is read. Strict: these fail once it does, to be unmarked.
-SHAPES_PENDING = {"llama_gqa_llama3", "mistral", "qwen2", "qwen3"}
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(case, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="expected_shapes"))
-        if case in SHAPES_PENDING else case
-        for case in CASES
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_run_from_a_family_exports_it_back_bit_for_bit(tmp_path, case):
     model_type, options, extra, written = CASES[case]
     arch = architecture(options)
