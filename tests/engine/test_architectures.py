@@ -33,9 +33,9 @@ TINY = EXAMPLES / "tiny.toml"
 LENGTH = 24  # tokens per row in the comparisons (block_size 32)
 
 
-def _hf_model(family: str, arch: ArchitectureSection, **extra):
-    """A transformers causal LM of `family` with `arch`'s shape, every weight random (norm gains too)."""
-    keys = {
+def hf_shape(arch: ArchitectureSection) -> dict:
+    """`arch`'s shape under transformers' config names (a family's own keys are the caller's)."""
+    return {
         "vocab_size": arch.vocab_size,
         "hidden_size": arch.d_model,
         "intermediate_size": arch.d_ff,
@@ -43,12 +43,22 @@ def _hf_model(family: str, arch: ArchitectureSection, **extra):
         "num_attention_heads": arch.num_heads,
         "num_key_value_heads": arch.num_kv_heads or arch.num_heads,
         "head_dim": arch.head_dim or arch.d_model // arch.num_heads,
-        "max_position_embeddings": arch.block_size,
         "rms_norm_eps": arch.norm_eps,
         "tie_word_embeddings": arch.tie_embeddings,
-        "hidden_act": "silu",
-        **extra,
     }
+
+
+def perturbed(model):
+    """`model` with every weight moved off its initial value (biases and norm gains off their zeros and ones)."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model
+
+
+def _hf_model(family: str, arch: ArchitectureSection, **extra):
+    """A transformers causal LM of `family` with `arch`'s shape, every weight random (norm gains too)."""
+    keys = {**hf_shape(arch), "max_position_embeddings": arch.block_size, "hidden_act": "silu", **extra}
     config_class = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
@@ -60,13 +70,7 @@ def _hf_model(family: str, arch: ArchitectureSection, **extra):
         "qwen3": transformers.Qwen3ForCausalLM,
     }[family]
     torch.manual_seed(0)
-    model = model_class._from_config(config_class(**keys), attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(
-                torch.randn_like(parameter) * 0.1
-            )  # biases and norm gains off their zeros and ones
-    return model
+    return perturbed(model_class._from_config(config_class(**keys), attn_implementation="eager").float().eval())
 
 
 def _copy_into_rewind(hf, arch: ArchitectureSection) -> GPT:

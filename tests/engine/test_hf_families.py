@@ -20,6 +20,7 @@ from rewind.engine.model.pretrained_llama import llama_directory
 from rewind.states.config import ArchitectureSection, Config, RopeScalingSection
 from rewind.states.config_reading import loads_config
 from rewind.tools.export_source import export_source
+from tests.engine.test_architectures import hf_shape, perturbed
 from tests.engine.test_loop import run_cli
 from tests.tools.test_export_hf import runs_model
 
@@ -78,28 +79,13 @@ def save_hf(directory: Path, model_type: str, arch: ArchitectureSection, **extra
     """A transformers `model_type` of `arch`'s shape, every weight random (biases and norm gains off their
     zeros and ones), saved to `directory`; the model."""
     keys = {
-        "vocab_size": arch.vocab_size,
-        "hidden_size": arch.d_model,
-        "intermediate_size": arch.d_ff,
-        "num_hidden_layers": arch.num_layers,
-        "num_attention_heads": arch.num_heads,
-        "num_key_value_heads": arch.num_kv_heads or arch.num_heads,
-        "head_dim": arch.head_dim or arch.d_model // arch.num_heads,
-        "max_position_embeddings": 64,
-        "rms_norm_eps": arch.norm_eps,
-        "rope_theta": arch.rope_base,
-        "tie_word_embeddings": arch.tie_embeddings,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        **extra,
-    }
+        **hf_shape(arch), "max_position_embeddings": 64, "rope_theta": arch.rope_base,
+        "bos_token_id": None, "eos_token_id": None, **extra,
+    }  # fmt: skip
     config = transformers.AutoConfig.for_model(model_type, **keys)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(torch.randn_like(parameter) * 0.1)
+        model = perturbed(transformers.AutoModelForCausalLM.from_config(config).float().eval())
     model.save_pretrained(directory)
     return model
 
